@@ -1,0 +1,57 @@
+"""The error hierarchy of engram-store.
+
+Every error raised on purpose by the package derives from :class:`EngramStoreError`.
+Messages say what was wrong, what was expected and, where it helps, what to do.
+The daemon maps these classes onto wire status codes (see ``engram_store.wire``
+and ``engram_store.grpc_service``), so a client sees the same class again.
+"""
+
+from __future__ import annotations
+
+
+class EngramStoreError(Exception):
+    """Base class of every error engram-store raises on purpose."""
+
+
+class ConfigError(EngramStoreError):
+    """A configuration key is unknown or its value is invalid."""
+
+
+class SpecError(EngramStoreError):
+    """A model spec is unknown or inconsistent."""
+
+
+class TableFormatError(EngramStoreError):
+    """A table set on disk is missing, of another version, truncated or corrupt."""
+
+
+class ImportError_(EngramStoreError):
+    """A checkpoint cannot be imported (missing tensor, wrong dtype, truncated shard)."""
+
+
+class InvalidRequest(EngramStoreError):
+    """A request is malformed: wrong dtype or shape, bad token ids, oversized."""
+
+
+class UnknownLayer(InvalidRequest):
+    """A request names a layer the table set does not hold."""
+
+
+class RowOutOfRange(InvalidRequest):
+    """A row id is negative or not below the layer's row count."""
+
+
+class StorageError(EngramStoreError):
+    """A tier could not serve rows (I/O error, truncated file)."""
+
+
+class Unavailable(EngramStoreError):
+    """The daemon is starting, stopping or unreachable."""
+
+
+class ResourceExhausted(EngramStoreError):
+    """A request exceeds a configured limit (request size, clients)."""
+
+
+# Public alias: ``ImportError_`` avoids shadowing the builtin inside this module.
+CheckpointImportError = ImportError_

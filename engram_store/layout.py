@@ -1,0 +1,76 @@
+"""Where a row lives in a layer file: the page layout rule.
+
+No row straddles a page: a page of ``page_bytes`` (4 KiB) holds
+``rows_per_page = page_bytes // row_bytes`` whole rows from its start, the rest
+of the page is zero padding. A cold row therefore costs exactly one aligned
+page read, and every file is a whole number of pages (readable with O_DIRECT).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import TableFormatError
+
+PAGE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Row-to-page arithmetic for one layer file."""
+
+    rows: int  # rows in the layer
+    row_bytes: int  # bytes per row
+    page_bytes: int = PAGE_BYTES  # page size of the file
+
+    def __post_init__(self) -> None:
+        if not 0 < self.row_bytes <= self.page_bytes:
+            raise TableFormatError(f"row_bytes {self.row_bytes} must be in 1..{self.page_bytes}")
+        if self.rows < 0:
+            raise TableFormatError(f"row count {self.rows} must not be negative")
+
+    @property
+    def rows_per_page(self) -> int:
+        return self.page_bytes // self.row_bytes
+
+    @property
+    def pages(self) -> int:
+        return -(-self.rows // self.rows_per_page)
+
+    @property
+    def file_bytes(self) -> int:
+        return self.pages * self.page_bytes
+
+    def page_of(self, row_ids: np.ndarray) -> np.ndarray:
+        """Page index of each row (int64, same shape)."""
+        return row_ids // self.rows_per_page
+
+    def byte_offset(self, row_ids: np.ndarray) -> np.ndarray:
+        """File offset of each row's first byte (int64, same shape)."""
+        page, slot = np.divmod(row_ids, self.rows_per_page)
+        return page * self.page_bytes + slot * self.row_bytes
+
+    def pack(self, rows: np.ndarray) -> np.ndarray:
+        """Lay ``rows`` (uint8 ``[n, row_bytes]``, n a multiple of rows_per_page or the
+        layer's tail) out as pages: uint8 ``[ceil(n / rows_per_page), page_bytes]``."""
+        n = rows.shape[0]
+        rpp = self.rows_per_page
+        pages = -(-n // rpp)
+        out = np.zeros((pages, self.page_bytes), dtype=np.uint8)
+        full = n // rpp
+        used = rpp * self.row_bytes
+        if full:
+            out[:full, :used] = rows[: full * rpp].reshape(full, used)
+        tail = n - full * rpp
+        if tail:
+            out[full, : tail * self.row_bytes] = rows[full * rpp :].reshape(-1)
+        return out
+
+    def unpack(self, pages: np.ndarray, first_row: int, n: int) -> np.ndarray:
+        """Inverse of :meth:`pack` for pages starting at the page holding ``first_row``
+        (``first_row`` must be page aligned): uint8 ``[n, row_bytes]``."""
+        rpp = self.rows_per_page
+        body = pages.reshape(-1, self.page_bytes)[:, : rpp * self.row_bytes]
+        return body.reshape(-1, self.row_bytes)[:n]

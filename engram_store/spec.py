@@ -1,0 +1,246 @@
+"""Model specs as data: Engram layers, n-gram orders, heads, table sizes, row format.
+
+A spec is everything needed to compute row ids and to lay rows out on disk.
+Adding a model means adding an entry to :data:`MODELS`, never a code path.
+
+Table sizes follow the recipe of ``shared/ENGRAM.md``: for every layer in order
+and every n-gram order, take the next ``heads`` primes above ``table_base - 1``
+that no earlier (layer, order, head) used. Multipliers are pinned per layer
+because numpy does not promise a stable random stream across versions;
+:func:`derive_multipliers` recomputes them so a test can check the pins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import SpecError
+
+INT64_MAX = np.iinfo(np.int64).max
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """Bytes of one table row: ``dim`` payload bytes then ``dim // scale_block`` scale bytes."""
+
+    payload_dtype: str = "float8_e4m3fn"  # one byte per value
+    dim: int = 256  # values per row
+    scale_dtype: str = "float8_e8m0fnu"  # one power-of-two scale byte per block
+    scale_block: int = 32  # values sharing one scale
+
+    @property
+    def scale_count(self) -> int:
+        return self.dim // self.scale_block
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim + self.scale_count
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model's Engram geometry. Frozen; build variants with :meth:`scaled`."""
+
+    name: str
+    layers: tuple[int, ...]  # Engram layer ids (0-indexed transformer blocks)
+    orders: tuple[int, ...]  # n-gram orders, ascending (2, 3, 4)
+    heads: int  # hash heads per order
+    table_base: int  # prime search starts at table_base - 1
+    compressed_vocab: int  # classes of compressed token ids
+    pad_id: int  # compressed pad id
+    multipliers: dict[int, tuple[int, ...]]  # per layer, one per look-back k
+    row_format: RowFormat = RowFormat()
+    seed_factor: int = 10007  # rng seed = seed_factor * layer (for derive_multipliers)
+    expected_rows: dict[int, int] | None = None  # checkpoint row counts, self-check
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.layers or sorted(set(self.layers)) != list(self.layers):
+            raise SpecError(f"spec {self.name!r}: layers must be distinct and ascending, got {self.layers}")
+        if not self.orders or sorted(set(self.orders)) != list(self.orders) or self.orders[0] < 2:
+            raise SpecError(f"spec {self.name!r}: orders must be distinct, ascending and >= 2, got {self.orders}")
+        if self.heads < 1 or self.table_base < 3 or self.compressed_vocab < 2:
+            raise SpecError(f"spec {self.name!r}: heads, table_base and compressed_vocab must be positive")
+        if not 0 <= self.pad_id < self.compressed_vocab:
+            raise SpecError(f"spec {self.name!r}: pad_id {self.pad_id} outside the compressed vocab")
+        for layer in self.layers:
+            mult = self.multipliers.get(layer)
+            if mult is None or len(mult) != self.max_ngram:
+                raise SpecError(f"spec {self.name!r}: layer {layer} needs {self.max_ngram} multipliers")
+            if any(m <= 0 or m > INT64_MAX // self.compressed_vocab for m in mult):
+                raise SpecError(f"spec {self.name!r}: layer {layer} multipliers must be in (0, int64_max // vocab]")
+        if self.row_format.dim % self.row_format.scale_block:
+            raise SpecError(f"spec {self.name!r}: dim must be a multiple of scale_block")
+
+    # --- derived geometry -------------------------------------------------
+    @property
+    def max_ngram(self) -> int:
+        return self.orders[-1]
+
+    @property
+    def history_len(self) -> int:
+        """Tokens of history a request carries so decode hashes like prefill."""
+        return self.max_ngram - 1
+
+    @property
+    def rows_per_token(self) -> int:
+        return len(self.orders) * self.heads
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_format.row_bytes
+
+    def primes(self, layer: int) -> np.ndarray:
+        """int64 ``[len(orders), heads]`` table sizes of ``layer``."""
+        return _primes(self.layers, self.orders, self.heads, self.table_base)[self._index(layer)]
+
+    def offsets(self, layer: int) -> np.ndarray:
+        """int64 ``[len(orders), heads]`` first global row of each (order, head) table."""
+        flat = self.primes(layer).reshape(-1)
+        return (np.cumsum(flat) - flat).reshape(len(self.orders), self.heads)
+
+    def rows(self, layer: int) -> int:
+        return int(self.primes(layer).sum())
+
+    def multipliers_array(self, layer: int) -> np.ndarray:
+        self._index(layer)
+        return np.asarray(self.multipliers[layer], dtype=np.int64)
+
+    def _index(self, layer: int) -> int:
+        try:
+            return self.layers.index(layer)
+        except ValueError:
+            raise SpecError(f"spec {self.name!r} has no Engram layer {layer}; layers are {list(self.layers)}") from None
+
+    # --- variants and serialization --------------------------------------
+    def scaled(self, scale: float) -> "ModelSpec":
+        """The same model with ``table_base`` multiplied by ``scale`` (primes follow the recipe)."""
+        if not 0 < scale <= 1:
+            raise SpecError(f"scale must be in (0, 1], got {scale}")
+        base = max(int(round(self.table_base * scale)), 3)
+        return dataclasses.replace(self, table_base=base, scale=self.scale * scale, expected_rows=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["multipliers"] = {str(k): list(v) for k, v in self.multipliers.items()}
+        d["expected_rows"] = None if self.expected_rows is None else {str(k): v for k, v in self.expected_rows.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
+        try:
+            d = dict(d)
+            d["layers"] = tuple(int(x) for x in d["layers"])
+            d["orders"] = tuple(int(x) for x in d["orders"])
+            d["multipliers"] = {int(k): tuple(int(x) for x in v) for k, v in d["multipliers"].items()}
+            if d.get("expected_rows") is not None:
+                d["expected_rows"] = {int(k): int(v) for k, v in d["expected_rows"].items()}
+            d["row_format"] = RowFormat(**d["row_format"])
+            return cls(**d)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SpecError(f"invalid model spec in manifest: {exc}") from exc
+
+    def check_expected_rows(self) -> None:
+        """Raise if the computed table sizes differ from the pinned checkpoint row counts."""
+        for layer, want in (self.expected_rows or {}).items():
+            if self.rows(layer) != want:
+                raise SpecError(f"spec {self.name!r} layer {layer}: primes sum to {self.rows(layer)}, checkpoint has {want}")
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    if n % 2 == 0:
+        return n == 2
+    f = 3
+    while f * f <= n:
+        if n % f == 0:
+            return False
+        f += 2
+    return True
+
+
+@functools.cache
+def _primes(layers: tuple[int, ...], orders: tuple[int, ...], heads: int, base: int) -> np.ndarray:
+    seen: set[int] = set()
+    out = np.zeros((len(layers), len(orders), heads), dtype=np.int64)
+    for li in range(len(layers)):
+        for oi in range(len(orders)):
+            candidate = base - 1
+            for j in range(heads):
+                candidate += 1
+                while not _is_prime(candidate) or candidate in seen:
+                    candidate += 1
+                seen.add(candidate)
+                out[li, oi, j] = candidate
+    out.setflags(write=False)
+    return out
+
+
+def derive_multipliers(layer: int, compressed_vocab: int, count: int, seed_factor: int = 10007) -> tuple[int, ...]:
+    """Recompute a layer's multipliers with numpy (only to check the pinned values)."""
+    m_max = INT64_MAX // compressed_vocab
+    rng = np.random.default_rng(seed_factor * layer)
+    return tuple(int(x) for x in rng.integers(0, m_max // 2, size=count, dtype=np.int64) * 2 + 1)
+
+
+MODELS: dict[str, ModelSpec] = {
+    "deepseek-v4.1-flash": ModelSpec(
+        name="deepseek-v4.1-flash",
+        layers=(1, 14),
+        orders=(2, 3, 4),
+        heads=8,
+        table_base=16_000_000,
+        compressed_vocab=99_092,
+        pad_id=2,
+        multipliers={
+            1: (76632096046245, 4839876093313, 35959672319349, 73987337458391),
+            14: (67716810739261, 51510806800915, 30921347202721, 82619226485591),
+        },
+        expected_rows={1: 384_006_168, 14: 384_016_682},
+    ),
+    # Engram-27B of the paper: two Engram layers, orders 2-3, 8 heads (16 rows per token).
+    # Layer ids and table base follow the paper's description; rows use V4.1's format.
+    "engram-27b": ModelSpec(
+        name="engram-27b",
+        layers=(2, 15),
+        orders=(2, 3),
+        heads=8,
+        table_base=2_262_400,
+        compressed_vocab=99_092,
+        pad_id=2,
+        multipliers={
+            2: (76507469730479, 37097805264573, 22647385550623),
+            15: (28919099099511, 56020370062535, 53929037264533),
+        },
+    ),
+    # A small model for tests: same recipe, small primes, small rows.
+    "tiny": ModelSpec(
+        name="tiny",
+        layers=(1, 3),
+        orders=(2, 3, 4),
+        heads=4,
+        table_base=1_000,
+        compressed_vocab=512,
+        pad_id=2,
+        multipliers={
+            1: (14831304026200453, 936705081716061, 6959601268494069, 14319439928568407),
+            3: (5327545137947969, 15804252993068197, 2105304604748359, 13605204602324401),
+        },
+        row_format=RowFormat(dim=64, scale_block=32),
+    ),
+}
+
+
+def get_spec(name: str, scale: float = 1.0) -> ModelSpec:
+    """A registered spec by name, optionally scaled."""
+    try:
+        spec = MODELS[name]
+    except KeyError:
+        raise SpecError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}") from None
+    return spec if scale == 1.0 else spec.scaled(scale)

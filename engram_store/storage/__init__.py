@@ -1,0 +1,1 @@
+"""Storage engine: DRAM tier, NVMe tier, cache policy and the TieredStore facade."""

@@ -1,0 +1,64 @@
+"""Synthetic table sets: each row's bytes are a pure function of (seed, layer, row).
+
+:func:`synth_rows` is the reference a test uses to check any row of a synthetic
+table without a stored copy. Payload bytes are valid FP8 e4m3 values (the NaN
+codes 0x7F/0xFF are avoided) and scale bytes are E8M0 exponents near 2^0, so
+dequantized rows are finite and the tiny model's logits are meaningful.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from .manifest import Manifest
+from .spec import ModelSpec
+from .writer import Progress, TableSetWriter
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+SCALE_MIN = 120  # E8M0 exponents 120..134 -> scales 2^-7 .. 2^7
+SCALE_SPAN = 15
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def synth_rows(spec: ModelSpec, seed: int, layer: int, row_ids: np.ndarray) -> np.ndarray:
+    """uint8 ``[len(row_ids), row_bytes]``: the synthetic bytes of those rows."""
+    fmt = spec.row_format
+    rows = np.asarray(row_ids, dtype=np.int64).reshape(-1).astype(np.uint64)
+    words = -(-fmt.row_bytes // 8)
+    key = _splitmix64(np.array([(seed & 0xFFFFFFFF) << 20 | (layer & 0xFFFFF)], dtype=np.uint64))[0]
+    with np.errstate(over="ignore"):
+        ctr = (rows[:, None] * np.uint64(words) + np.arange(words, dtype=np.uint64)) ^ key
+        out = _splitmix64(ctr).view(np.uint8).reshape(len(rows), words * 8)[:, : fmt.row_bytes].copy()
+    payload = out[:, : fmt.dim]
+    payload[(payload & 0x7F) == 0x7F] ^= 0x01  # 0x7F/0xFF are NaN in e4m3fn
+    scales = out[:, fmt.dim :]
+    scales[:] = SCALE_MIN + scales % SCALE_SPAN
+    return out
+
+
+def synth_blocks(spec: ModelSpec, seed: int, layer: int, block_rows: int) -> Iterator[np.ndarray]:
+    rpp = 4096 // spec.row_bytes
+    block_rows = max(rpp, block_rows // rpp * rpp)
+    total = spec.rows(layer)
+    for start in range(0, total, block_rows):
+        yield synth_rows(spec, seed, layer, np.arange(start, min(start + block_rows, total), dtype=np.int64))
+
+
+def write_synthetic(out: str | Path, spec: ModelSpec, seed: int = 0, *, overwrite: bool = False,
+                    progress: Progress | None = None, block_rows: int = 1 << 17) -> Manifest:
+    """Write the synthetic table set of ``spec`` and ``seed`` to ``out`` (atomically)."""
+    with TableSetWriter(out, spec, source={"kind": "synthetic", "seed": seed}, overwrite=overwrite) as w:
+        for layer in spec.layers:
+            w.write_layer(layer, synth_blocks(spec, seed, layer, block_rows), progress)
+        return w.commit()
