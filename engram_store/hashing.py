@@ -1,0 +1,187 @@
+"""Engram row ids from compressed token ids, bit-exact with the model.
+
+Two implementations of the recipe in ``shared/ENGRAM.md``:
+
+* :func:`row_ids_numpy` — the reference (vectorized numpy, CPU);
+* :func:`row_ids_torch` — the same arithmetic in torch, for CPU and CUDA
+  tensors, so GPU workers hash on the device. Tests hold it equal to the
+  reference on random batches.
+
+Both take a *batch of variable-length requests*: flat ``tokens`` ``[T]``,
+``cu_seqlens`` ``[B + 1]`` (request b owns ``tokens[cu[b]:cu[b+1]]``) and an
+optional ``history`` ``[B, max_ngram - 1]`` holding, oldest first, the request's
+compressed tokens just before this batch (``pad_id`` where the request had
+none). With history a one-token decode step hashes exactly like the same
+position inside prefill. ``-1`` marks a blocked token (an image span): it and
+every older token of the suffix hash as ``pad_id``.
+
+The result is int64 ``[T, len(orders) * heads]`` global row ids in
+(order, head) order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import InvalidRequest
+from .spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+
+BLOCKED = -1
+
+
+def _check_batch(spec: ModelSpec, T: int, cu: np.ndarray, history_shape: tuple[int, ...] | None) -> None:
+    if cu.ndim != 1 or cu.size < 1 or cu[0] != 0 or cu[-1] != T or (np.diff(cu) < 0).any():
+        raise InvalidRequest(f"cu_seqlens must rise from 0 to len(tokens)={T}, got {cu.tolist()[:8]}")
+    B = cu.size - 1
+    if history_shape is not None and tuple(history_shape) != (B, spec.history_len):
+        raise InvalidRequest(f"history must have shape [{B}, {spec.history_len}], got {list(history_shape)}")
+
+
+def _check_ids(spec: ModelSpec, name: str, lo: int, hi: int) -> None:
+    if lo < BLOCKED or hi >= spec.compressed_vocab:
+        raise InvalidRequest(f"{name} must be compressed ids in [0, {spec.compressed_vocab}) or -1 (blocked), "
+                             f"got values in [{lo}, {hi}]")
+
+
+# --------------------------------------------------------------------------- numpy reference
+def _segments_numpy(spec: ModelSpec, tokens: np.ndarray, cu: np.ndarray, history: np.ndarray | None):
+    """``ext``: per request its history then its tokens, concatenated; ``pos``: index of each token in ext."""
+    H = spec.history_len
+    B = cu.size - 1
+    T = tokens.size
+    req = np.repeat(np.arange(B, dtype=np.int64), np.diff(cu))
+    pos = np.arange(T, dtype=np.int64) + H * (req + 1)
+    ext = np.empty(T + B * H, dtype=np.int64)
+    ext[pos] = tokens
+    hist_pos = (cu[:-1] + H * np.arange(B, dtype=np.int64))[:, None] + np.arange(H, dtype=np.int64)
+    ext[hist_pos] = spec.pad_id if history is None else history
+    return ext, pos
+
+
+def _as_batch_numpy(spec, tokens, cu_seqlens, history):
+    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    cu = np.array([0, tokens.size], dtype=np.int64) if cu_seqlens is None else np.asarray(cu_seqlens, dtype=np.int64)
+    hist = None if history is None else np.asarray(history, dtype=np.int64)
+    _check_batch(spec, tokens.size, cu, None if hist is None else hist.shape)
+    if tokens.size:
+        _check_ids(spec, "tokens", int(tokens.min()), int(tokens.max()))
+    if hist is not None and hist.size:
+        _check_ids(spec, "history", int(hist.min()), int(hist.max()))
+    return tokens, cu, hist
+
+
+def suffix_tokens_numpy(spec: ModelSpec, tokens, cu_seqlens=None, history=None) -> np.ndarray:
+    """int64 ``[T, max_ngram]``: ``tok[t, k] = x'(t - k)`` with pad for missing or blocked."""
+    tokens, cu, hist = _as_batch_numpy(spec, tokens, cu_seqlens, history)
+    ext, pos = _segments_numpy(spec, tokens, cu, hist)
+    tok = ext[pos[:, None] - np.arange(spec.max_ngram, dtype=np.int64)]
+    blocked = np.logical_or.accumulate(tok == BLOCKED, axis=1)
+    return np.where(blocked, spec.pad_id, tok)
+
+
+def hash_suffix_numpy(spec: ModelSpec, layer: int, tok: np.ndarray) -> np.ndarray:
+    """Row ids ``[T, rows_per_token]`` of suffix tokens ``tok`` ``[T, max_ngram]``."""
+    mix = np.bitwise_xor.accumulate(tok * spec.multipliers_array(layer), axis=1)  # mix of order n: column n-1
+    orders = np.asarray(spec.orders) - 1
+    rows = mix[:, orders, None] % spec.primes(layer) + spec.offsets(layer)
+    return rows.reshape(tok.shape[0], spec.rows_per_token)
+
+
+def row_ids_numpy(spec: ModelSpec, layer: int, tokens, cu_seqlens=None, history=None) -> np.ndarray:
+    """Reference row ids, int64 ``[T, rows_per_token]``."""
+    return hash_suffix_numpy(spec, layer, suffix_tokens_numpy(spec, tokens, cu_seqlens, history))
+
+
+def next_history_numpy(spec: ModelSpec, tokens, cu_seqlens=None, history=None) -> np.ndarray:
+    """Each request's history after this batch: its last ``max_ngram - 1`` tokens, oldest first."""
+    tokens, cu, hist = _as_batch_numpy(spec, tokens, cu_seqlens, history)
+    ext, _ = _segments_numpy(spec, tokens, cu, hist)
+    H = spec.history_len
+    end = cu[1:] + H * np.arange(1, cu.size, dtype=np.int64)
+    return ext[end[:, None] - H + np.arange(H, dtype=np.int64)]
+
+
+# --------------------------------------------------------------------------- torch (CPU and CUDA)
+def _segments_torch(spec: ModelSpec, tokens: "torch.Tensor", cu: "torch.Tensor", history: "torch.Tensor | None"):
+    import torch
+
+    H = spec.history_len
+    B = cu.numel() - 1
+    T = tokens.numel()
+    dev = tokens.device
+    lengths = cu[1:] - cu[:-1]
+    req = torch.repeat_interleave(torch.arange(B, device=dev), lengths, output_size=T)
+    pos = torch.arange(T, device=dev) + H * (req + 1)
+    ext = torch.empty(T + B * H, dtype=torch.int64, device=dev)
+    ext[pos] = tokens
+    hist_pos = (cu[:-1] + H * torch.arange(B, device=dev))[:, None] + torch.arange(H, device=dev)
+    if history is None:
+        ext[hist_pos.reshape(-1)] = spec.pad_id
+    else:
+        ext[hist_pos.reshape(-1)] = history.reshape(-1)
+    return ext, pos
+
+
+def _as_batch_torch(spec, tokens, cu_seqlens, history, validate: bool):
+    import torch
+
+    tokens = torch.as_tensor(tokens).reshape(-1).to(torch.int64)
+    dev = tokens.device
+    if cu_seqlens is None:
+        cu = torch.tensor([0, tokens.numel()], dtype=torch.int64, device=dev)
+    else:
+        cu = torch.as_tensor(cu_seqlens).to(device=dev, dtype=torch.int64)
+    hist = None if history is None else torch.as_tensor(history).to(device=dev, dtype=torch.int64)
+    if validate:  # costs a device sync on CUDA; callers that produce ids themselves may skip it
+        _check_batch(spec, tokens.numel(), cu.cpu().numpy(), None if hist is None else tuple(hist.shape))
+        for name, t in (("tokens", tokens), ("history", hist)):
+            if t is not None and t.numel():
+                _check_ids(spec, name, int(t.min()), int(t.max()))
+    return tokens, cu, hist
+
+
+def suffix_tokens_torch(spec: ModelSpec, tokens, cu_seqlens=None, history=None, *, validate: bool = True):
+    """Torch twin of :func:`suffix_tokens_numpy`, on the tokens' device."""
+    import torch
+
+    tokens, cu, hist = _as_batch_torch(spec, tokens, cu_seqlens, history, validate)
+    ext, pos = _segments_torch(spec, tokens, cu, hist)
+    tok = ext[pos[:, None] - torch.arange(spec.max_ngram, device=tokens.device)]
+    blocked = torch.cummax((tok == BLOCKED).to(torch.int8), dim=1).values.bool()
+    return torch.where(blocked, torch.full_like(tok, spec.pad_id), tok)
+
+
+def hash_suffix_torch(spec: ModelSpec, layer: int, tok: "torch.Tensor") -> "torch.Tensor":
+    import torch
+
+    dev = tok.device
+    prod = tok * torch.tensor(spec.multipliers_array(layer), device=dev)
+    mix = [prod[:, 0]]
+    for k in range(1, spec.max_ngram):  # over look-back positions (<= 3), not tokens
+        mix.append(mix[-1] ^ prod[:, k])
+    orders = torch.stack([mix[n - 1] for n in spec.orders], dim=1)  # [T, n_orders]
+    primes = torch.tensor(spec.primes(layer), device=dev)
+    offsets = torch.tensor(spec.offsets(layer), device=dev)
+    rows = torch.remainder(orders[:, :, None], primes) + offsets
+    return rows.reshape(tok.shape[0], spec.rows_per_token)
+
+
+def row_ids_torch(spec: ModelSpec, layer: int, tokens, cu_seqlens=None, history=None, *, validate: bool = True):
+    """Row ids as an int64 tensor ``[T, rows_per_token]`` on the tokens' device."""
+    return hash_suffix_torch(spec, layer, suffix_tokens_torch(spec, tokens, cu_seqlens, history, validate=validate))
+
+
+def next_history_torch(spec: ModelSpec, tokens, cu_seqlens=None, history=None, *, validate: bool = True):
+    """Torch twin of :func:`next_history_numpy`."""
+    import torch
+
+    tokens, cu, hist = _as_batch_torch(spec, tokens, cu_seqlens, history, validate)
+    ext, _ = _segments_torch(spec, tokens, cu, hist)
+    H = spec.history_len
+    end = cu[1:] + H * torch.arange(1, cu.numel(), device=tokens.device)
+    return ext[end[:, None] - H + torch.arange(H, device=tokens.device)]
