@@ -25,7 +25,7 @@ class TableFormatError(EngramStoreError):
     """A table set on disk is missing, of another version, truncated or corrupt."""
 
 
-class ImportError_(EngramStoreError):
+class CheckpointImportError(EngramStoreError):
     """A checkpoint cannot be imported (missing tensor, wrong dtype, truncated shard)."""
 
 
@@ -51,7 +51,3 @@ class Unavailable(EngramStoreError):
 
 class ResourceExhausted(EngramStoreError):
     """A request exceeds a configured limit (request size, clients)."""
-
-
-# Public alias: ``ImportError_`` avoids shadowing the builtin inside this module.
-CheckpointImportError = ImportError_

@@ -1,0 +1,147 @@
+"""Import Engram tables from a safetensors checkpoint into a table set.
+
+Finds ``[model.]layers.{L}.engram.embed.weight`` (F8_E4M3 ``[rows, dim]``) and
+``...engram.embed.scale`` (F8_E8M0 ``[rows, dim // scale_block]``) for every
+Engram layer of the spec, checks them against the spec (and ``config.json``'s
+engram fields when present) and streams them, a block of rows at a time, into
+264-byte rows (payload then scales). Memory stays bounded by the block size;
+a reader thread keeps the next block in flight while the current one is
+written. Any error leaves no output (see :mod:`engram_store.writer`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from .errors import CheckpointImportError
+from .layout import PageLayout
+from .manifest import Manifest
+from .safetensors_io import TensorRef, read_header
+from .spec import ModelSpec
+from .writer import Progress, TableSetWriter
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.engram\.embed\.(weight|scale)$")
+PAYLOAD_DTYPES = {"F8_E4M3"}
+SCALE_DTYPES = {"F8_E8M0", "U8"}  # U8: raw exponent bytes, as some exporters write them
+
+# config.json keys that, when present, must agree with the spec: key -> spec attribute getter
+CONFIG_FIELDS = {
+    "engram_layer_ids": lambda s: list(s.layers),
+    "engram_max_ngram_size": lambda s: s.max_ngram,
+    "engram_n_head_per_ngram": lambda s: s.heads,
+    "engram_compressed_vocab_size": lambda s: s.compressed_vocab,
+}
+
+
+def find_tensors(ckpt: Path) -> dict[int, dict[str, TensorRef]]:
+    """``{layer: {"weight": ref, "scale": ref}}`` over every ``*.safetensors`` shard."""
+    shards = sorted(ckpt.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointImportError(f"{ckpt}: no *.safetensors shards found")
+    found: dict[int, dict[str, TensorRef]] = {}
+    for shard in shards:
+        for name, ref in read_header(shard).items():
+            m = _NAME.match(name)
+            if m:
+                found.setdefault(int(m.group(1)), {})[m.group(2)] = ref
+    return found
+
+
+def check_config(ckpt: Path, spec: ModelSpec) -> None:
+    path = ckpt / "config.json"
+    if not path.exists():
+        return
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as exc:
+        raise CheckpointImportError(f"{path}: not valid JSON: {exc}") from exc
+    for key, want in CONFIG_FIELDS.items():
+        if key in config and config[key] != want(spec):
+            raise CheckpointImportError(f"{path}: {key} = {config[key]!r} but model {spec.name!r} has {want(spec)!r}; pass the matching --model")
+
+
+def plan(ckpt: Path, spec: ModelSpec) -> dict[int, tuple[TensorRef, TensorRef]]:
+    """Validate the checkpoint against the spec; ``{layer: (weight, scale)}``."""
+    check_config(ckpt, spec)
+    found = find_tensors(ckpt)
+    fmt = spec.row_format
+    out = {}
+    for layer in spec.layers:
+        refs = found.get(layer, {})
+        for part in ("weight", "scale"):
+            if part not in refs:
+                raise CheckpointImportError(f"{ckpt}: tensor layers.{layer}.engram.embed.{part} not found in any shard "
+                                            f"(model {spec.name!r} has Engram layers {list(spec.layers)})")
+        w, s = refs["weight"], refs["scale"]
+        if w.dtype not in PAYLOAD_DTYPES:
+            raise CheckpointImportError(f"{w.file}: {w.name} has dtype {w.dtype}, expected one of {sorted(PAYLOAD_DTYPES)}")
+        if s.dtype not in SCALE_DTYPES:
+            raise CheckpointImportError(f"{s.file}: {s.name} has dtype {s.dtype}, expected one of {sorted(SCALE_DTYPES)}")
+        rows = spec.rows(layer)
+        if w.shape != (rows, fmt.dim):
+            raise CheckpointImportError(f"{w.file}: {w.name} has shape {list(w.shape)}, model {spec.name!r} needs [{rows}, {fmt.dim}]")
+        if s.shape != (rows, fmt.scale_count):
+            raise CheckpointImportError(f"{s.file}: {s.name} has shape {list(s.shape)}, expected [{rows}, {fmt.scale_count}] "
+                                        f"to match {w.name}")
+        out[layer] = (w, s)
+    extra = sorted(set(found) - set(spec.layers))
+    if extra:
+        log.warning("checkpoint has Engram tensors for layers %s that model %s does not use; skipped", extra, spec.name)
+    return out
+
+
+def _layer_blocks(weight: TensorRef, scale: TensorRef, block_rows: int, pool: ThreadPoolExecutor) -> Iterator[np.ndarray]:
+    """Rows of one layer as ``payload || scales`` blocks, the next block read ahead."""
+    rows = weight.shape[0]
+    wfd = os.open(weight.file, os.O_RDONLY)
+    sfd = os.open(scale.file, os.O_RDONLY)
+    try:
+        for fd in (wfd, sfd):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+        def read(first: int) -> np.ndarray:
+            n = min(block_rows, rows - first)
+            block = np.empty((n, weight.row_nbytes + scale.row_nbytes), dtype=np.uint8)
+            block[:, : weight.row_nbytes] = weight.read_rows(first, n, wfd)
+            block[:, weight.row_nbytes :] = scale.read_rows(first, n, sfd)
+            return block
+
+        starts = range(0, rows, block_rows)
+        pending = pool.submit(read, 0) if rows else None
+        for i, _ in enumerate(starts):
+            block = pending.result()
+            pending = pool.submit(read, starts[i + 1]) if i + 1 < len(starts) else None
+            yield block
+    finally:
+        os.close(wfd)
+        os.close(sfd)
+
+
+def import_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, spec: ModelSpec, *, overwrite: bool = False,
+                      progress: Progress | None = None, block_rows: int = 1 << 18) -> Manifest:
+    """Import every Engram layer of ``spec`` from ``ckpt`` into a table set at ``out``."""
+    ckpt = Path(ckpt)
+    layers = plan(ckpt, spec)
+    rpp = 4096 // spec.row_bytes
+    block_rows = max(rpp, block_rows // rpp * rpp)
+    with TableSetWriter(out, spec, source={"kind": "checkpoint", "path": str(ckpt.resolve())}, overwrite=overwrite) as w, \
+            ThreadPoolExecutor(1, thread_name_prefix="import-read") as pool:
+        for layer, (weight, scale) in layers.items():
+            log.info("importing layer %d: %d rows from %s", layer, weight.shape[0], weight.file.name)
+            w.write_layer(layer, _layer_blocks(weight, scale, block_rows, pool), progress)
+        return w.commit()
+
+
+def output_bytes(spec: ModelSpec) -> int:
+    """Bytes a table set of ``spec`` occupies on disk (for progress bars)."""
+    return sum(PageLayout(spec.rows(layer), spec.row_bytes).file_bytes for layer in spec.layers)
