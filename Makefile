@@ -1,0 +1,46 @@
+# engram-store: two commands on a fresh machine.
+#   make run    create .venv, make a small synthetic V4.1 table set if none, start the daemon
+#   make test   create .venv, run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build of torch comes from the local wheel mirror; on GPU hosts set TORCH_REQ= to keep your CUDA torch.
+TORCH_REQ ?= torch==2.13.0
+MODEL ?= deepseek-v4.1-flash
+SCALE ?= 0.001
+TABLES ?= data/tables-$(MODEL)-$(SCALE)
+DRAM_BYTES ?= 1GiB
+RUN_DIR ?= data/run
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test venv tables bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_REQ),$(BIN)/pip install --quiet "$(TORCH_REQ)")
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+tables: $(TABLES)/manifest.json
+
+$(TABLES)/manifest.json: | $(STAMP)
+	$(BIN)/engram-store synth --model $(MODEL) --scale $(SCALE) --seed 0 --out $(TABLES)
+
+run: $(STAMP) tables
+	mkdir -p $(RUN_DIR)
+	$(BIN)/engram-store serve --tables $(TABLES) --dram-bytes $(DRAM_BYTES) \
+		--socket $(RUN_DIR)/engram-store.sock --grpc 127.0.0.1:0 --metrics 127.0.0.1:0 \
+		--ready-file $(RUN_DIR)/ready.json
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/import_throughput.py
+
+clean:
+	rm -rf $(VENV) data
