@@ -100,8 +100,9 @@ def plan(ckpt: Path, spec: ModelSpec) -> dict[int, tuple[TensorRef, TensorRef]]:
     return out
 
 
-def _layer_blocks(weight: TensorRef, scale: TensorRef, block_rows: int, pool: ThreadPoolExecutor) -> Iterator[np.ndarray]:
-    """Rows of one layer as ``payload || scales`` blocks, the next block read ahead."""
+def _layer_blocks(weight: TensorRef, scale: TensorRef, block_rows: int,
+                  pool: ThreadPoolExecutor) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Rows of one layer as ``(payload, scales)`` column parts, the next block read ahead."""
     rows = weight.shape[0]
     wfd = os.open(weight.file, os.O_RDONLY)
     sfd = os.open(scale.file, os.O_RDONLY)
@@ -109,19 +110,16 @@ def _layer_blocks(weight: TensorRef, scale: TensorRef, block_rows: int, pool: Th
         for fd in (wfd, sfd):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
-        def read(first: int) -> np.ndarray:
+        def read(first: int) -> tuple[np.ndarray, np.ndarray]:
             n = min(block_rows, rows - first)
-            block = np.empty((n, weight.row_nbytes + scale.row_nbytes), dtype=np.uint8)
-            block[:, : weight.row_nbytes] = weight.read_rows(first, n, wfd)
-            block[:, weight.row_nbytes :] = scale.read_rows(first, n, sfd)
-            return block
+            return weight.read_rows(first, n, wfd), scale.read_rows(first, n, sfd)
 
         starts = range(0, rows, block_rows)
         pending = pool.submit(read, 0) if rows else None
         for i, _ in enumerate(starts):
-            block = pending.result()
+            parts = pending.result()
             pending = pool.submit(read, starts[i + 1]) if i + 1 < len(starts) else None
-            yield block
+            yield parts
     finally:
         os.close(wfd)
         os.close(sfd)

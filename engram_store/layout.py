@@ -9,6 +9,7 @@ page read, and every file is a whole number of pages (readable with O_DIRECT).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -52,20 +53,32 @@ class PageLayout:
         page, slot = np.divmod(row_ids, self.rows_per_page)
         return page * self.page_bytes + slot * self.row_bytes
 
-    def pack(self, rows: np.ndarray) -> np.ndarray:
-        """Lay ``rows`` (uint8 ``[n, row_bytes]``, n a multiple of rows_per_page or the
-        layer's tail) out as pages: uint8 ``[ceil(n / rows_per_page), page_bytes]``."""
-        n = rows.shape[0]
+    def pack(self, rows: "np.ndarray | Sequence[np.ndarray]") -> np.ndarray:
+        """Lay rows out as pages: uint8 ``[ceil(n / rows_per_page), page_bytes]``.
+
+        ``rows`` is uint8 ``[n, row_bytes]``, or a sequence of column parts
+        (uint8 ``[n, w_i]`` with the ``w_i`` summing to ``row_bytes``, e.g. payload
+        and scales) that are interleaved into rows without an intermediate copy.
+        The first row of ``rows`` must start a page."""
+        parts = [rows] if isinstance(rows, np.ndarray) else list(rows)
+        n = parts[0].shape[0]
         rpp = self.rows_per_page
-        pages = -(-n // rpp)
-        out = np.zeros((pages, self.page_bytes), dtype=np.uint8)
+        out = np.empty((-(-n // rpp), self.page_bytes), dtype=np.uint8)
+        out[:, rpp * self.row_bytes :] = 0
         full = n // rpp
-        used = rpp * self.row_bytes
-        if full:
-            out[:full, :used] = rows[: full * rpp].reshape(full, used)
         tail = n - full * rpp
-        if tail:
-            out[full, : tail * self.row_bytes] = rows[full * rpp :].reshape(-1)
+        body = out[:full, : rpp * self.row_bytes].reshape(full, rpp, self.row_bytes)
+        last = out[full, : rpp * self.row_bytes].reshape(rpp, self.row_bytes) if tail else None
+        col = 0
+        for part in parts:
+            w = part.shape[1]
+            body[:, :, col : col + w] = part[: full * rpp].reshape(full, rpp, w)
+            if last is not None:
+                last[:tail, col : col + w] = part[full * rpp :]
+                last[tail:, col : col + w] = 0
+            col += w
+        if col != self.row_bytes:
+            raise TableFormatError(f"row parts are {col} bytes wide, rows are {self.row_bytes}")
         return out
 
     def unpack(self, pages: np.ndarray, first_row: int, n: int) -> np.ndarray:

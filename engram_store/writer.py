@@ -17,7 +17,7 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -98,9 +98,10 @@ class TableSetWriter:
         if self.tmp is not None and self.tmp.exists():
             shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def write_layer(self, layer: int, blocks: Iterable[np.ndarray], progress: Progress | None = None) -> LayerEntry:
-        """Write one layer from uint8 ``[n, row_bytes]`` blocks; every block but the
-        last must hold a multiple of the layout's rows_per_page rows."""
+    def write_layer(self, layer: int, blocks: Iterable[np.ndarray | Sequence[np.ndarray]], progress: Progress | None = None) -> LayerEntry:
+        """Write one layer from blocks of rows: uint8 ``[n, row_bytes]`` arrays, or tuples of
+        column parts (see :meth:`PageLayout.pack`). Every block but the last must hold a
+        multiple of the layout's rows_per_page rows."""
         assert self.tmp is not None, "use TableSetWriter as a context manager"
         layout = PageLayout(self.spec.rows(layer), self.spec.row_bytes)
         name = layer_file_name(layer)
@@ -109,14 +110,17 @@ class TableSetWriter:
         t0 = time.perf_counter()
         with open(self.tmp / name, "wb", buffering=0) as f:
             for block in blocks:
-                if block.dtype != np.uint8 or block.ndim != 2 or block.shape[1] != layout.row_bytes:
-                    raise TableFormatError(f"layer {layer}: block of {block.dtype} {block.shape}, expected uint8 [n, {layout.row_bytes}]")
+                parts = [block] if isinstance(block, np.ndarray) else list(block)
+                n = parts[0].shape[0]
+                if any(p.dtype != np.uint8 or p.ndim != 2 or p.shape[0] != n for p in parts):
+                    raise TableFormatError(f"layer {layer}: block parts must be uint8 [n, width] with one n, got "
+                                           f"{[(p.dtype, p.shape) for p in parts]}")
                 if written_rows % layout.rows_per_page:
                     raise TableFormatError(f"layer {layer}: only the last block may end inside a page")
-                pages = memoryview(layout.pack(block)).cast("B")
+                pages = memoryview(layout.pack(parts)).cast("B")
                 crc.update(pages)
                 f.write(pages)
-                written_rows += block.shape[0]
+                written_rows += n
                 if progress:
                     progress(len(pages))
             if written_rows != layout.rows:
