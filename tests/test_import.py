@@ -2,10 +2,8 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -15,6 +13,8 @@ from safetensors.torch import save_file
 from engram_store import TableSet, get_spec
 from engram_store.errors import CheckpointImportError, TableFormatError
 from engram_store.importer import import_checkpoint
+
+from interrupt import kill_mid_write
 
 TINY = get_spec("tiny")
 
@@ -97,18 +97,7 @@ def test_cli_import_killed_half_way_leaves_nothing(tmp_path):
                              "import engram_store.spec as s; s.MODELS['x'] = s.get_spec('deepseek-v4.1-flash', 0.002); "
                              "sys.exit(main(sys.argv[1:]))", "import", str(tmp_path / "ckpt"), "--model", "x", "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            tmp = [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
-            if tmp and any(f.stat().st_size > (8 << 20) for f in tmp[0].iterdir()):
-                break
-            assert proc.poll() is None, "import finished before it could be interrupted"
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    finally:
-        proc.kill()
+    kill_mid_write(proc, tmp_path, ".out.tmp-", 8 << 20)
     with pytest.raises(TableFormatError):
         TableSet.open(out)
     for p in tmp_path.iterdir():

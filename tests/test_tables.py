@@ -1,10 +1,8 @@
 """Table format: layout rule, synthetic rows, reference reader, verify, atomic publish."""
 
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -14,6 +12,8 @@ from engram_store.errors import RowOutOfRange, TableFormatError, UnknownLayer
 from engram_store.layout import PageLayout
 from engram_store.manifest import Manifest
 from engram_store.synth import synth_rows, write_synthetic
+
+from interrupt import kill_mid_write
 
 TINY = get_spec("tiny")
 
@@ -108,19 +108,7 @@ def test_killed_synth_leaves_nothing_that_opens(tmp_path):
     out = tmp_path / "big"
     proc = subprocess.Popen([sys.executable, "-m", "engram_store", "synth", "--model", "deepseek-v4.1-flash",
                              "--scale", "0.01", "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        # Wait until the writer has put real bytes into its temp directory, then kill it.
-        while time.monotonic() < deadline:
-            tmp = [p for p in tmp_path.iterdir() if p.name.startswith(".big.tmp-")]
-            if tmp and any(f.stat().st_size > (4 << 20) for f in tmp[0].iterdir()):
-                break
-            assert proc.poll() is None, "synth finished before it could be interrupted"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    finally:
-        proc.kill()
+    kill_mid_write(proc, tmp_path, ".big.tmp-", 4 << 20)
     assert not out.exists()
     with pytest.raises(TableFormatError):
         TableSet.open(out)
