@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""NVMe throughput of a host, through engram-store's reader, next to fio.
+
+Run it on a new host before choosing ``dram_bytes`` and ``queue_depth``. On one
+layer file of a table set (synthesized here unless ``--tables`` names one), at
+each queue depth:
+
+- random 4 KiB reads (O_DIRECT) through ``PageReader``: IOPS and GB/s;
+- ``fio`` on the same file, same block size, same queue depth (libaio,
+  direct=1), when fio is installed; our/fio ratio;
+- cold-row lookups through ``TieredStore`` (cached mode, a cache too small to
+  hit): rows/s, pages/s and pages/s over fio IOPS.
+
+Then sequential reads (1 MiB, what filling the resident arena costs): our bulk
+reader against fio ``rw=read``. Each point alternates ours and fio so both see
+the same disk state. Output: a table, or ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+QUICK_QDS = (1, 16)
+DEFAULT_QDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def ensure_tables(args) -> Path:
+    from engram_store.spec import get_spec
+    from engram_store.synth import write_synthetic
+
+    if args.tables:
+        return Path(args.tables)
+    spec = get_spec(args.model, args.scale)
+    out = Path(args.workdir) / f"nvme-bench-{spec.name}-{args.scale:g}"
+    if not (out / "manifest.json").exists():
+        print(f"synthesizing {spec.name} at scale {args.scale:g} into {out} ...", file=sys.stderr)
+        write_synthetic(out, spec, seed=1, overwrite=True)
+    return out
+
+
+def random_iops(path: Path, qd: int, seconds: float, backend: str) -> dict:
+    """Random 4 KiB O_DIRECT reads through PageReader for ``seconds``; with the native
+    reader, through ``read_rows`` (a ring of queue-depth slots, as the store reads)."""
+    from engram_store.storage.nvme import PageReader
+    from engram_store.storage.syscalls import aligned_buffer, as_array, open_direct
+
+    f = open_direct(path)
+    reader = PageReader(qd, backend)
+    batch = max(64 * qd, 2048)
+    native = reader.backend == "native"
+    buf = aligned_buffer((min(qd, 256) if native else batch) * 4096)
+    as_array(buf)[::4096] = 0  # fault the buffer in once, as the store's pooled buffers are
+    out = np.empty((batch, 8), dtype=np.uint8)
+    rng = np.random.default_rng(qd)
+    lengths = np.full(batch, 4096, dtype=np.int64)
+    dst = np.arange(batch, dtype=np.int64) * 4096
+    first_row, row_off = np.arange(batch + 1, dtype=np.int64), np.zeros(batch, dtype=np.int64)
+    pages = f.size // 4096
+    reads = 0
+    try:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            offsets = rng.integers(0, pages, batch) * 4096
+            if native:
+                reader.read_rows(f.fd, out, 8, offsets, lengths, first_row, row_off, buf)
+            else:
+                reader.read(f.fd, buf, offsets, lengths, dst)
+            reads += batch
+        dt = time.perf_counter() - t0
+    finally:
+        reader.close()
+        f.close()
+    return {"iops": reads / dt, "gbps": reads * 4096 / dt / 1e9, "direct": f.direct, "backend": reader.backend}
+
+
+def fio(path: Path, rw: str, bs: str, qd: int, seconds: float) -> dict | None:
+    exe = shutil.which("fio")
+    if exe is None:
+        return None
+    cmd = [exe, "--name=engram", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", "--direct=1",
+           "--ioengine=libaio", f"--iodepth={qd}", f"--runtime={max(1, int(seconds * 1000))}ms", "--time_based", "--readonly",
+           "--output-format=json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        print(f"fio failed: {res.stderr.strip()[:300]}", file=sys.stderr)
+        return None
+    read = json.loads(res.stdout)["jobs"][0]["read"]
+    return {"iops": read["iops"], "gbps": read["bw_bytes"] / 1e9}
+
+
+def cold_lookups(tables: Path, layer: int, qd: int, seconds: float, batch_rows: int, backend: str) -> dict:
+    """Uniform random rows through TieredStore with a cache too small to hit."""
+    from engram_store import TieredStore
+
+    store = TieredStore.open(tables, dram_bytes=1 << 20, mode="cached", queue_depth=qd, reader=backend)
+    rng = np.random.default_rng(1000 + qd)
+    out = np.empty((batch_rows, store.row_bytes), dtype=np.uint8)
+    try:
+        n = store.rows(layer)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            store.lookup_into(layer, rng.integers(0, n, batch_rows), out)
+        dt = time.perf_counter() - t0
+        s = store.stats()
+    finally:
+        store.close()
+    return {"rows_per_s": s["rows"] / dt, "pages_per_s": s["nvme_pages_read"] / dt,
+            "reads_per_s": s["nvme_reads"] / dt, "hit_rate": s["hit_rate"]}
+
+
+def sequential(path: Path, seconds: float) -> dict:
+    """Whole-file 1 MiB O_DIRECT reads with the resident fill's bulk reader."""
+    from engram_store.storage.gds import posix_bulk_reader
+    from engram_store.storage.nvme import LayerFile, PageReader
+    from engram_store.storage.syscalls import aligned_buffer, open_direct
+
+    f = open_direct(path)
+    reader = PageReader(8)
+    read = posix_bulk_reader(reader)
+    lf = LayerFile(0, str(path), None, f)
+    chunk = 64 << 20
+    buf = aligned_buffer(chunk)
+    total = 0
+    try:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for off in range(0, f.size - f.size % 4096, chunk):
+                n = min(chunk, f.size - off) // 4096 * 4096
+                read(lf, off, n, buf)
+                total += n
+                if time.perf_counter() - t0 >= seconds:
+                    break
+        dt = time.perf_counter() - t0
+    finally:
+        reader.close()
+        f.close()
+    return {"gbps": total / dt / 1e9}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tables", help="existing table set directory (default: synthesize one in --workdir)")
+    ap.add_argument("--workdir", default=".", help="where to synthesize/cache the bench table set (on the disk to measure)")
+    ap.add_argument("--model", default="deepseek-v4.1-flash")
+    ap.add_argument("--scale", type=float, default=0.01, help="table scale (0.01 of V4.1 = ~1 GiB per layer)")
+    ap.add_argument("--qd", type=int, nargs="+", default=list(DEFAULT_QDS), help="queue depths")
+    ap.add_argument("--seconds", type=float, default=2.0, help="seconds per measurement")
+    ap.add_argument("--reps", type=int, default=1, help="alternate ours/fio this many times per point, keep each best")
+    ap.add_argument("--lookup-rows", type=int, default=6144, help="rows per cold lookup request")
+    ap.add_argument("--reader", default="auto", choices=["auto", "native", "threads"])
+    ap.add_argument("--no-fio", action="store_true", help="skip fio even when installed")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes and 2 queue depths (smoke test)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.model, args.scale, args.seconds, args.lookup_rows = "tiny", 1.0, 0.2, 256
+        if args.qd == list(DEFAULT_QDS):
+            args.qd = list(QUICK_QDS)
+    scratch = None
+    if args.workdir == "." and args.quick and not args.tables:
+        scratch = args.workdir = tempfile.mkdtemp(prefix="nvme-bench-")
+    try:
+        return run(args)
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run(args) -> int:
+    tables = ensure_tables(args)
+    from engram_store.manifest import Manifest
+
+    manifest = Manifest.load(tables)
+    entry = max(manifest.layers, key=lambda e: e.file_bytes)
+    path = tables / entry.file
+    use_fio = not args.no_fio and shutil.which("fio") is not None
+    points = []
+    best = lambda runs, key: max(runs, key=lambda r: r[key]) if runs and runs[0] else None  # noqa: E731
+    for qd in args.qd:
+        ours_runs, fio_runs, cold_runs = [], [], []
+        for _ in range(max(1, args.reps)):
+            ours_runs.append(random_iops(path, qd, args.seconds, args.reader))
+            fio_runs.append(fio(path, "randread", "4k", qd, args.seconds) if use_fio else None)
+            cold_runs.append(cold_lookups(tables, entry.layer, qd, args.seconds, args.lookup_rows, args.reader))
+        ours, theirs, cold = best(ours_runs, "iops"), best(fio_runs, "iops"), best(cold_runs, "pages_per_s")
+        points.append({"qd": qd, "ours_iops": ours["iops"], "ours_gbps": ours["gbps"],
+                       "fio_iops": theirs["iops"] if theirs else None, "fio_gbps": theirs["gbps"] if theirs else None,
+                       "ratio_iops": ratio(ours["iops"], theirs["iops"] if theirs else None),
+                       "lookup_rows_per_s": cold["rows_per_s"], "lookup_pages_per_s": cold["pages_per_s"],
+                       "lookup_ratio_vs_fio": ratio(cold["pages_per_s"], theirs["iops"] if theirs else None),
+                       "direct": ours["direct"], "backend": ours["backend"]})
+    seq = sequential(path, args.seconds)
+    seq_fio = fio(path, "read", "1m", 8, args.seconds) if use_fio else None
+    result = {"file": str(path), "file_bytes": entry.file_bytes, "fio": use_fio, "points": points,
+              "sequential_gbps": seq["gbps"], "fio_sequential_gbps": seq_fio["gbps"] if seq_fio else None,
+              "sequential_ratio": ratio(seq["gbps"], seq_fio["gbps"] if seq_fio else None),
+              "lookup_rows": args.lookup_rows}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"file {path} ({entry.file_bytes / 2**20:.0f} MiB), O_DIRECT: {points[0]['direct'] if points else '?'}, "
+          f"reader: {points[0]['backend'] if points else '?'}, fio: {'yes' if use_fio else 'not run'}")
+    print(f"{'QD':>4} {'ours IOPS':>11} {'fio IOPS':>11} {'ratio':>6} {'ours GB/s':>9} "
+          f"{'lookup rows/s':>13} {'pages/s':>10} {'vs fio':>6}")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for p in points:
+        print(f"{p['qd']:>4} {p['ours_iops']:>11,.0f} {fmt(p['fio_iops'], '>11,.0f')} {fmt(p['ratio_iops'], '>6.2f')} "
+              f"{p['ours_gbps']:>9.3f} {p['lookup_rows_per_s']:>13,.0f} {p['lookup_pages_per_s']:>10,.0f} "
+              f"{fmt(p['lookup_ratio_vs_fio'], '>6.2f')}")
+    print(f"sequential 1 MiB reads: ours {seq['gbps']:.3f} GB/s, fio {fmt(result['fio_sequential_gbps'], '.3f')} GB/s, "
+          f"ratio {fmt(result['sequential_ratio'], '.2f')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""The DRAM tier: one memfd holding either the whole table set or a row cache.
+
+*Resident* mode (:class:`ResidentArena`): every layer is loaded once at start,
+dense (row ``r`` at ``offset + r * row_bytes``, each layer's offset 2 MiB
+aligned), by large sequential reads that repack the file's 4 KiB pages into
+dense rows. The memfd is then sealed (no write, shrink or grow) so that any
+process receiving it can map it read-only and gather rows by itself.
+
+*Cached* mode (:class:`RowCache`): a slot arena of ``n_slots`` rows, one int32
+row-to-slot array per layer (``slot + 1``, 0 when absent; allocated zeroed, so
+pages of rows never cached cost no memory), and an eviction policy.
+
+Slots are never reused under a reader, by epochs: a lookup registers the
+current epoch while it copies out of slots; evicted slots are retired with the
+epoch of their eviction and go back to the free stack only once every lookup
+that started at or before that epoch has finished.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+
+from ..layout import PAGE_BYTES
+from .base import ArenaInfo, ArenaLayer
+from .nvme import LayerFile, native_reader
+from .policy import make_policy
+from .syscalls import HUGE_PAGE, aligned_buffer, as_array, create_memfd, map_fd, round_up, seal_read_only
+
+log = logging.getLogger(__name__)
+
+LAYER_SHIFT = 40  # cache key = layer_index << LAYER_SHIFT | row
+ROW_MASK = (1 << LAYER_SHIFT) - 1
+FILL_CHUNK_BYTES = 64 << 20
+BulkRead = Callable[[LayerFile, int, int, object], None]  # (layer file, file offset, nbytes, dest buffer)
+
+
+PARALLEL_MIN_ROWS = 16384  # gathers this large are split across threads
+
+
+class Gatherer:
+    """Copies rows ``src[index]`` into ``out`` (both uint8 ``[*, row_bytes]``, C-contiguous),
+    with the native gather (software prefetch, GIL released) when built, else
+    ``np.take``; large requests are split across threads. Thread-safe."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="engram-gather") if self.threads > 1 else None
+        native = native_reader()
+        self._take = _native_take(native) if native is not None and hasattr(native, "gather") else _numpy_take
+
+    def take(self, src: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
+        index = np.ascontiguousarray(index, dtype=np.int64)
+        n = len(index)
+        parts = min(self.threads, n // PARALLEL_MIN_ROWS) if self._pool is not None else 1
+        if parts <= 1:
+            self._take(src, index, out)
+            return
+        step = -(-n // parts)
+        futures = [self._pool.submit(self._take, src, index[lo : lo + step], out[lo : lo + step]) for lo in range(step, n, step)]
+        self._take(src, index[:step], out[:step])
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def _numpy_take(src: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
+    np.take(src, index, axis=0, out=out, mode="clip")
+
+
+def _native_take(native):
+    def take(src: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
+        native.gather(src, src.shape[1], index, out)
+
+    return take
+
+
+def dense_bytes(rows: int, row_bytes: int) -> int:
+    """Bytes a layer takes in the resident arena (2 MiB aligned)."""
+    return round_up(rows * row_bytes, HUGE_PAGE)
+
+
+class ResidentArena:
+    """The whole table set in a sealed memfd. Read-only after :meth:`build`."""
+
+    def __init__(self, memfd, mm, layers: dict[int, ArenaLayer]) -> None:
+        self.memfd = memfd
+        self._mm = mm
+        self.layers = layers
+        data = as_array(mm)
+        self.views = {
+            layer: data[a.offset : a.offset + a.rows * a.row_bytes].reshape(a.rows, a.row_bytes) for layer, a in layers.items()
+        }
+
+    @classmethod
+    def build(cls, files: list[LayerFile], bulk_read: BulkRead, *, huge: bool = True,
+              chunk_bytes: int = FILL_CHUNK_BYTES) -> "ResidentArena":
+        """Allocate, fill from ``files`` (healthy layers only), seal, map read-only."""
+        placed: dict[int, ArenaLayer] = {}
+        offset = 0
+        for lf in files:
+            placed[lf.layer] = ArenaLayer(lf.layer, offset, lf.layout.rows, lf.layout.row_bytes)
+            offset += dense_bytes(lf.layout.rows, lf.layout.row_bytes)
+        size = max(offset, HUGE_PAGE)
+        memfd = create_memfd("engram-arena", size, huge=huge)
+        t0 = time.perf_counter()
+        mm = map_fd(memfd.fd, size, writable=True, huge=huge)
+        try:
+            data = as_array(mm)
+            for lf in files:
+                a = placed[lf.layer]
+                dest = data[a.offset : a.offset + a.rows * a.row_bytes].reshape(a.rows, a.row_bytes)
+                fill_dense(dest, lf, bulk_read, chunk_bytes)
+            del data, dest
+        except BaseException:
+            mm.close()
+            memfd.close()
+            raise
+        mm.close()  # sealing against writes needs every writable mapping gone
+        seal_read_only(memfd.fd)
+        seconds = time.perf_counter() - t0
+        log.info("resident arena: %d layers, %.1f MiB filled in %.2fs (%.0f MB/s), huge pages: %s",
+                 len(files), offset / 2**20, seconds, offset / max(seconds, 1e-9) / 1e6, memfd.hugetlb)
+        return cls(memfd, map_fd(memfd.fd, size, writable=False, huge=huge, populate=True), placed)
+
+    def info(self) -> ArenaInfo:
+        return ArenaInfo(self.memfd.fd, self.memfd.size, tuple(self.layers[k] for k in sorted(self.layers)))
+
+    @property
+    def nbytes(self) -> int:
+        return self.memfd.size
+
+    def close(self) -> None:
+        self.views = {}
+        try:
+            self._mm.close()
+        except BufferError:
+            log.debug("resident arena still referenced by a caller's array; unmapped when that is freed")
+        self.memfd.close()
+
+
+def fill_dense(dest: np.ndarray, lf: LayerFile, bulk_read: BulkRead, chunk_bytes: int) -> None:
+    """Read ``lf`` front to back in chunks (the next chunk is read while the current one
+    is repacked) and write its rows densely into ``dest`` (uint8 ``[rows, row_bytes]``)."""
+    layout = lf.layout
+    rpp, rb = layout.rows_per_page, layout.row_bytes
+    chunk_pages = max(1, chunk_bytes // PAGE_BYTES)
+    spans = [(p, min(p + chunk_pages, layout.pages)) for p in range(0, layout.pages, chunk_pages)]
+    if not spans:
+        return
+    buffers = [aligned_buffer(min(chunk_pages, layout.pages) * PAGE_BYTES) for _ in range(min(2, len(spans)))]
+
+    def read(i: int):
+        p0, p1 = spans[i]
+        buf = buffers[i % len(buffers)]
+        bulk_read(lf, p0 * PAGE_BYTES, (p1 - p0) * PAGE_BYTES, buf)
+        return buf
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-fill") as ex:
+        pending = ex.submit(read, 0)
+        for i, (p0, p1) in enumerate(spans):
+            buf = pending.result()
+            if i + 1 < len(spans):
+                pending = ex.submit(read, i + 1)
+            r0, r1 = p0 * rpp, min(p1 * rpp, layout.rows)
+            pages = as_array(buf, (p1 - p0) * PAGE_BYTES).reshape(p1 - p0, PAGE_BYTES)
+            full = (r1 - r0) // rpp
+            dest[r0 : r0 + full * rpp].reshape(full, rpp * rb)[...] = pages[:full, : rpp * rb]
+            tail = r1 - r0 - full * rpp
+            if tail:
+                dest[r0 + full * rpp : r1].reshape(tail * rb)[...] = pages[full, : tail * rb]
+            del pages
+    for buf in buffers:
+        buf.close()
+
+
+class RowCache:
+    """Hot rows of a table set in a slot arena. Thread-safe (one lock, vectorized work)."""
+
+    def __init__(self, layer_rows: dict[int, int], row_bytes: int, n_slots: int, policy: str = "s3fifo",
+                 *, huge: bool = True) -> None:
+        if n_slots < 1:
+            raise ValueError(f"a row cache needs at least one slot, got {n_slots}")
+        self.row_bytes = row_bytes
+        self.n_slots = n_slots
+        self.layer_index = {layer: i for i, layer in enumerate(sorted(layer_rows))}
+        self.maps = [np.zeros(layer_rows[layer], dtype=np.int32) for layer in sorted(layer_rows)]
+        size = round_up(n_slots * row_bytes, HUGE_PAGE)
+        self.memfd = create_memfd("engram-cache", size, huge=huge)
+        self._mm = map_fd(self.memfd.fd, size, writable=True, huge=huge)
+        self.slots = as_array(self._mm, n_slots * row_bytes).reshape(n_slots, row_bytes)
+        self.slot_key = np.full(n_slots, -1, dtype=np.int64)
+        self.free = np.arange(n_slots - 1, -1, -1, dtype=np.int32)  # a stack: free[:free_top]
+        self.free_top = n_slots
+        self.limbo: collections.deque[tuple[int, np.ndarray]] = collections.deque()
+        self.limbo_slots = 0
+        self.epoch = 0
+        self.active: dict[int, int] = {}
+        self.policy = make_policy(policy, n_slots)
+        self.admit_limit = max(1, n_slots // 4)
+        self.lock = threading.Lock()
+        self.admitted = 0
+        self.evicted = 0
+        self.not_admitted = 0
+
+    # --- readers -------------------------------------------------------
+    def begin(self, layer: int, rows: np.ndarray) -> tuple[int, np.ndarray]:
+        """Register a reader; returns its epoch token and ``slot + 1`` per row (0 = miss).
+        The slots stay valid until :meth:`end` is called with the token."""
+        li = self.layer_index[layer]
+        with self.lock:
+            token = self.epoch
+            self.active[token] = self.active.get(token, 0) + 1
+            found = self.maps[li][rows]
+            hit = found[found > 0] - 1
+            if len(hit):
+                self.policy.on_hit(hit)
+        return token, found
+
+    def end(self, token: int) -> None:
+        with self.lock:
+            left = self.active[token] - 1
+            if left:
+                self.active[token] = left
+            else:
+                del self.active[token]
+
+    # --- admission -----------------------------------------------------
+    def admit(self, layer: int, rows: np.ndarray, data: np.ndarray, *, main: bool = False) -> int:
+        """Offer rows just read (``rows`` distinct int64, ``data`` their bytes); returns
+        how many were admitted. Rows already cached (a concurrent admission) are skipped."""
+        li = self.layer_index[layer]
+        with self.lock:
+            new = np.flatnonzero(self.maps[li][rows] == 0)
+            if len(new) > self.admit_limit:
+                self.not_admitted += len(new) - self.admit_limit
+                new = new[np.linspace(0, len(new) - 1, self.admit_limit).astype(np.intp)]
+            if not len(new):
+                return 0
+            slots = self._take_free(len(new))
+            if len(slots) < len(new):
+                self._retire(self.policy.evict(len(new) - len(slots), self.slot_key))
+                slots = np.concatenate([slots, self._take_free(len(new) - len(slots))])
+            self.not_admitted += len(new) - len(slots)
+            new = new[: len(slots)]
+            keys = np.int64(li << LAYER_SHIFT) | rows[new]
+            self.slots[slots] = data[new]
+            self.slot_key[slots] = keys
+            self.maps[li][rows[new]] = slots + 1
+            self.policy.insert(slots, keys, main=main)
+            self.admitted += len(slots)
+            return len(slots)
+
+    def _take_free(self, n: int) -> np.ndarray:
+        self._reclaim()
+        n = min(n, self.free_top)
+        taken = self.free[self.free_top - n : self.free_top].copy()
+        self.free_top -= n
+        return taken
+
+    def _retire(self, victims: np.ndarray) -> None:
+        if not len(victims):
+            return
+        keys = self.slot_key[victims]
+        layer_of = keys >> LAYER_SHIFT
+        for li in np.unique(layer_of):
+            self.maps[li][keys[layer_of == li] & ROW_MASK] = 0
+        self.slot_key[victims] = -1
+        self.limbo.append((self.epoch, victims))
+        self.limbo_slots += len(victims)
+        self.epoch += 1
+        self.evicted += len(victims)
+
+    def _reclaim(self) -> None:
+        oldest = min(self.active) if self.active else None
+        while self.limbo and (oldest is None or self.limbo[0][0] < oldest):
+            _, slots = self.limbo.popleft()
+            self.free[self.free_top : self.free_top + len(slots)] = slots
+            self.free_top += len(slots)
+            self.limbo_slots -= len(slots)
+
+    # --- introspection -------------------------------------------------
+    def cached_keys(self) -> np.ndarray:
+        """int64 keys of every cached row (for access profiles)."""
+        with self.lock:
+            return self.slot_key[self.slot_key >= 0].copy()
+
+    @property
+    def used(self) -> int:
+        return self.n_slots - self.free_top - self.limbo_slots
+
+    def metadata_bytes(self) -> int:
+        """Bytes of bookkeeping per slot (slot keys, free stack, policy)."""
+        return self.slot_key.nbytes + self.free.nbytes + self.policy.metadata_bytes()
+
+    def map_bytes(self) -> int:
+        return sum(m.nbytes for m in self.maps)
+
+    @property
+    def nbytes(self) -> int:
+        return self.memfd.size
+
+    def close(self) -> None:
+        self.slots = np.zeros((0, self.row_bytes), dtype=np.uint8)
+        try:
+            self._mm.close()
+        except BufferError:
+            log.debug("row cache still referenced by a caller's array; unmapped when that is freed")
+        self.memfd.close()

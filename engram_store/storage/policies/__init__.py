@@ -1,0 +1,1 @@
+"""One cache policy per module; see :mod:`engram_store.storage.policy` for the contract."""

@@ -1,0 +1,378 @@
+"""``TieredStore``: serve rows of a table set from DRAM when it can and NVMe when it must.
+
+::
+
+    store = TieredStore.open("tables/", dram_bytes=64 << 30)
+    out = np.empty(row_ids.shape + (store.row_bytes,), np.uint8)
+    call = store.lookup_into(14, row_ids, out)   # LookupStats of this call
+    store.stats()                                 # cumulative counters
+
+The mode follows from capacity: when ``dram_bytes`` holds every layer densely
+the store is *resident* (whole table set in a sealed memfd, see
+:meth:`arena`); otherwise it is *cached*: ``dram_bytes`` is split between a
+slot arena and its per-slot bookkeeping, and missing rows come from NVMe
+(O_DIRECT page reads) and are offered to the cache policy.
+
+Layer files are opened one by one: a layer whose file is missing or truncated
+is reported (``StorageError`` on lookup, ``layer_errors()``) while the other
+layers keep serving. Thread-safe: any number of threads may look up at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError, InvalidRequest, RowOutOfRange, StorageError, UnknownLayer
+from ..manifest import Manifest
+from .arena import LAYER_SHIFT, ROW_MASK, Gatherer, ResidentArena, RowCache, dense_bytes
+from .base import ArenaInfo
+from .gds import make_bulk_reader
+from .nvme import DEFAULT_CHUNK_PAGES, DEFAULT_MAX_COALESCE_PAGES, DEFAULT_QUEUE_DEPTH, LayerFile, NvmeTier, PageReader
+from .policy import POLICIES, policy_bytes_per_slot
+from .profile import DEFAULT_CAPACITY, AccessSampler, merge_hottest, read_profile, write_profile
+from .stats import LookupStats, StoreCounters
+from .syscalls import open_direct
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "resident", "cached")
+GDS_CHOICES = ("auto", "on", "off")
+MAX_QUEUE_DEPTH = 256
+MAX_COALESCE_PAGES = 64
+CACHE_BYTES_PER_SLOT = 8 + 4  # slot key + free-stack entry, besides the policy's own
+
+
+class TieredStore:
+    """A table set served from a DRAM tier in front of an NVMe tier. Implements ``RowStore``."""
+
+    def __init__(self, directory: Path, manifest: Manifest, files: dict[int, LayerFile], nvme: NvmeTier,
+                 arena: ResidentArena | None, cache: RowCache | None, sampler: AccessSampler, gatherer: Gatherer) -> None:
+        self.directory = directory
+        self.manifest = manifest
+        self._files = files
+        self._nvme = nvme
+        self._arena = arena
+        self._cache = cache
+        self._sampler = sampler
+        self._gather = gatherer
+        self._counters = StoreCounters()
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self.bulk_reader = "none"
+
+    # --- opening -------------------------------------------------------
+    @classmethod
+    def open(cls, directory: str | os.PathLike, *, dram_bytes: int, mode: str = "auto",
+             queue_depth: int = DEFAULT_QUEUE_DEPTH, policy: str = "s3fifo", huge_pages: bool = True,
+             gds: str = "auto", reader: str = "auto", max_coalesce_pages: int = DEFAULT_MAX_COALESCE_PAGES,
+             warmup: str | os.PathLike | None = None, profile_capacity: int = DEFAULT_CAPACITY,
+             gather_threads: int | None = None) -> "TieredStore":
+        """Open the table set in ``directory``.
+
+        ``dram_bytes``: DRAM budget of the DRAM tier. ``mode``: ``auto`` (resident when the
+        dense table set fits in ``dram_bytes``), ``resident`` or ``cached``.
+        ``queue_depth``: NVMe reads in flight. ``policy``: cache policy (``s3fifo``, ``lru``).
+        ``huge_pages``: use huge pages where the host allows. ``gds``: ``auto``/``on``/``off``,
+        kvikio for the resident fill. ``reader``: ``auto``/``native``/``threads``.
+        ``warmup``: an access profile to load into the cache at start.
+        ``gather_threads``: threads copying rows of one large request (default: CPU count, at most 8).
+        """
+        if mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if gds not in GDS_CHOICES:
+            raise ConfigError(f"gds must be one of {', '.join(GDS_CHOICES)}, got {gds!r}")
+        if not isinstance(dram_bytes, int) or dram_bytes < 0:
+            raise ConfigError(f"dram_bytes must be a non-negative integer, got {dram_bytes!r}")
+        if not isinstance(queue_depth, int) or not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
+            raise ConfigError(f"queue_depth must be an integer in 1..{MAX_QUEUE_DEPTH}, got {queue_depth!r}")
+        if not isinstance(max_coalesce_pages, int) or not 1 <= max_coalesce_pages <= MAX_COALESCE_PAGES:
+            raise ConfigError(f"max_coalesce_pages must be an integer in 1..{MAX_COALESCE_PAGES}, got {max_coalesce_pages!r}")
+        try:
+            page_reader = PageReader(queue_depth, reader)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        directory = Path(directory)
+        manifest = Manifest.load(directory)
+        files = {e.layer: _open_layer(directory, e) for e in manifest.layers}
+        table_pages = sum(e.layout.pages for e in manifest.layers)
+        nvme = NvmeTier(files, page_reader, max_coalesce_pages=max_coalesce_pages,
+                        chunk_pages=min(DEFAULT_CHUNK_PAGES, max(256, table_pages // 64)))
+        healthy = [lf for lf in files.values() if lf.file is not None]
+        dense = sum(dense_bytes(lf.layout.rows, lf.layout.row_bytes) for lf in healthy)
+        row_bytes = manifest.spec.row_bytes
+        resident = mode == "resident" or (mode == "auto" and dram_bytes >= dense)
+        if mode == "resident" and dram_bytes < dense:
+            nvme.close()
+            raise ConfigError(f"mode=resident needs dram_bytes >= {dense} (the dense table set), got {dram_bytes}")
+        arena = cache = None
+        bulk_name = "none"
+        try:
+            if resident:
+                bulk, bulk_name = make_bulk_reader(page_reader, gds)
+                arena = ResidentArena.build(healthy, bulk, huge=huge_pages)
+            else:
+                per_slot = row_bytes + CACHE_BYTES_PER_SLOT + policy_bytes_per_slot(policy)
+                n_slots = dram_bytes // per_slot
+                if n_slots < 1:
+                    raise ConfigError(f"dram_bytes={dram_bytes} holds no cache slot; each takes {per_slot} bytes")
+                n_slots = min(n_slots, sum(lf.layout.rows for lf in files.values()))
+                cache = RowCache({e.layer: e.rows for e in manifest.layers}, row_bytes, n_slots, policy, huge=huge_pages)
+        except BaseException:
+            nvme.close()
+            raise
+        total_rows = sum(e.rows for e in manifest.layers)
+        sampler = AccessSampler(min(profile_capacity, max(1024, total_rows // 64)))
+        threads = gather_threads if gather_threads is not None else min(8, os.cpu_count() or 1)
+        store = cls(directory, manifest, files, nvme, arena, cache, sampler, Gatherer(threads))
+        store.bulk_reader = bulk_name
+        log.info("opened %s: %s mode, %d layers (%d unavailable), reader %s, queue depth %d",
+                 directory, store.mode, len(files), len(files) - len(healthy), page_reader.backend, queue_depth)
+        if warmup is not None:
+            try:
+                store.warm_up(warmup)
+            except BaseException:
+                store.close()
+                raise
+        return store
+
+    # --- RowStore ------------------------------------------------------
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted(self._files))
+
+    @property
+    def row_bytes(self) -> int:
+        return self.manifest.spec.row_bytes
+
+    @property
+    def mode(self) -> str:
+        return "resident" if self._arena is not None else "cached"
+
+    def rows(self, layer: int) -> int:
+        return self._layer(layer).layout.rows
+
+    def layer_errors(self) -> dict[int, str]:
+        """Layers that cannot be served, with the reason."""
+        return {k: lf.error or "" for k, lf in self._files.items() if lf.file is None}
+
+    def lookup(self, layer: int, row_ids: np.ndarray) -> np.ndarray:
+        ids = row_ids if isinstance(row_ids, np.ndarray) else np.asarray(row_ids)
+        out = np.empty(ids.shape + (self.row_bytes,), dtype=np.uint8)
+        self.lookup_into(layer, ids, out)
+        return out
+
+    def lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> LookupStats:
+        """Fill ``out[i]`` with the bytes of row ``row_ids[i]`` (see ``RowStore``); returns
+        the stats of this call."""
+        t0 = time.perf_counter()
+        if self._closed:
+            raise StorageError("the store is closed")
+        lf = self._layer(layer)
+        flat, out2 = self._validate(lf, row_ids, out)
+        if lf.file is None:
+            self._counters.error()
+            raise StorageError(f"layer {lf.layer} is unavailable: {lf.error}")
+        st = LookupStats(rows=len(flat))
+        try:
+            if self._arena is not None:
+                self._gather.take(self._arena.views[lf.layer], flat, out2)
+                st.rows_dram = len(flat)
+            elif len(flat):
+                self._lookup_cached(lf.layer, flat, out2, st)
+        except StorageError:
+            self._counters.error()
+            raise
+        st.bytes_dram = st.rows_dram * self.row_bytes
+        st.bytes_nvme = st.rows_nvme * self.row_bytes
+        self._sampler.record(lf.layer, flat)
+        st.seconds = time.perf_counter() - t0
+        self._counters.add(st)
+        return st
+
+    def _lookup_cached(self, layer: int, flat: np.ndarray, out2: np.ndarray, st: LookupStats) -> None:
+        cache = self._cache
+        token, found = cache.begin(layer, flat)
+        try:
+            hit = found > 0
+            st.rows_dram = int(np.count_nonzero(hit))
+            if st.rows_dram == len(flat):
+                self._gather.take(cache.slots, found - 1, out2)
+            elif st.rows_dram:
+                at = np.flatnonzero(hit)
+                out2[at] = cache.slots[found[at] - 1]
+        finally:
+            cache.end(token)  # slots read above may be reused from here on
+        if st.rows_dram == len(flat):
+            return
+        miss = np.flatnonzero(~hit)
+        distinct, inverse = np.unique(flat[miss], return_inverse=True)
+        data = np.empty((len(distinct), self.row_bytes), dtype=np.uint8)
+        rs = self._nvme.read_rows(layer, distinct, data)
+        if len(miss) == len(flat):
+            np.take(data, inverse, axis=0, out=out2, mode="clip")  # no temporary of the request's size
+        else:
+            out2[miss] = data[inverse]
+        st.rows_nvme = len(miss)
+        st.nvme_rows_distinct = len(distinct)
+        st.nvme_pages_read, st.nvme_reads, st.nvme_bytes_read, st.nvme_read_seconds = rs.pages, rs.reads, rs.bytes, rs.seconds
+        st.cache_admitted = cache.admit(layer, distinct, data)
+
+    def _layer(self, layer) -> LayerFile:
+        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)) or int(layer) not in self._files:
+            raise UnknownLayer(f"layer {layer!r} is not in this table set; layers are {list(self.layers)}")
+        return self._files[int(layer)]
+
+    def _validate(self, lf: LayerFile, row_ids, out) -> tuple[np.ndarray, np.ndarray]:
+        ids = row_ids if isinstance(row_ids, np.ndarray) else np.asarray(row_ids)
+        if ids.dtype.kind not in "iu":
+            raise InvalidRequest(f"row ids must be an integer array (int64 preferred), got dtype {ids.dtype}")
+        want = ids.shape + (self.row_bytes,)
+        if not isinstance(out, np.ndarray):
+            raise InvalidRequest(f"out must be a numpy uint8 array of shape {want}, got {type(out).__name__}")
+        if out.dtype != np.uint8 or out.shape != want:
+            raise InvalidRequest(f"out must be uint8 of shape {want} (row_ids.shape + (row_bytes,)), got {out.dtype} {out.shape}")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise InvalidRequest("out must be C-contiguous and writable; pass np.empty(shape, np.uint8) or a contiguous slice")
+        flat = ids.reshape(-1)
+        rows = lf.layout.rows
+        if flat.size:
+            lo, hi = int(flat.min()), int(flat.max())
+            if lo < 0 or hi >= rows:
+                bad = lo if lo < 0 else hi
+                raise RowOutOfRange(f"layer {lf.layer}: row id {bad} is outside [0, {rows}); ids seen span [{lo}, {hi}]")
+        return flat.astype(np.int64, copy=False), out.reshape(-1, self.row_bytes)
+
+    def arena(self) -> ArenaInfo | None:
+        """The sealed read-only arena (resident mode), else None. The store owns the fd."""
+        return self._arena.info() if self._arena is not None else None
+
+    # --- warm-up and profiles --------------------------------------------
+    def warm_up(self, profile: str | os.PathLike | np.ndarray) -> int:
+        """Load the rows of an access profile (a path or int64 ``[n, 2]`` pairs, hottest
+        first) into the cache, up to its capacity. Returns rows loaded (0 when resident)."""
+        pairs = read_profile(profile) if not isinstance(profile, np.ndarray) else profile.reshape(-1, 2).astype(np.int64)
+        if self._cache is None:
+            log.info("warm-up skipped: resident mode holds every row already")
+            return 0
+        pairs = pairs[: self._cache.n_slots]
+        loaded = 0
+        t0 = time.perf_counter()
+        for layer in np.unique(pairs[:, 0]):
+            lf = self._files.get(int(layer))
+            if lf is None or lf.file is None:
+                log.warning("warm-up: skipping layer %d (%s)", layer, "not in table set" if lf is None else lf.error)
+                continue
+            rows = np.unique(pairs[pairs[:, 0] == layer, 1])
+            valid = rows[(rows >= 0) & (rows < lf.layout.rows)]
+            if len(valid) < len(rows):
+                log.warning("warm-up: layer %d: %d row ids out of range ignored", layer, len(rows) - len(valid))
+            for lo in range(0, len(valid), self._cache.admit_limit):
+                part = valid[lo : lo + self._cache.admit_limit]
+                data = np.empty((len(part), self.row_bytes), dtype=np.uint8)
+                self._nvme.read_rows(int(layer), part, data)
+                loaded += self._cache.admit(int(layer), part, data, main=True)
+        log.info("warm-up: %d rows loaded in %.2fs", loaded, time.perf_counter() - t0)
+        return loaded
+
+    def hot_rows(self) -> np.ndarray:
+        """int64 ``[n, 2]`` (layer, row), hottest first: the cache's rows (cached mode)
+        then rows sampled from live traffic."""
+        parts = []
+        if self._cache is not None:
+            keys = self._cache.cached_keys()
+            layers = np.asarray(self._cache_layers(), dtype=np.int64)[keys >> LAYER_SHIFT]
+            parts.append(np.stack([layers, keys & ROW_MASK], axis=1))
+        parts.append(self._sampler.hottest())
+        return merge_hottest(*parts)
+
+    def write_profile(self, path: str | os.PathLike) -> int:
+        """Write :meth:`hot_rows` as an access profile; returns the number of rows."""
+        n = write_profile(path, self.hot_rows())
+        log.info("access profile %s: %d rows", path, n)
+        return n
+
+    def _cache_layers(self) -> list[int]:
+        return sorted(self._cache.layer_index, key=self._cache.layer_index.get)
+
+    # --- stats, memory, close --------------------------------------------
+    def stats(self) -> dict[str, int | float]:
+        """Cumulative counters (units in the names); see ``LookupStats`` for per-call ones."""
+        d = self._counters.snapshot()
+        d["resident"] = int(self._arena is not None)
+        d["layers_unavailable"] = len(self.layer_errors())
+        d["arena_bytes"] = self._arena.nbytes if self._arena is not None else 0
+        c = self._cache
+        d["cache_bytes"] = c.nbytes if c is not None else 0
+        d["cache_slots"] = c.n_slots if c is not None else 0
+        d["cache_slots_used"] = c.used if c is not None else 0
+        d["cache_admitted_rows"] = c.admitted if c is not None else 0
+        d["cache_evicted_rows"] = c.evicted if c is not None else 0
+        d["cache_not_admitted_rows"] = c.not_admitted if c is not None else 0
+        d.update(self.memory())
+        d["dram_bytes"] = d["arena_bytes"] + d["cache_bytes"] + d["cache_metadata_bytes"]
+        return d
+
+    def memory(self) -> dict[str, int | float]:
+        """Bytes the store holds besides the arena (or slot arena), against the table size."""
+        c = self._cache
+        table = sum(e.file_bytes for e in self.manifest.layers)
+        meta = c.metadata_bytes() if c is not None else 0
+        maps = c.map_bytes() if c is not None else 0
+        staging = self._nvme.buffers.nbytes * self._nvme.buffers.retained()
+        beyond = maps + staging + self._sampler.nbytes
+        return {
+            "table_bytes": table,
+            "cache_metadata_bytes": meta,  # inside the dram_bytes budget
+            "row_map_bytes": maps,  # allocated zeroed: untouched pages cost nothing
+            "staging_bytes": staging,
+            "beyond_dram_bytes": beyond,
+            "beyond_dram_fraction": beyond / table if table else 0.0,
+        }
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._nvme.close()
+        self._nvme.reader.close()
+        self._gather.close()
+        if self._arena is not None:
+            self._arena.close()
+        if self._cache is not None:
+            self._cache.close()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _open_layer(directory: Path, entry) -> LayerFile:
+    path = directory / entry.file
+    layout = entry.layout
+    try:
+        opened = open_direct(path)
+    except FileNotFoundError:
+        return _broken(entry, path, layout, f"data file {path} is missing; re-import or re-synth the table set")
+    except OSError as exc:
+        return _broken(entry, path, layout, f"cannot open {path}: {exc}")
+    if opened.size != entry.file_bytes:
+        opened.close()
+        return _broken(entry, path, layout, f"{path} has {opened.size} bytes, the manifest says {entry.file_bytes} "
+                                            "(truncated?); re-import or re-synth the table set")
+    return LayerFile(entry.layer, str(path), layout, opened)
+
+
+def _broken(entry, path: Path, layout, why: str) -> LayerFile:
+    log.error("layer %d unavailable: %s", entry.layer, why)
+    return LayerFile(entry.layer, str(path), layout, None, why)
