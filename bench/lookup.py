@@ -104,8 +104,20 @@ def torch_backend(ctx: BenchContext) -> Backend:
     return Backend("torch", lookup_into)
 
 
+def daemon_backend(transport: str) -> Callable[[BenchContext], Backend]:
+    """The real daemon (a subprocess on these tables) through one transport: "unix" or "grpc"."""
+    def factory(ctx: BenchContext) -> Backend:
+        from lookup_daemon import daemon_backend_factory  # bench/ is on sys.path when run as a script
+
+        return daemon_backend_factory(transport, Backend)(ctx)
+
+    return factory
+
+
 register_backend("store", store_backend)
 register_backend("torch", torch_backend)
+register_backend("unix", daemon_backend("unix"))
+register_backend("grpc", daemon_backend("grpc"))
 
 
 # --- traffic -------------------------------------------------------------

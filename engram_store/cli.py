@@ -16,7 +16,7 @@ import numpy as np
 
 from .errors import EngramStoreError
 
-COMMAND_MODULES = ["engram_store.cli"]
+COMMAND_MODULES = ["engram_store.cli", "engram_store.daemon.commands"]
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""Daemon lookup bench: rows/s and p50/p99 through the daemon against in-process gathers, same run.
+
+Backends, each run in 1 and 4 client processes at decode (6,144 rows) and
+prefill (196,608 rows) sizes, uniform row ids, resident (DRAM) tables:
+
+  inproc      TieredStore.lookup_into in the client process (each process its own copy)
+  torch       torch.index_select on an in-process tensor (each process its own copy)
+  unix-view   daemon over Unix socket + shared memory, rows read in place (zero copy)
+  unix-spin   unix-view with the client busy-polling for replies (spin_us=2000)
+  unix-pipe   the same as unix-view, two requests in flight (how a layer-ahead prefetcher drives it)
+  unix-into   the same, rows copied into the caller's buffer (lookup_into)
+  grpc        daemon over gRPC on 127.0.0.1 (lookup_into)
+
+Client processes live through the whole run; each round runs every backend in turn
+(rotating the order) so load from other processes on the host hits all alike.
+Rows/s and the ratio against ``inproc`` (same client count and size, same round)
+are medians over rounds; p50/p99 are over every request of every round, as the
+client sees it. Run ``--quick`` for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+SIZES = {"decode": 6144, "prefill": 196_608}
+BACKENDS = ("inproc", "torch", "unix-view", "unix-spin", "unix-pipe", "unix-into", "grpc")
+DAEMON_BACKENDS = ("unix-view", "unix-spin", "unix-pipe", "unix-into", "grpc")
+SPIN_US = 2000  # unix-spin: EngramClient.connect(spin_us=...)
+
+
+# --- one client process ------------------------------------------------------------
+def _make_lookup(backend: str, tables: str, address: str, dram_bytes: int):
+    """(lookup(layer, ids, out), close) for one client process."""
+    if backend == "inproc":
+        from engram_store.storage.tiered import TieredStore
+
+        store = TieredStore.open(tables, dram_bytes=dram_bytes, mode="resident")
+        return store.lookup_into, store.close
+    if backend == "torch":
+        import torch
+
+        from engram_store.tableset import TableSet
+
+        ts = TableSet.open(tables)
+        tensors = {layer: torch.from_numpy(np.ascontiguousarray(ts.read_rows(layer, np.arange(ts.rows(layer)))))
+                   for layer in ts.layers}
+
+        def torch_lookup(layer, ids, out):
+            torch.index_select(tensors[layer], 0, torch.from_numpy(ids), out=torch.from_numpy(out))
+
+        return torch_lookup, ts.close
+    from gpu_client.client import EngramClient
+
+    client = EngramClient.connect(address, shm_bytes=256 << 20, spin_us=SPIN_US if backend == "unix-spin" else 0)
+    if backend == "unix-pipe":
+        def warm_lookup(layer, ids, out):  # warm-up goes one by one; timed runs use _pipelined
+            client.lookup_into(layer, ids, out)
+
+        warm_lookup.client = client
+        return warm_lookup, client.close
+    if backend in ("unix-view", "unix-spin"):
+        def view_lookup(layer, ids, out):
+            with client.lookup_view(layer, ids) as rows:
+                return rows  # the caller reads rows in place; nothing is copied
+
+        return view_lookup, client.close
+    return client.lookup_into, client.close
+
+
+def client_worker(index: int, conn, tables: str, addresses: dict, dram_bytes: int, layer_rows: dict,
+                  barriers: dict) -> None:
+    """A long-lived client process: opens each backend on first use, runs timed batches on command.
+    Command: (backend, clients, size, warm, timed, seed) -> reply (start, end, latencies, error)."""
+    impls: dict = {}
+    row_bytes = _row_bytes(tables)
+    layers = sorted(layer_rows)
+    while (cmd := conn.recv()) is not None:
+        backend, clients, size, warm, timed, seed = cmd
+        try:
+            if backend not in impls:
+                impls[backend] = _make_lookup(backend, tables, addresses.get(backend, ""), dram_bytes)
+            lookup = impls[backend][0]
+            rng = np.random.default_rng(seed * 100 + index)
+            reqs = [(layers[i % len(layers)], rng.integers(0, layer_rows[layers[i % len(layers)]], size))
+                    for i in range(warm + timed)]
+            out = np.empty((size, row_bytes), np.uint8)
+            for layer, ids in reqs[:warm]:
+                lookup(layer, ids, out)
+            barriers[clients].wait()
+            start = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
+            if backend == "unix-pipe":
+                lat = _pipelined(lookup.client, reqs[warm:])
+            else:
+                lat = _one_by_one(lookup, reqs[warm:], out)
+            conn.send((start, time.perf_counter(), lat.tolist(), ""))
+        except Exception as exc:  # reported by the parent
+            barriers[clients].abort()
+            conn.send((0.0, 0.0, [], f"{backend}: {exc!r}"))
+    for _, close in impls.values():
+        close()
+
+
+def _one_by_one(lookup, reqs: list, out: np.ndarray) -> np.ndarray:
+    lat = np.empty(len(reqs))
+    for i, (layer, ids) in enumerate(reqs):
+        t0 = time.perf_counter()
+        lookup(layer, ids, out)
+        lat[i] = time.perf_counter() - t0
+    return lat
+
+
+def _pipelined(client, reqs: list, depth: int = 2) -> np.ndarray:
+    """Prefetch style: request i + 1 is submitted before request i is waited for.
+    Latency is submit-to-rows of each request."""
+    lat = np.empty(len(reqs))
+    inflight: list = []
+    for i, (layer, ids) in enumerate(reqs + [(None, None)] * depth):
+        if ids is not None:
+            inflight.append((i, time.perf_counter(), client.submit(layer, ids)))
+        if len(inflight) > depth or (ids is None and inflight):
+            j, t0, handle = inflight.pop(0)
+            handle.wait()
+            lat[j] = time.perf_counter() - t0
+            handle.release()
+    return lat
+
+
+def _row_bytes(tables: str) -> int:
+    from engram_store.spec import ModelSpec
+
+    return ModelSpec.from_dict(json.loads((Path(tables) / "manifest.json").read_text())["spec"]).row_bytes
+
+
+class ClientPool:
+    """max(clients) worker processes; a point runs on the first ``clients`` of them at once."""
+
+    def __init__(self, tables: str, addresses: dict, dram_bytes: int, layer_rows: dict, counts: list[int]):
+        spawn = mp.get_context("spawn")
+        self.barriers = {c: spawn.Barrier(c) for c in counts}
+        self.conns, self.procs = [], []
+        for i in range(max(counts)):
+            parent, child = spawn.Pipe()
+            proc = spawn.Process(target=client_worker, args=(i, child, tables, addresses, dram_bytes, layer_rows,
+                                                             self.barriers), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def run(self, backend: str, clients: int, size: int, warm: int, timed: int, seed: int) -> tuple[float, np.ndarray]:
+        """(wall seconds from the first start to the last end, all latencies)."""
+        self.barriers[clients].reset()
+        for conn in self.conns[:clients]:
+            conn.send((backend, clients, size, warm, timed, seed))
+        got = [conn.recv() for conn in self.conns[:clients]]
+        errs = [e for *_, e in got if e]
+        if errs:
+            raise RuntimeError("; ".join(errs))
+        wall = max(e for _, e, _, _ in got) - min(st for st, _, _, _ in got)
+        return wall, np.concatenate([np.asarray(lat) for _, _, lat, _ in got])
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.send(None)
+        for proc in self.procs:
+            proc.join(60)
+
+
+def measure(pool: ClientPool, backends: list[str], sizes: list[int], clients: list[int], args) -> list[dict]:
+    """Every backend in turn within each round (rotating the order), ``args.rounds`` rounds, so
+    load from other processes hits all backends alike. Rows/s and ratio: median over rounds."""
+    rows = []
+    for size in sizes:
+        timed = args.requests[size == SIZES["prefill"]]
+        for c in clients:
+            per = {b: {"rate": [], "lat": []} for b in backends}
+            for r in range(args.rounds):
+                for b in backends[r % len(backends):] + backends[: r % len(backends)]:
+                    wall, lat = pool.run(b, c, size, max(2, timed // 10), timed, seed=r * 7 + size % 101)
+                    per[b]["rate"].append(len(lat) * size / wall)
+                    per[b]["lat"].append(lat)
+            base = per.get("inproc")
+            for b in backends:
+                lat = np.concatenate(per[b]["lat"])
+                ratios = [x / y for x, y in zip(per[b]["rate"], base["rate"], strict=True)] if base else []
+                rows.append({"backend": b, "clients": c, "size": size, "requests": len(lat),
+                             "rows_per_s": float(np.median(per[b]["rate"])),
+                             "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
+                             "vs_inproc": float(np.median(ratios)) if base else None,
+                             "vs_inproc_rounds": [round(x, 3) for x in ratios]})
+    return rows
+
+
+# --- the daemon ----------------------------------------------------------------------
+def start_daemon(tables: str, workdir: Path, dram_bytes: int, mode: str = "resident") -> tuple[subprocess.Popen, dict]:
+    ready = workdir / "ready.json"
+    cmd = [sys.executable, "-m", "engram_store.daemon", "serve", "--tables", tables, "--dram-bytes", str(dram_bytes),
+           "--store-mode", mode, "--no-verify", "--socket", str(workdir / "engram.sock"), "--grpc", "127.0.0.1:0",
+           "--metrics", "", "--ready-file", str(ready), "--log-level", "WARNING", "--max-client-shm-bytes", "1GiB"]
+    proc = subprocess.Popen(cmd)
+    while not ready.exists():  # the daemon writes it once every listener is open
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {proc.returncode}")
+        time.sleep(0.05)
+    return proc, json.loads(ready.read_text())
+
+
+def daemon_backend_factory(transport: str, backend_cls):
+    """A backend factory for bench/lookup.py's registry: ``register_backend("unix",
+    daemon_backend_factory("unix", Backend))`` (or "grpc"). Each call starts a daemon on the
+    context's tables and DRAM mode and returns ``backend_cls(name, lookup_into, close, stats)``."""
+    def factory(ctx):
+        workdir = Path(tempfile.mkdtemp(prefix="engram-bench-daemon-"))
+        mode = "resident" if ctx.mode == "resident" else "cached"
+        proc, ready = start_daemon(str(ctx.tables), workdir, ctx.dram_bytes, mode)
+        from gpu_client.client import EngramClient
+
+        client = EngramClient.connect(ready["unix"] if transport == "unix" else f"grpc://{ready['grpc']}",
+                                      shm_bytes=256 << 20)
+
+        def close() -> None:
+            client.close()
+            proc.terminate()
+            proc.wait(60)
+            shutil.rmtree(workdir, ignore_errors=True)
+
+        def stats() -> dict:
+            return {k[len("store_"):]: v for k, v in client.stats().items() if k.startswith("store_")}
+
+        return backend_cls(transport, client.lookup_into, close, stats)
+
+    return factory
+
+
+def ensure_tables(args, workdir: Path) -> str:
+    if args.tables:
+        return args.tables
+    from engram_store.spec import get_spec
+    from engram_store.synth import write_synthetic
+
+    out = workdir / "tables"
+    write_synthetic(out, get_spec(args.model, scale=args.scale), seed=1)
+    return str(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tables", help="existing table set (default: synthesize one in a temp dir)")
+    ap.add_argument("--model", default="deepseek-v4.1-flash", help="model spec to synthesize (default %(default)s)")
+    ap.add_argument("--scale", type=float, default=0.002, help="table scale to synthesize (default %(default)s, ~400 MB)")
+    ap.add_argument("--sizes", default="decode,prefill", help="request sizes: decode, prefill (default %(default)s)")
+    ap.add_argument("--clients", default="1,4", help="client process counts (default %(default)s)")
+    ap.add_argument("--backends", default=",".join(b for b in BACKENDS if b != "unix-pipe"),
+                    help=f"comma-separated, from {', '.join(BACKENDS)} (default %(default)s)")
+    ap.add_argument("--requests", type=int, nargs=2, default=[300, 12], metavar=("DECODE", "PREFILL"),
+                    help="timed requests per client and round (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over all backends; medians reported (default %(default)s)")
+    ap.add_argument("--quick", action="store_true", help="tiny tables, few requests: a smoke run")
+    ap.add_argument("--json", metavar="PATH", help="write results as JSON to PATH ('-' for stdout)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.scale, args.requests, args.rounds = min(args.scale, 0.0002), [20, 2], 1
+    sizes = [SIZES[s] for s in args.sizes.split(",")]
+    clients = [int(c) for c in args.clients.split(",")]
+    backends = args.backends.split(",")
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown:
+        ap.error(f"unknown backends {unknown}; choose from {', '.join(BACKENDS)}")
+    workdir = Path(tempfile.mkdtemp(prefix="engram-bench-daemon-"))
+    proc = pool = None
+    try:
+        tables = ensure_tables(args, workdir)
+        manifest = json.loads((Path(tables) / "manifest.json").read_text())
+        layer_rows = {int(e["layer"]): int(e["rows"]) for e in manifest["layers"]}
+        row_bytes = _row_bytes(tables)
+        dram_bytes = 2 * sum(int(e["file_bytes"]) for e in manifest["layers"]) + (64 << 20)
+        addresses = {}
+        if set(backends) & set(DAEMON_BACKENDS):
+            proc, ready = start_daemon(tables, workdir, dram_bytes)
+            addresses = {b: ready["unix"] for b in DAEMON_BACKENDS} | {"grpc": f"grpc://{ready['grpc']}"}
+        pool = ClientPool(tables, addresses, dram_bytes, layer_rows, clients)
+        rows = measure(pool, backends, sizes, clients, args)
+    finally:
+        if pool is not None:
+            pool.close()
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+        shutil.rmtree(workdir, ignore_errors=True)
+    report = {"table_rows": layer_rows, "row_bytes": row_bytes, "cpus": os.cpu_count(), "rounds": args.rounds,
+              "load_average": os.getloadavg(), "results": rows}
+    print(f"{'backend':<10} {'clients':>7} {'rows/req':>9} {'Mrows/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'vs inproc':>9}")
+    for r in rows:
+        ratio = f"{r['vs_inproc']:.2f}x" if r["vs_inproc"] is not None else "-"
+        print(f"{r['backend']:<10} {r['clients']:>7} {r['size']:>9} {r['rows_per_s'] / 1e6:>8.2f} "
+              f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {ratio:>9}")
+    if args.json:
+        text = json.dumps(report, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

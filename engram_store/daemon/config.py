@@ -1,0 +1,224 @@
+"""The daemon's configuration: one frozen dataclass, validated on construction.
+
+Precedence, highest first: command-line flags, ``ENGRAM_STORE_<KEY>``
+environment variables, the TOML file (``--config`` or ``ENGRAM_STORE_CONFIG``),
+then the defaults below. Every key is documented in ``deploy/engram-store.toml``
+(a test keeps the two in step). Unknown keys and bad values raise
+:class:`~engram_store.errors.ConfigError` naming the key and saying why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import re
+import tomllib
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from ..errors import ConfigError
+
+ENV_PREFIX = "ENGRAM_STORE_"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
+          "T": 1000**4, "TB": 1000**4, "KI": 1 << 10, "KIB": 1 << 10, "MI": 1 << 20, "MIB": 1 << 20,
+          "GI": 1 << 30, "GIB": 1 << 30, "TI": 1 << 40, "TIB": 1 << 40}
+SIZE_KEYS = frozenset({"dram_bytes", "client_shm_bytes", "max_client_shm_bytes", "grpc_chunk_bytes"})
+
+
+def parse_size(text: str | int, key: str = "size") -> int:
+    """``"8GiB"`` -> 8589934592; plain integers are bytes."""
+    if isinstance(text, bool):
+        raise ConfigError(f"{key}: expected a size such as 8GiB or 1048576, got {text!r}")
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE.match(str(text))
+        if not m:
+            raise ConfigError(f"{key}: expected a size such as 8GiB, 512MiB or 1048576, got {text!r}")
+        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    if value < 0:
+        raise ConfigError(f"{key}: size must not be negative, got {text!r}")
+    return value
+
+
+def parse_hostport(text: str, key: str) -> tuple[str, int]:
+    """``"127.0.0.1:0"`` -> ("127.0.0.1", 0); ``"[::1]:50051"`` for IPv6."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"{key}: expected HOST:PORT (port 0 picks a free one), got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Every setting of ``engram-store serve``; see deploy/engram-store.toml for the prose."""
+
+    tables: str = ""  # table-set directory (required to serve)
+    dram_bytes: int = 8 << 30  # DRAM tier budget; tables that fit are served resident
+    verify: bool = True  # recompute table checksums before serving
+    store_mode: str = "auto"  # "auto" (resident when the tables fit dram_bytes), "resident" or "cached"
+    cache_policy: str = "s3fifo"  # cached mode: DRAM cache policy ("s3fifo" or "lru")
+    nvme_queue_depth: int = 64  # NVMe page reads in flight
+    huge_pages: bool = True  # back the DRAM tier with huge pages where the host allows
+    warmup_profile: str = ""  # access profile loaded into the cache at start ("" = none)
+    socket: str = "/run/engram-store/engram-store.sock"  # Unix socket path; "" disables it
+    socket_mode: int = 0o660  # permission bits of the socket file
+    socket_group: str = ""  # group owning the socket ("" keeps the daemon's group)
+    client_shm_bytes: int = 64 << 20  # shared region per client unless it asks for another size
+    max_client_shm_bytes: int = 1 << 30  # largest shared region a client may ask for
+    max_clients: int = 1024  # Unix-socket clients at once; more are refused
+    max_request_rows: int = 1 << 20  # rows per request (both transports); more is RESOURCE_EXHAUSTED
+    workers: int = 0  # lookup threads; 0 = one per CPU
+    grpc: str = "127.0.0.1:50051"  # gRPC listen address; "" disables it
+    grpc_allow_remote: bool = False  # must be true to listen on a non-loopback address
+    grpc_tls_cert: str = ""  # PEM certificate chain; with grpc_tls_key enables TLS
+    grpc_tls_key: str = ""  # PEM private key
+    grpc_chunk_bytes: int = 1 << 20  # row bytes per gRPC message; larger lookups stream
+    grpc_event_loop: str = "uvloop"  # "uvloop" or "asyncio"
+    metrics: str = "127.0.0.1:9464"  # Prometheus HTTP address; "" disables it
+    ready_file: str = ""  # JSON written once every listener is open
+    drain_seconds: float = 30.0  # SIGTERM: longest wait for in-flight requests
+    log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
+
+    def __post_init__(self) -> None:
+        def bad(key: str, why: str) -> ConfigError:
+            return ConfigError(f"config key {key!r}: {why} (got {getattr(self, key)!r})")
+
+        for f in fields(self):
+            value = getattr(self, f.name)
+            want = {"int": int, "bool": bool, "str": str, "float": (int, float)}[str(f.type)]
+            if not isinstance(value, want) or (str(f.type) != "bool" and isinstance(value, bool)):
+                raise bad(f.name, f"expected {f.type}")
+        for key in ("dram_bytes", "client_shm_bytes", "max_client_shm_bytes", "grpc_chunk_bytes",
+                    "max_clients", "max_request_rows"):
+            if getattr(self, key) <= 0:
+                raise bad(key, "must be positive")
+        if self.client_shm_bytes > self.max_client_shm_bytes:
+            raise bad("client_shm_bytes", f"must not exceed max_client_shm_bytes ({self.max_client_shm_bytes})")
+        if self.client_shm_bytes < 1 << 20:
+            raise bad("client_shm_bytes", "must be at least 1MiB")
+        if not 0 <= self.socket_mode <= 0o777:
+            raise bad("socket_mode", "must be permission bits such as 0660")
+        if self.workers < 0:
+            raise bad("workers", "must be 0 (one per CPU) or positive")
+        if self.grpc:
+            host, _ = parse_hostport(self.grpc, "grpc")
+            if not is_loopback(host) and not self.grpc_allow_remote:
+                raise bad("grpc", "is not a loopback address; set grpc_allow_remote = true to listen on it")
+        if self.metrics:
+            parse_hostport(self.metrics, "metrics")
+        if bool(self.grpc_tls_cert) != bool(self.grpc_tls_key):
+            raise bad("grpc_tls_cert", "grpc_tls_cert and grpc_tls_key must be set together")
+        if self.store_mode not in ("auto", "resident", "cached"):
+            raise bad("store_mode", "must be 'auto', 'resident' or 'cached'")
+        if not 1 <= self.nvme_queue_depth <= 1024:
+            raise bad("nvme_queue_depth", "must be in 1..1024")
+        if self.grpc_event_loop not in ("uvloop", "asyncio"):
+            raise bad("grpc_event_loop", "must be 'uvloop' or 'asyncio'")
+        if self.drain_seconds < 0:
+            raise bad("drain_seconds", "must not be negative")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise bad("log_level", "must be DEBUG, INFO, WARNING or ERROR")
+
+    @property
+    def worker_count(self) -> int:
+        return self.workers or os.cpu_count() or 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+KEYS: dict[str, str] = {f.name: str(f.type) for f in fields(DaemonConfig)}
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    """Turn a TOML/env/CLI value into the field's type, or say why not."""
+    kind = KEYS[key]
+    try:
+        if key in SIZE_KEYS:
+            return parse_size(value, key)
+        if key == "socket_mode":
+            return int(value, 8) if isinstance(value, str) else int(value)
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true or false")
+        if kind == "int":
+            if isinstance(value, bool) or isinstance(value, float):
+                raise ValueError("expected an integer")
+            return int(value)
+        if kind == "float":
+            if isinstance(value, bool):
+                raise ValueError("expected a number")
+            return float(value)
+        if not isinstance(value, str):
+            raise ValueError("expected a string")
+        return value
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: config key {key!r}: {exc} (got {value!r})") from None
+
+
+def _check_keys(values: Mapping[str, Any], source: str) -> None:
+    unknown = sorted(set(values) - set(KEYS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown config key(s) {', '.join(map(repr, unknown))}; "
+                          f"known keys: {', '.join(sorted(KEYS))}")
+
+
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+    _check_keys(raw, f"config file {path}")
+    return {k: _coerce(k, v, f"config file {path}") for k, v in raw.items()}
+
+
+def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``ENGRAM_STORE_<KEY>`` variables (``ENGRAM_STORE_CONFIG`` names the file, not a key)."""
+    values = {k[len(ENV_PREFIX):].lower(): v for k, v in environ.items()
+              if k.startswith(ENV_PREFIX) and k != ENV_PREFIX + "CONFIG"}
+    unknown = sorted(set(values) - set(KEYS))
+    if unknown:
+        names = ", ".join(ENV_PREFIX + k.upper() for k in unknown)
+        raise ConfigError(f"unknown environment variable(s) {names}; known: "
+                          f"{', '.join(ENV_PREFIX + k.upper() for k in sorted(KEYS))}")
+    return {k: _coerce(k, v, f"environment {ENV_PREFIX}{k.upper()}") for k, v in values.items()}
+
+
+def load_config(cli: Mapping[str, Any] | None = None, *, config_file: str | os.PathLike | None = None,
+                environ: Mapping[str, str] | None = None) -> DaemonConfig:
+    """Merge defaults < file < environment < ``cli`` (keys whose value is None are unset)."""
+    environ = os.environ if environ is None else environ
+    cli = {k: v for k, v in (cli or {}).items() if v is not None}
+    _check_keys(cli, "command line")
+    path = config_file or environ.get(ENV_PREFIX + "CONFIG")
+    merged: dict[str, Any] = read_toml(path) if path else {}
+    merged.update(read_env(environ))
+    merged.update({k: _coerce(k, v, f"--{k.replace('_', '-')}") for k, v in cli.items()})
+    try:
+        return DaemonConfig(**merged)
+    except TypeError as exc:  # defensive: a key slipped past _check_keys
+        raise ConfigError(str(exc)) from None
+

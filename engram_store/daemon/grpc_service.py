@@ -1,0 +1,207 @@
+"""The gRPC service (grpc.aio): Lookup, LookupStream, Info, Stats and the standard health service.
+
+Row ids arrive as one raw little-endian buffer; rows leave as one raw buffer,
+or as a stream of messages of at most ``grpc_chunk_bytes`` row bytes (the
+next chunk is gathered while the current one is sent). Gathers run on the
+daemon's worker pool so the event loop never blocks. Errors map onto status
+codes that mean something (see :data:`CODE_OF`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from concurrent.futures import Executor
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from .. import __version__, errors
+from .._proto import engram_store_pb2 as pb
+from .._proto import engram_store_pb2_grpc as pb_grpc
+from ..storage.base import RowStore
+from . import wire
+from .config import DaemonConfig, parse_hostport
+from .stats import TransportStats
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "engram_store.v1.EngramStore"
+_ENVELOPE = 1024  # protobuf framing allowance on top of the raw buffers
+
+CODE_OF: dict[wire.Status, grpc.StatusCode] = {
+    wire.Status.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    wire.Status.OUT_OF_RANGE: grpc.StatusCode.OUT_OF_RANGE,
+    wire.Status.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    wire.Status.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    wire.Status.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    wire.Status.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+_DTYPES = {pb.INT64: np.dtype("<i8"), pb.INT32: np.dtype("<i4")}
+
+
+def message_limits(config: DaemonConfig) -> list[tuple[str, int]]:
+    """Server channel options: requests up to max_request_rows int64 ids, replies up to one chunk."""
+    return [
+        ("grpc.max_receive_message_length", config.max_request_rows * 8 + _ENVELOPE),
+        ("grpc.max_send_message_length", config.grpc_chunk_bytes + _ENVELOPE),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class EngramStoreService(pb_grpc.EngramStoreServicer):
+    """Serves ``store`` once :meth:`attach` is called; UNAVAILABLE before and while draining."""
+
+    def __init__(self, config: DaemonConfig, stats: TransportStats, pool: Executor,
+                 info: Callable[[], dict[str, Any]], stats_snapshot: Callable[[], dict[str, float]]) -> None:
+        self.config, self.stats, self.pool = config, stats, pool
+        self.info, self.stats_snapshot = info, stats_snapshot
+        self.store: RowStore | None = None
+        self.draining = False
+
+    def attach(self, store: RowStore) -> None:
+        self.store = store
+
+    # --- helpers ----------------------------------------------------------
+    def _serving(self) -> RowStore:
+        if self.store is None:
+            raise errors.Unavailable("engram-store is starting (tables still loading); retry shortly")
+        if self.draining:
+            raise errors.Unavailable("engram-store is shutting down; retry on the restarted daemon")
+        return self.store
+
+    def _request(self, request: pb.LookupRequest) -> tuple[RowStore, np.ndarray]:
+        store = self._serving()
+        if request.layer not in store.layers:
+            raise errors.UnknownLayer(f"layer {request.layer} is not served; layers are {list(store.layers)}")
+        dtype = _DTYPES.get(request.dtype)
+        if dtype is None:
+            raise errors.InvalidRequest(f"row id dtype {request.dtype} unknown; use INT64 or INT32")
+        if len(request.row_ids) % dtype.itemsize:
+            raise errors.InvalidRequest(f"row_ids holds {len(request.row_ids)} bytes, "
+                                        f"not a multiple of {dtype.itemsize} ({dtype})")
+        count = len(request.row_ids) // dtype.itemsize
+        if count > self.config.max_request_rows:
+            raise errors.ResourceExhausted(f"{count} rows asked; at most {self.config.max_request_rows} "
+                                           "per request (max_request_rows)")
+        return store, np.frombuffer(request.row_ids, dtype=dtype)
+
+    async def _gather(self, store: RowStore, layer: int, ids: np.ndarray) -> np.ndarray:
+        out = np.empty((ids.size, store.row_bytes), dtype=np.uint8)
+        await asyncio.get_running_loop().run_in_executor(self.pool, store.lookup_into, layer, ids, out)
+        return out
+
+    async def _fail(self, context: grpc.aio.ServicerContext, exc: BaseException, t0: float) -> None:
+        status = wire.status_of(exc)
+        if status is wire.Status.INTERNAL and not isinstance(exc, errors.StorageError):
+            log.exception("gRPC request failed", exc_info=exc)
+        self.stats.record(0, 0, time.perf_counter() - t0, status.name)
+        await context.abort(CODE_OF.get(status, grpc.StatusCode.INTERNAL), str(exc))
+
+    # --- RPCs -------------------------------------------------------------
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupReply:
+        t0 = time.perf_counter()
+        try:
+            store, ids = self._request(request)
+            if ids.size * store.row_bytes > self.config.grpc_chunk_bytes:
+                raise errors.ResourceExhausted(
+                    f"{ids.size} rows are {ids.size * store.row_bytes} bytes, above one message "
+                    f"({self.config.grpc_chunk_bytes} bytes, grpc_chunk_bytes); use LookupStream")
+            out = await self._gather(store, request.layer, ids)
+        except Exception as exc:
+            await self._fail(context, exc, t0)
+            raise  # unreachable: abort raises
+        self.stats.record(ids.size, store.row_bytes, time.perf_counter() - t0)
+        return pb.LookupReply(rows=out.tobytes(), first_row=0, row_count=ids.size, row_bytes=store.row_bytes,
+                              total_rows=ids.size)
+
+    async def LookupStream(self, request: pb.LookupRequest,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LookupReply]:
+        t0 = time.perf_counter()
+        pending: list[asyncio.Future | None] = []
+        try:
+            store, ids = self._request(request)
+            step = max(1, self.config.grpc_chunk_bytes // store.row_bytes)
+            starts = range(0, ids.size, step)
+            pending += [asyncio.ensure_future(self._gather(store, request.layer, ids[s: s + step])) for s in starts[:2]]
+            for i, start in enumerate(starts):
+                out = await pending[i]
+                if i + 2 < len(starts):  # keep two gathers ahead of the sender
+                    nxt = starts[i + 2]
+                    pending.append(asyncio.ensure_future(self._gather(store, request.layer, ids[nxt: nxt + step])))
+                pending[i] = None  # drop the finished buffer
+                yield pb.LookupReply(rows=out.tobytes(), first_row=start, row_count=len(out),
+                                     row_bytes=store.row_bytes, total_rows=ids.size)
+        except Exception as exc:
+            for fut in pending:
+                if fut is not None:
+                    fut.cancel()
+            await self._fail(context, exc, t0)
+            return
+        self.stats.record(ids.size, store.row_bytes, time.perf_counter() - t0)
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
+        try:
+            self._serving()
+            info = self.info()
+        except Exception as exc:
+            await self._fail(context, exc, time.perf_counter())
+            raise
+        return pb.InfoReply(
+            layers=[pb.LayerInfo(layer=int(k), rows=v) for k, v in info["rows"].items()],
+            row_bytes=info["row_bytes"], mode=info["mode"], spec_json=json.dumps(info["spec"]),
+            max_request_rows=self.config.max_request_rows, chunk_bytes=self.config.grpc_chunk_bytes,
+            protocol_version=wire.VERSION, version=__version__)
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
+        try:
+            self._serving()
+            values = self.stats_snapshot()
+        except Exception as exc:
+            await self._fail(context, exc, time.perf_counter())
+            raise
+        return pb.StatsReply(values=values)
+
+
+class GrpcServer:
+    """The grpc.aio server, run on the caller's event loop."""
+
+    def __init__(self, service: EngramStoreService, config: DaemonConfig) -> None:
+        self.service, self.config = service, config
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self.address = ""
+
+    async def start(self) -> str:
+        server = grpc.aio.server(options=message_limits(self.config),
+                                 maximum_concurrent_rpcs=max(64, self.config.max_clients))
+        pb_grpc.add_EngramStoreServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        host, _ = parse_hostport(self.config.grpc, "grpc")
+        if self.config.grpc_tls_cert:
+            with open(self.config.grpc_tls_key, "rb") as k, open(self.config.grpc_tls_cert, "rb") as c:
+                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+            port = server.add_secure_port(self.config.grpc, creds)
+        else:
+            port = server.add_insecure_port(self.config.grpc)
+        if port == 0:
+            raise errors.ConfigError(f"grpc: cannot listen on {self.config.grpc} (address in use or not local)")
+        await server.start()
+        self._server = server
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("gRPC listening on %s%s", self.address, " (TLS)" if self.config.grpc_tls_cert else "")
+        return self.address
+
+    async def stop(self, grace: float) -> None:
+        """NOT_SERVING for health checks, refuse new RPCs, let running ones finish within ``grace``."""
+        self.service.draining = True
+        await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None

@@ -1,0 +1,113 @@
+"""The Prometheus exporter: reads the plain stats objects at scrape time, owns nothing else.
+
+Kept apart from ``stats.py`` and the store's ``stats()`` so neither knows
+about Prometheus; a private registry keeps the process-global one untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from .config import parse_hostport
+from .stats import LATENCY_BUCKETS, DaemonStats, hit_ratio
+
+log = logging.getLogger(__name__)
+
+# store.stats() key -> (metric name, kind, help). Keys the store does not report are skipped.
+_STORE_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("requests", "engram_store_store_requests", "counter", "Lookups served by the store (all transports)"),
+    ("nvme_reads", "engram_store_nvme_reads", "counter", "Read calls to the NVMe tier (coalesced pages)"),
+    ("nvme_pages_read", "engram_store_nvme_pages_read", "counter", "Pages read from the NVMe tier"),
+    ("nvme_bytes_read", "engram_store_nvme_read_bytes", "counter", "Bytes read from the NVMe tier"),
+    ("nvme_read_seconds", "engram_store_nvme_read_seconds", "counter", "Time spent in NVMe reads"),
+    ("arena_bytes", "engram_store_arena_bytes", "gauge", "Bytes of the resident arena"),
+    ("cache_slots", "engram_store_cache_slots", "gauge", "Row slots of the DRAM cache"),
+    ("cache_slots_used", "engram_store_cache_slots_used", "gauge", "Row slots of the DRAM cache holding a row"),
+    ("dram_bytes", "engram_store_dram_bytes", "gauge", "Bytes of DRAM the store holds"),
+)
+
+
+class DaemonCollector:
+    """A prometheus-client custom collector over DaemonStats and ``store_stats()``."""
+
+    def __init__(self, stats: DaemonStats, store_stats: Callable[[], dict[str, int | float]], mode: str) -> None:
+        self.stats, self.store_stats, self.mode = stats, store_stats, mode
+
+    def collect(self) -> Iterator[Metric]:
+        store = self.store_stats()
+        info = GaugeMetricFamily("engram_store_info", "Daemon facts (value is always 1)", labels=["mode"])
+        info.add_metric([self.mode], 1)
+        yield info
+        requests = CounterMetricFamily("engram_store_requests", "Lookup requests", labels=["transport"])
+        rows = CounterMetricFamily("engram_store_rows", "Rows served", labels=["transport"])
+        nbytes = CounterMetricFamily("engram_store_bytes", "Row bytes served", labels=["transport"])
+        errs = CounterMetricFamily("engram_store_request_errors", "Failed requests", labels=["transport", "code"])
+        clients = GaugeMetricFamily("engram_store_connected_clients", "Connected Unix-socket clients (gRPC has no "
+                                    "connection state of its own)", labels=["transport"])
+        latency = HistogramMetricFamily("engram_store_request_latency_seconds", "Lookup latency in the daemon",
+                                        labels=["transport"])
+        for t in self.stats.transports():
+            snap = t.snapshot()
+            requests.add_metric([t.name], snap[f"{t.name}_requests"])
+            rows.add_metric([t.name], snap[f"{t.name}_rows"])
+            nbytes.add_metric([t.name], snap[f"{t.name}_bytes"])
+            if t.name == "unix":
+                clients.add_metric([t.name], snap[f"{t.name}_connected_clients"])
+            for code, count in t.errors.copy().items():
+                errs.add_metric([t.name, code], count)
+            counts, total = t.histogram()
+            cumulative, buckets = 0, []
+            for bound, count in zip(LATENCY_BUCKETS + (float("inf"),), counts, strict=True):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            latency.add_metric([t.name], buckets, total)
+        yield from (requests, rows, nbytes, errs, clients, latency)
+        tier_rows = CounterMetricFamily("engram_store_tier_rows", "Rows served per tier", labels=["tier"])
+        tier_bytes = CounterMetricFamily("engram_store_tier_bytes", "Row bytes served per tier", labels=["tier"])
+        for tier in ("dram", "nvme"):
+            tier_rows.add_metric([tier], float(store.get(f"rows_{tier}", 0)))
+            tier_bytes.add_metric([tier], float(store.get(f"bytes_{tier}", 0)))
+        yield tier_rows
+        yield tier_bytes
+        yield GaugeMetricFamily("engram_store_hit_ratio", "Share of rows served from DRAM", value=hit_ratio(store))
+        yield CounterMetricFamily("engram_store_protocol_errors", "Unix connections closed for garbage frames",
+                                  value=self.stats.protocol_errors)
+        for key, name, kind, doc in _STORE_METRICS:
+            if isinstance(store.get(key), (int, float)):
+                family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                yield family(name, doc, value=float(store[key]))
+        slots = float(store.get("cache_slots", 0) or 0)
+        if slots:
+            yield GaugeMetricFamily("engram_store_cache_occupancy_ratio", "Share of DRAM cache slots in use",
+                                    value=float(store.get("cache_slots_used", 0)) / slots)
+
+
+class MetricsServer:
+    """The HTTP endpoint (``/metrics``) on ``address`` (port 0 picks a free one)."""
+
+    def __init__(self, collector: DaemonCollector, address: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(collector)
+        self.host, self.port = parse_hostport(address, "metrics")
+        self._server = None
+        self._thread = None
+        self.address = ""
+
+    def start(self) -> str:
+        self._server, self._thread = start_http_server(self.port, self.host, registry=self.registry)
+        port = self._server.server_address[1]
+        self.address = f"[{self.host}]:{port}" if ":" in self.host else f"{self.host}:{port}"
+        log.info("metrics on http://%s/metrics", self.address)
+        return self.address
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            if self._thread is not None:
+                self._thread.join()
+            self._server = None

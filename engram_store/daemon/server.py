@@ -1,0 +1,367 @@
+"""The Unix-socket server: shared-memory regions, fd passing and the one-copy gather.
+
+One accept thread; one reader thread per connection. A reader parses frames,
+refuses bad ones at once, and runs a lookup itself when nothing else from its
+client is waiting, or hands it to the shared worker pool when the client has
+pipelined more (so one client's requests and many clients' requests overlap;
+the gathers release the GIL). Rows go from the store straight into the
+client's region: ``store.lookup_into(layer, ids, region[out_offset:...])``.
+
+A connection's region stays mapped until its last in-flight lookup is done,
+so a client that dies mid-request costs nothing but the lookup itself.
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import logging
+import os
+import selectors
+import socket
+import stat
+import struct
+import threading
+import time
+from concurrent.futures import Executor
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import errors
+from ..storage.base import RowStore
+from . import shm, wire
+from .config import DaemonConfig
+from .stats import DaemonStats
+from .wire import DType, Frame, Op, Status
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_SECONDS = 5.0  # a peer that sends no HELLO by then is dropped
+SEND_SECONDS = 10  # a peer that reads none of its replies for this long is dropped
+MAX_INFLIGHT = 64  # lookups one client may have queued in the daemon
+_NUMPY_DTYPE = {DType.INT64: DType.INT64.numpy, DType.INT32: DType.INT32.numpy}
+
+
+class UnixServer:
+    """Listens on ``config.socket`` and serves ``store`` to every client that connects."""
+
+    def __init__(self, store: RowStore, config: DaemonConfig, stats: DaemonStats, pool: Executor,
+                 info: Callable[[], dict[str, Any]], stats_snapshot: Callable[[], dict[str, float]]) -> None:
+        self.store, self.config, self.stats, self.pool = store, config, stats, pool
+        self.info, self.stats_snapshot = info, stats_snapshot
+        self.path = config.socket
+        self._layers = frozenset(store.layers)
+        self._sock: socket.socket | None = None
+        self._wake_r, self._wake_w = -1, -1
+        self._thread: threading.Thread | None = None
+        self._conns: set[_Connection] = set()
+        self._lock = threading.Lock()
+        self._closing = False
+
+    def start(self) -> str:
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            _remove_stale_socket(self.path)
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.bind(self.path)
+            os.chmod(self.path, self.config.socket_mode)
+            if self.config.socket_group:
+                try:
+                    gid = grp.getgrnam(self.config.socket_group).gr_gid
+                except KeyError:
+                    raise errors.ConfigError(f"socket_group {self.config.socket_group!r} is not a group on this host") from None
+                os.chown(self.path, -1, gid)
+            sock.listen(min(self.config.max_clients, socket.SOMAXCONN))
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._thread = threading.Thread(target=self._accept_loop, name="engram-unix-accept", daemon=True)
+        self._thread.start()
+        log.info("unix socket listening on %s (mode %o)", self.path, self.config.socket_mode)
+        return self.path
+
+    def _accept_loop(self) -> None:
+        listener = self._sock
+        sel = selectors.DefaultSelector()
+        sel.register(listener, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while not self._closing:
+                for key, _ in sel.select():
+                    if key.fileobj == self._wake_r or self._closing:
+                        return
+                    try:
+                        client, _ = listener.accept()
+                    except OSError as exc:
+                        log.warning("accept failed: %s", exc)
+                        continue
+                    self._admit(client)
+        finally:
+            sel.close()
+
+    def _admit(self, client: socket.socket) -> None:
+        with self._lock:
+            if len(self._conns) >= self.config.max_clients:
+                refuse = f"daemon serves {self.config.max_clients} clients at most (max_clients); try later"
+            else:
+                refuse = ""
+                conn = _Connection(self, client)
+                self._conns.add(conn)
+        if refuse:
+            _send_quietly(client, Frame(Op.WELCOME, status=Status.RESOURCE_EXHAUSTED).pack(refuse.encode()))
+            client.close()
+            return
+        self.stats.unix.client_delta(+1)
+        threading.Thread(target=conn.run, name="engram-unix-conn", daemon=True).start()
+
+    def _forget(self, conn: "_Connection") -> None:
+        with self._lock:
+            self._conns.discard(conn)
+        self.stats.unix.client_delta(-1)
+
+    def stop(self, drain_seconds: float) -> int:
+        """Stop accepting, let every connection finish its in-flight lookups, close all.
+        Returns how many connections were still busy when ``drain_seconds`` ran out."""
+        self._closing = True
+        if self._wake_w >= 0:
+            os.write(self._wake_w, b"x")
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            conn.stop_reading()
+        deadline = time.monotonic() + drain_seconds
+        busy = sum(not conn.finished.wait(max(0.0, deadline - time.monotonic())) for conn in conns)
+        if self._sock is not None:
+            self._sock.close()
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+        return busy
+
+
+class _Connection:
+    """One client: its socket, its shared region and its lookups in the worker pool
+    (``inflight``; those the reader runs itself end before it can close)."""
+
+    def __init__(self, server: UnixServer, sock: socket.socket) -> None:
+        self.server = server
+        self.sock = sock
+        # Kernel send timeout: a client that stops reading cannot pin a worker thread.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_SECONDS, 0))
+        self.region = None
+        self.array: np.ndarray | None = None
+        self.send_lock = threading.Lock()
+        self.cond = threading.Condition()
+        self.inflight = 0
+        self.finished = threading.Event()
+
+    # --- lifecycle --------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self._handshake()
+            self._read_loop()
+        except wire.ProtocolError as exc:
+            self.server.stats.protocol_error()
+            log.info("closing unix client: %s", exc)
+        except (ConnectionError, OSError, TimeoutError) as exc:
+            log.debug("unix client gone: %s", exc)
+        except Exception:
+            log.exception("unix connection failed")
+        finally:
+            self._close()
+
+    def stop_reading(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+
+    def _close(self) -> None:
+        with self.cond:
+            while self.inflight:
+                self.cond.wait()
+        self.sock.close()
+        self.array = None  # drop our view first: a live view blocks the unmap
+        region, self.region = self.region, None
+        if not shm.release(region):
+            log.warning("a client region is still referenced after its connection closed; it is freed later")
+        self.server._forget(self)
+        self.finished.set()
+
+    # --- framing ----------------------------------------------------------
+    def _read_frame(self, max_payload: int) -> tuple[Frame, bytes]:
+        frame = Frame.unpack(shm.recv_exact(self.sock, wire.FRAME.size))
+        wire.check_header(frame, max_payload)
+        payload = shm.recv_exact(self.sock, frame.payload_bytes) if frame.payload_bytes else b""
+        return frame, payload
+
+    def send(self, data: bytes) -> None:
+        with self.send_lock:
+            _send_quietly(self.sock, data)
+
+    def _handshake(self) -> None:
+        cfg = self.server.config
+        self.sock.settimeout(HANDSHAKE_SECONDS)
+        try:
+            frame = Frame.unpack(shm.recv_exact(self.sock, wire.FRAME.size))
+            if frame.magic == wire.MAGIC and frame.version != wire.VERSION:
+                msg = f"daemon speaks protocol version {wire.VERSION}, client {frame.version}"
+                self.send(Frame(Op.WELCOME, status=Status.VERSION_MISMATCH).pack(msg.encode()))
+            wire.check_header(frame, 0)
+            if frame.op != Op.HELLO:
+                raise wire.ProtocolError(f"first frame must be HELLO, got op {frame.op}")
+        finally:
+            self.sock.settimeout(None)
+        size = frame.count or cfg.client_shm_bytes
+        if not 1 << 16 <= size <= cfg.max_client_shm_bytes:
+            msg = f"shared region of {size} bytes asked; allowed 65536..{cfg.max_client_shm_bytes} (max_client_shm_bytes)"
+            self.send(Frame(Op.WELCOME, status=Status.RESOURCE_EXHAUSTED).pack(msg.encode()))
+            raise ConnectionError(msg)
+        size = wire.align(size)
+        fd, self.region = shm.create_region(size)
+        try:
+            self.array = shm.as_array(self.region)
+            arena = self.server.store.arena()
+            fds = [fd] + ([arena.fd] if arena is not None else [])
+            payload = json.dumps(self.server.info()).encode()
+            flags = wire.Flag.ARENA if arena is not None else wire.Flag.NONE
+            with self.send_lock:
+                shm.send_with_fds(self.sock, Frame(Op.WELCOME, flags=flags, count=size).pack(payload), fds)
+        finally:
+            os.close(fd)
+
+    def _read_loop(self) -> None:
+        while True:
+            frame, _ = self._read_frame(wire.MAX_CLIENT_PAYLOAD)
+            if frame.op == Op.LOOKUP:
+                self._lookup(frame)
+            elif frame.op in (Op.INFO, Op.STATS):
+                try:
+                    body = self.server.info() if frame.op == Op.INFO else self.server.stats_snapshot()
+                except Exception as exc:  # answered as an error; the connection goes on
+                    log.exception("%s request failed", Op(frame.op).name)
+                    self._reply_error(frame, wire.status_of(exc), f"{Op(frame.op).name} failed: {exc}")
+                    continue
+                self.send(Frame(Op.RESULT, frame.request_id).pack(json.dumps(body).encode()))
+            else:
+                self._reply_error(frame, Status.INVALID_ARGUMENT, f"unknown op {frame.op}")
+
+    # --- lookups ----------------------------------------------------------
+    def _reply_error(self, frame: Frame, status: Status, message: str) -> None:
+        self.send(Frame(Op.RESULT, frame.request_id, status=status, layer=frame.layer).pack(message.encode()))
+
+    def _check(self, frame: Frame) -> None:
+        """Raise the typed error of a request that cannot be served; cheap checks before any work."""
+        cfg = self.server.config
+        if frame.layer not in self.server._layers:
+            raise errors.UnknownLayer(f"layer {frame.layer} is not served; layers are {sorted(self.server._layers)}")
+        if frame.dtype not in _NUMPY_DTYPE:
+            raise errors.InvalidRequest(f"row id dtype code {frame.dtype}: expected "
+                                        f"{int(DType.INT64)} (int64) or {int(DType.INT32)} (int32)")
+        if frame.count > cfg.max_request_rows:
+            raise errors.ResourceExhausted(f"{frame.count} rows asked; at most {cfg.max_request_rows} "
+                                           "per request (max_request_rows)")
+        size = len(self.array)
+        ids_end = frame.ids_offset + frame.count * _NUMPY_DTYPE[frame.dtype].itemsize
+        out_end = frame.out_offset + frame.count * self.server.store.row_bytes
+        if ids_end > size or out_end > size:
+            raise errors.InvalidRequest(f"ids [{frame.ids_offset}, {ids_end}) or rows [{frame.out_offset}, {out_end}) "
+                                        f"fall outside the {size}-byte shared region")
+        if frame.ids_offset % 8 or frame.out_offset % 8:
+            raise errors.InvalidRequest("ids_offset and out_offset must be multiples of 8")
+        if frame.count and frame.ids_offset < out_end and frame.out_offset < ids_end:
+            raise errors.InvalidRequest("the row ids and the rows overlap in the shared region")
+
+    def _lookup(self, frame: Frame) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._check(frame)
+        except errors.EngramStoreError as exc:
+            self._finish(frame, t0, exc)
+            return
+        if shm.pending(self.sock):  # more frames queued: let a worker gather while we read on
+            with self.cond:
+                while self.inflight >= MAX_INFLIGHT:
+                    self.cond.wait()
+                self.inflight += 1
+            try:
+                self.server.pool.submit(self._pooled_gather, frame, t0)
+                return
+            except RuntimeError:  # pool shut down (draining): gather here
+                self._done_one()
+        self._gather(frame, t0)  # nothing else queued: no thread hand-off
+
+    def _pooled_gather(self, frame: Frame, t0: float) -> None:
+        try:
+            self._gather(frame, t0)
+        finally:
+            self._done_one()
+
+    def _done_one(self) -> None:
+        with self.cond:
+            self.inflight -= 1
+            self.cond.notify_all()
+
+    def _gather(self, frame: Frame, t0: float) -> None:
+        error: BaseException | None = None
+        try:
+            self._gather_into_region(frame)
+        except errors.EngramStoreError as exc:
+            error = exc.with_traceback(None)  # the traceback would pin views of the region
+        except Exception as exc:  # a store bug must not kill the connection's other requests
+            log.exception("lookup failed")
+            error = errors.StorageError(f"internal error: {exc}")
+        self._finish(frame, t0, error)
+
+    def _gather_into_region(self, frame: Frame) -> None:
+        arr = self.array
+        dtype = _NUMPY_DTYPE[frame.dtype]
+        # Copy the ids out of the shared region first: the client could rewrite them mid-gather.
+        ids = arr[frame.ids_offset: frame.ids_offset + frame.count * dtype.itemsize].view(dtype).copy()
+        rb = self.server.store.row_bytes
+        out = arr[frame.out_offset: frame.out_offset + frame.count * rb].reshape(frame.count, rb)
+        self.server.store.lookup_into(frame.layer, ids, out)
+
+    def _finish(self, frame: Frame, t0: float, error: BaseException | None) -> None:
+        if error is None:
+            self.send(wire.pack_result(frame.request_id, frame.layer, frame.count))
+        else:
+            self._reply_error(frame, wire.status_of(error), str(error))
+        status = None if error is None else wire.status_of(error).name
+        self.server.stats.unix.record(frame.count, self.server.store.row_bytes, time.perf_counter() - t0, status)
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError:  # gone, or not reading: end the connection; its reader cleans up
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _remove_stale_socket(path: str) -> None:
+    """Remove ``path`` if it is a socket nobody listens on; refuse if a daemon is serving it."""
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise errors.ConfigError(f"socket path {path} exists and is not a socket; remove it or choose another path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: a socket left by a killed daemon
+        return
+    finally:
+        probe.close()
+    raise errors.ConfigError(f"socket {path} is served by another running daemon; stop it or choose another path")

@@ -1,0 +1,231 @@
+"""The ``serve`` lifecycle: open and verify tables, fill DRAM, open listeners, announce, drain.
+
+Start-up order: (1) verify the table set's checksums, (2) open the store (which
+fills the DRAM tier), (3) open the Unix socket, gRPC and metrics listeners,
+(4) write the ready file (JSON with the real addresses) and send systemd
+``READY=1``. SIGTERM/SIGINT: ``STOPPING=1``, stop accepting, let in-flight
+lookups finish (``drain_seconds`` at most), close the store, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import resource
+import signal
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from .. import __version__, errors
+from ..manifest import Manifest
+from ..storage.base import RowStore
+from ..tableset import TableSet
+from ..writer import write_file_atomic
+from . import wire
+from .config import DaemonConfig
+from .stats import DaemonStats, combined_snapshot
+
+log = logging.getLogger(__name__)
+
+StoreOpener = Callable[[DaemonConfig], RowStore]
+
+
+def open_store(config: DaemonConfig) -> RowStore:
+    """Verify (when configured) and open the table set with the tiered store."""
+    if not config.tables:
+        raise errors.ConfigError("config key 'tables' is empty: give --tables DIR (a table-set directory)")
+    if config.verify:
+        tables = TableSet.open(config.tables)
+        try:
+            bad = tables.verify()
+        finally:
+            tables.close()
+        if bad:
+            raise errors.TableFormatError(f"{config.tables}: {len(bad)} corrupt chunk(s), first: {bad[0]}; "
+                                          "re-import or re-synth the table set")
+        log.info("verified checksums of %s", config.tables)
+    from ..storage.tiered import TieredStore  # the engine is loaded only by the daemon
+
+    return TieredStore.open(config.tables, dram_bytes=config.dram_bytes, mode=config.store_mode,
+                            policy=config.cache_policy, queue_depth=config.nvme_queue_depth,
+                            huge_pages=config.huge_pages, warmup=config.warmup_profile or None)
+
+
+def raise_fd_limit() -> int:
+    """Soft RLIMIT_NOFILE up to the hard limit: each Unix client holds two fds (socket, region)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the fd limit from %d: %s", soft, exc)
+    return soft
+
+
+def sd_notify(state: str, environ: dict[str, str] | None = None) -> bool:
+    """Send ``state`` to systemd's NOTIFY_SOCKET if set (datagram, no dependency); True if sent."""
+    address = (os.environ if environ is None else environ).get("NOTIFY_SOCKET", "")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(address)
+            s.sendall(state.encode())
+        return True
+    except OSError as exc:
+        log.warning("sd_notify(%s) to %s failed: %s", state, address, exc)
+        return False
+
+
+class Daemon:
+    """One ``serve`` run. :meth:`run` is a coroutine on the process's event loop."""
+
+    def __init__(self, config: DaemonConfig, store_opener: StoreOpener | None = None) -> None:
+        self.config = config
+        self.store_opener = store_opener or open_store
+        self.stats = DaemonStats()
+        self.store: RowStore | None = None
+        self.spec: dict[str, Any] = {}
+        self.pool = ThreadPoolExecutor(config.worker_count, thread_name_prefix="engram-lookup")
+        self.unix = None
+        self.grpc = None
+        self.metrics = None
+
+    # --- facts served to clients ------------------------------------------
+    def info(self) -> dict[str, Any]:
+        store = self.store
+        if store is None:
+            raise errors.Unavailable("engram-store is starting")
+        arena = store.arena()
+        return {
+            "layers": list(store.layers), "rows": {str(layer): store.rows(layer) for layer in store.layers},
+            "row_bytes": store.row_bytes, "mode": store.mode, "spec": self.spec,
+            "max_request_rows": self.config.max_request_rows, "workers": self.config.worker_count,
+            "version": __version__,
+            "protocol_version": wire.VERSION, "pid": os.getpid(),
+            "arena": None if arena is None else {
+                "size": arena.size,
+                "layers": [{"layer": a.layer, "offset": a.offset, "rows": a.rows, "row_bytes": a.row_bytes}
+                           for a in arena.layers]},
+        }
+
+    def stats_snapshot(self) -> dict[str, float]:
+        store_stats = self.store.stats() if self.store is not None else {}
+        return combined_snapshot(self.stats, store_stats)
+
+    # --- lifecycle ----------------------------------------------------------
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        _remove(self.config.ready_file)
+        raise_fd_limit()
+        try:
+            await loop.run_in_executor(None, self._open)
+            if stop.is_set():
+                log.info("stop requested while loading; exiting")
+                return 0
+            await self._listen()
+            self._announce()
+            await stop.wait()
+            log.info("SIGTERM: draining in-flight requests (at most %.0fs)", self.config.drain_seconds)
+            sd_notify("STOPPING=1")
+        finally:
+            await self._shutdown()
+        return 0
+
+    def _open(self) -> None:
+        self.spec = Manifest.load(self.config.tables).spec.to_dict() if self.config.tables else {}
+        store = self.store_opener(self.config)
+        self.store = store
+        log.info("serving %s: layers %s, %d-byte rows, %s mode", self.config.tables, list(store.layers),
+                 store.row_bytes, store.mode)
+
+    async def _listen(self) -> None:
+        from .grpc_service import EngramStoreService, GrpcServer
+        from .metrics import DaemonCollector, MetricsServer
+        from .server import UnixServer
+
+        store = self.store
+        if store is None:
+            raise errors.Unavailable("store not open")
+        if self.config.socket:
+            self.unix = UnixServer(store, self.config, self.stats, self.pool, self.info, self.stats_snapshot)
+            self.unix.start()
+        if self.config.grpc:
+            service = EngramStoreService(self.config, self.stats.grpc, self.pool, self.info, self.stats_snapshot)
+            service.attach(store)
+            self.grpc = GrpcServer(service, self.config)
+            await self.grpc.start()
+        if self.config.metrics:
+            self.metrics = MetricsServer(DaemonCollector(self.stats, store.stats, store.mode), self.config.metrics)
+            self.metrics.start()
+
+    def ready_info(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(), "version": __version__,
+            "socket": self.unix.path if self.unix else "",
+            "unix": f"unix://{self.unix.path}" if self.unix else "",
+            "grpc": self.grpc.address if self.grpc else "",
+            "metrics": self.metrics.address if self.metrics else "",
+            "mode": self.store.mode if self.store else "",
+        }
+
+    def _announce(self) -> None:
+        ready = self.ready_info()
+        if self.config.ready_file:
+            write_file_atomic(self.config.ready_file, json.dumps(ready).encode())
+        sd_notify(f"READY=1\nSTATUS=serving {ready['mode']}\nMAINPID={os.getpid()}")
+        log.info("ready: %s", ready)
+
+    async def _shutdown(self) -> None:
+        loop = asyncio.get_running_loop()
+        drain = self.config.drain_seconds
+        waits = []
+        if self.unix is not None:
+            waits.append(loop.run_in_executor(None, self.unix.stop, drain))
+        if self.grpc is not None:
+            waits.append(self.grpc.stop(drain))
+        done = await asyncio.gather(*waits, return_exceptions=True)
+        busy = done[0] if self.unix is not None and isinstance(done[0], int) else 0
+        for result in done:
+            if isinstance(result, BaseException):
+                log.error("listener shutdown failed: %s", result)
+        await loop.run_in_executor(None, self.pool.shutdown, True)
+        if self.metrics is not None:
+            self.metrics.stop()
+        if busy:  # a lookup may still read the store: leave it to process exit
+            log.warning("%d Unix clients still busy after %.0fs; exiting without closing the store", busy, drain)
+        elif self.store is not None:
+            self.store.close()
+            self.store = None
+        _remove(self.config.ready_file)
+        log.info("stopped")
+
+
+def _remove(path: str) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def run(config: DaemonConfig, store_opener: StoreOpener | None = None) -> int:
+    """Run the daemon until SIGTERM on uvloop (or plain asyncio when configured or absent)."""
+    daemon = Daemon(config, store_opener)
+    if config.grpc_event_loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            log.warning("uvloop is not installed; using the asyncio event loop")
+        else:
+            return uvloop.run(daemon.run())
+    return asyncio.run(daemon.run())

@@ -1,0 +1,230 @@
+"""``EngramClient``: rows from an engram-store daemon, over shared memory or gRPC.
+
+    with EngramClient.connect("unix:///run/engram-store/engram-store.sock") as c:
+        rows = c.lookup(1, row_ids)                  # uint8 row_ids.shape + (row_bytes,)
+        c.lookup_into(1, row_ids, pinned_buffer)     # into a caller-owned buffer
+        with c.lookup_view(1, row_ids) as view:      # unix: read-only view of the shared region
+            ...
+        h = c.submit(1, row_ids); ...; rows = h.wait(); h.release()
+        buf = c.reserve((n, c.row_bytes)); c.lookup_into(1, ids, buf)   # unix: one copy
+
+``unix://PATH`` maps a per-client shared region (``shared_region``, where the
+daemon writes rows; register it with cudaHostRegister for DMA) and, when the
+daemon is resident, the whole table arena read-only (``arena``). ``grpc://HOST:PORT``
+(``grpcs://`` with ``tls_ca``) works from anywhere. Thread-safe. When the
+daemon restarts, the next call reconnects by itself (within ``reconnect_timeout``)
+and ``generation`` goes up: views, ``shared_region`` and ``arena`` taken
+before belong to the old connection and must be fetched again.
+Errors are ``engram_store.errors`` classes carrying the daemon's message.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, TypeVar
+
+import numpy as np
+
+from engram_store import errors
+
+T = TypeVar("T")
+_SCHEMES = ("unix://", "grpc://", "grpcs://")
+
+
+class LookupHandle:
+    """A submitted lookup: ``wait()`` -> rows (a read-only view of the shared region over unix,
+    an owned array over gRPC); ``release()`` frees the region space. Also a context manager."""
+
+    def __init__(self, client: "EngramClient", layer: int, row_ids: np.ndarray) -> None:
+        self._client, self._layer, self._ids = client, layer, row_ids
+        self._inner: Any = None
+        self._rows: np.ndarray | None = None
+        self._start()
+
+    def _start(self) -> None:
+        self._inner = self._client._with_transport(lambda t: _submit(t, self._layer, self._ids))
+
+    def wait(self) -> np.ndarray:
+        if self._rows is None:
+            while True:
+                try:
+                    self._rows = self._inner.wait() if hasattr(self._inner, "wait") else self._inner
+                    break
+                except errors.Unavailable:  # the daemon went away: ask the restarted one
+                    self._start()
+        return self._rows
+
+    def done(self) -> bool:
+        return self._rows is not None
+
+    def release(self) -> None:
+        if hasattr(self._inner, "release"):
+            self._inner.release()
+        self._rows = None
+        self._inner = None
+
+    def __enter__(self) -> np.ndarray:
+        return self.wait()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _submit(transport: Any, layer: int, row_ids: np.ndarray) -> Any:
+    if transport.kind == "unix":
+        return transport.submit(layer, row_ids)
+    ids = np.asarray(row_ids)
+    out = np.empty(ids.shape + (transport.row_bytes,), dtype=np.uint8)
+    return transport.lookup_into(layer, ids, out)  # gRPC: done by the time submit returns
+
+
+class EngramClient:
+    """A connection to one engram-store daemon. Build it with :meth:`connect`."""
+
+    def __init__(self, address: str, *, shm_bytes: int = 0, connect_timeout: float = 5.0,
+                 reconnect_timeout: float = 30.0, tls_ca: str | None = None, spin_us: int = 0) -> None:
+        if not address.startswith(_SCHEMES):
+            raise errors.ConfigError(f"address {address!r}: expected unix:///path/to.sock, grpc://host:port or grpcs://host:port")
+        self.address = address
+        self.shm_bytes, self.connect_timeout = shm_bytes, connect_timeout
+        self.reconnect_timeout, self.tls_ca, self.spin_us = reconnect_timeout, tls_ca, spin_us
+        self._lock = threading.Lock()
+        self._transport: Any = None
+        self._closed = False
+        self.generation = 0  # goes up on every (re)connect
+
+    @classmethod
+    def connect(cls, address: str, *, shm_bytes: int = 0, connect_timeout: float = 5.0,
+                reconnect_timeout: float = 30.0, tls_ca: str | None = None, spin_us: int = 0) -> "EngramClient":
+        """Connect now (raises Unavailable if the daemon is not there); later calls reconnect by themselves.
+        ``shm_bytes``: size of the shared region to ask for (0 = the daemon's client_shm_bytes).
+        ``spin_us`` (unix): busy-poll this long for a reply before sleeping; lower latency when
+        the client has a spare CPU (e.g. 2000 for decode-sized lookups), 0 to never spin."""
+        client = cls(address, shm_bytes=shm_bytes, connect_timeout=connect_timeout,
+                     reconnect_timeout=reconnect_timeout, tls_ca=tls_ca, spin_us=spin_us)
+        client._current()
+        return client
+
+    # --- connection management ------------------------------------------------
+    def _open(self) -> Any:
+        if self.address.startswith("unix://"):
+            from engram_store.daemon.unix_client import UnixTransport
+
+            return UnixTransport(self.address[len("unix://"):], self.shm_bytes, self.connect_timeout,
+                                 spin_seconds=self.spin_us / 1e6)
+        from engram_store.daemon.grpc_client import GrpcTransport
+
+        target = self.address.split("://", 1)[1]
+        if self.address.startswith("grpcs://") and not self.tls_ca:
+            raise errors.ConfigError("grpcs:// needs tls_ca (the PEM file of the daemon's CA)")
+        return GrpcTransport(target, tls_ca=self.tls_ca, connect_timeout=self.connect_timeout)
+
+    def _current(self) -> Any:
+        with self._lock:
+            if self._closed:
+                raise errors.Unavailable("this EngramClient is closed")
+            if self._transport is None or self._transport.broken:
+                if self._transport is not None:
+                    self._transport.close()
+                    self._transport = None
+                self._transport = self._open()
+                self.generation += 1
+            return self._transport
+
+    def _with_transport(self, call: Callable[[Any], T]) -> T:
+        """Run ``call(transport)``; on Unavailable reconnect and retry until reconnect_timeout."""
+        deadline, backoff = None, 0.02
+        while True:
+            try:
+                return call(self._current())
+            except errors.Unavailable:
+                if self._closed:
+                    raise
+                now = time.monotonic()
+                deadline = deadline or now + self.reconnect_timeout
+                if now >= deadline:
+                    raise
+                time.sleep(min(backoff, max(0.0, deadline - now)))  # back off while the daemon restarts
+                backoff = min(backoff * 2, 0.5)
+
+    # --- lookups --------------------------------------------------------------
+    @property
+    def row_bytes(self) -> int:
+        return self._with_transport(lambda t: t.row_bytes)
+
+    def lookup(self, layer: int, row_ids: Any) -> np.ndarray:
+        """uint8 ``row_ids.shape + (row_bytes,)``, owned by the caller."""
+        ids = np.asarray(row_ids)
+        out = np.empty(ids.shape + (self.row_bytes,), dtype=np.uint8)
+        return self.lookup_into(layer, ids, out)
+
+    def lookup_into(self, layer: int, row_ids: Any, out: np.ndarray) -> np.ndarray:
+        """Fill ``out`` (uint8, C-contiguous, ``row_ids.shape + (row_bytes,)``, e.g. pinned); returns it."""
+        ids = np.asarray(row_ids)
+        return self._with_transport(lambda t: t.lookup_into(layer, ids, out))
+
+    def submit(self, layer: int, row_ids: Any) -> LookupHandle:
+        """Start a lookup and return at once (unix); ``handle.wait()`` gives the rows."""
+        return LookupHandle(self, layer, np.asarray(row_ids))
+
+    def lookup_view(self, layer: int, row_ids: Any) -> LookupHandle:
+        """Zero copy over unix: ``with client.lookup_view(L, ids) as rows:`` reads rows in the shared region."""
+        return self.submit(layer, row_ids)
+
+    # --- shared memory (unix transport) -----------------------------------------
+    def reserve(self, shape: tuple[int, ...]) -> np.ndarray:
+        """uint8 array of ``shape`` inside the shared region (unix only; pin it with
+        cudaHostRegister). ``lookup_into(L, ids, out)`` with ``out`` in it is one copy: the
+        daemon writes the rows there. Held until :meth:`unreserve`, or a reconnect (after
+        which it is an ordinary buffer and lookups copy into it)."""
+        def take(t: Any) -> np.ndarray:
+            if t.kind != "unix":
+                raise errors.InvalidRequest("reserve() needs the unix:// transport (shared memory)")
+            return t.reserve(int(np.prod(shape, dtype=np.int64))).reshape(shape)
+
+        return self._with_transport(take)
+
+    def unreserve(self, buf: np.ndarray) -> None:
+        """Give a :meth:`reserve` buffer back (a no-op after a reconnect)."""
+        transport = self._current()
+        if transport.kind == "unix" and transport.region is not None and np.shares_memory(buf, transport.region):
+            transport.unreserve(buf)
+
+    @property
+    def shared_region(self) -> np.ndarray | None:
+        """uint8 view of the whole shared region rows land in (None over gRPC); stable until a reconnect."""
+        return self._with_transport(lambda t: t.region)
+
+    @property
+    def arena(self):
+        """``ClientArena`` (read-only ``array``, ``layers``: ArenaLayer tuple, ``layer_rows(L)``,
+        ``gather_into(L, ids, out)``) when the daemon is resident and local, else None."""
+        return self._with_transport(lambda t: t.arena)
+
+    # --- facts ----------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        """layers, rows ({layer: n}), row_bytes, mode, spec (ModelSpec.to_dict()), max_request_rows, transport."""
+        info = dict(self._with_transport(lambda t: t.info() | {"transport": t.kind}))
+        info["rows"] = {int(k): int(v) for k, v in info["rows"].items()}
+        return info
+
+    def stats(self) -> dict[str, float]:
+        """The daemon's counters (store_* from the store, unix_* / grpc_* per transport, hit_ratio)."""
+        return self._with_transport(lambda t: t.stats())
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._transport is not None:
+                self._transport.close()
+                self._transport = None
+
+    def __enter__(self) -> "EngramClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"EngramClient({self.address!r}, generation={self.generation})"

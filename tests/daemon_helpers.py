@@ -1,0 +1,150 @@
+"""Test helpers for the daemon: table sets, a daemon subprocess, raw protocol frames.
+
+The daemon runs as a real process (``python -m engram_store.daemon serve``) on
+a temp socket and ``127.0.0.1:0``; ``DaemonProcess.start`` waits for the ready
+file it writes (never sleeps and hopes) and ``stop`` always runs in finally.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from engram_store.daemon import wire
+from engram_store.spec import get_spec
+from engram_store.synth import write_synthetic
+from engram_store.tableset import TableSet
+
+REPO = Path(__file__).resolve().parent.parent
+START_TIMEOUT = 60.0  # generous: a loaded CI box; a healthy start takes about a second
+
+
+def make_tables(directory: Path, seed: int = 7) -> TableSet:
+    """A small synthetic table set (tiny spec: 2 layers, 72-byte rows)."""
+    write_synthetic(directory, get_spec("tiny"), seed=seed)
+    return TableSet.open(directory)
+
+
+def daemon_command() -> list[str]:
+    return [sys.executable, "-m", "engram_store.daemon"]
+
+
+@dataclass
+class DaemonProcess:
+    """One daemon subprocess and the addresses from its ready file."""
+
+    tables: Path
+    workdir: Path
+    dram_bytes: str = "1GiB"
+    extra: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    ready: dict = field(default_factory=dict)
+
+    @property
+    def socket_path(self) -> str:
+        return str(self.workdir / "engram.sock")
+
+    @property
+    def ready_file(self) -> Path:
+        return self.workdir / "ready.json"
+
+    @property
+    def unix(self) -> str:
+        return f"unix://{self.socket_path}"
+
+    @property
+    def grpc(self) -> str:
+        return f"grpc://{self.ready['grpc']}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start(self) -> "DaemonProcess":
+        self.ready_file.unlink(missing_ok=True)
+        args = daemon_command() + [
+            "serve", "--tables", str(self.tables), "--dram-bytes", self.dram_bytes, "--socket", self.socket_path,
+            "--grpc", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--ready-file", str(self.ready_file),
+            "--log-level", "WARNING", *self.extra]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_STORE_")} | self.env
+        self.log = open(self.workdir / "daemon.log", "ab")
+        self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT
+        while not self.ready_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.log_text()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"daemon not ready after {START_TIMEOUT}s: {self.log_text()}")
+            time.sleep(0.02)  # polling the ready file, not waiting blindly
+        self.ready = json.loads(self.ready_file.read_text())
+        return self
+
+    def log_text(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return (self.workdir / "daemon.log").read_text(errors="replace")[-4000:]
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if getattr(self, "log", None):
+            self.log.close()
+
+    def fd_count(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+    def __enter__(self) -> "DaemonProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def raw_connect(path: str, shm_bytes: int = 1 << 20) -> tuple[socket.socket, wire.Frame, bytes, list[int]]:
+    """Handshake by hand: returns the socket, the WELCOME frame, its payload and the fds (caller closes)."""
+    from engram_store.daemon import shm
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.connect(path)
+    sock.sendall(wire.Frame(wire.Op.HELLO, count=shm_bytes).pack())
+    data, fds = shm.recv_with_fds(sock, wire.FRAME.size, 4)
+    if len(data) < wire.FRAME.size:
+        data += shm.recv_exact(sock, wire.FRAME.size - len(data))
+    frame = wire.Frame.unpack(data)
+    payload = shm.recv_exact(sock, frame.payload_bytes) if frame.payload_bytes else b""
+    return sock, frame, payload, fds
+
+
+def read_result(sock: socket.socket) -> tuple[wire.Frame, bytes]:
+    from engram_store.daemon import shm
+
+    frame = wire.Frame.unpack(shm.recv_exact(sock, wire.FRAME.size))
+    payload = shm.recv_exact(sock, frame.payload_bytes) if frame.payload_bytes else b""
+    return frame, payload
+
+
+def expected(tables: TableSet, layer: int, ids: np.ndarray) -> np.ndarray:
+    """The reference bytes, shaped like a client's answer."""
+    ids = np.asarray(ids)
+    return tables.read_rows(layer, ids.reshape(-1)).reshape(ids.shape + (tables.row_bytes,))
+

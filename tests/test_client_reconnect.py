@@ -1,0 +1,69 @@
+"""The same EngramClient object survives a daemon killed with SIGKILL and restarted."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from daemon_helpers import DaemonProcess, expected, make_tables
+
+from engram_store import errors
+from gpu_client.client import EngramClient
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    return make_tables(tmp_path_factory.mktemp("tables") / "tiny", seed=5)
+
+
+def _restart_on_same_addresses(old: DaemonProcess) -> DaemonProcess:
+    grpc_port = old.ready["grpc"].rsplit(":", 1)[1]  # the port the first run picked
+    new = DaemonProcess(old.tables, old.workdir, extra=["--grpc", f"127.0.0.1:{grpc_port}"])
+    return new.start()
+
+
+@pytest.mark.parametrize("transport", ["unix", "grpc"])
+def test_client_survives_sigkill_and_restart(tables, tmp_path, transport):
+    first = DaemonProcess(tables.directory, tmp_path).start()
+    second = None
+    try:
+        address = first.unix if transport == "unix" else first.grpc
+        client = EngramClient.connect(address, reconnect_timeout=60)
+        ids = np.random.default_rng(0).integers(0, min(tables.rows(1), tables.rows(3)), size=(40, 24))
+        np.testing.assert_array_equal(client.lookup(3, ids), expected(tables, 3, ids))
+        generation = client.generation
+        first.kill()
+
+        results: dict[str, object] = {}
+
+        def lookup_while_down() -> None:  # blocks in the client's reconnect loop until the restart
+            try:
+                results["rows"] = client.lookup(1, ids)
+            except Exception as exc:  # reported below
+                results["error"] = exc
+
+        worker = threading.Thread(target=lookup_while_down)
+        worker.start()
+        second = _restart_on_same_addresses(first)
+        worker.join(120)
+        assert not worker.is_alive() and "error" not in results, results
+        np.testing.assert_array_equal(results["rows"], expected(tables, 1, ids))
+        np.testing.assert_array_equal(client.lookup(3, ids), expected(tables, 3, ids))
+        assert client.generation > generation
+        if transport == "unix":
+            assert second.ready["mode"] == "resident" and client.arena is not None
+        client.close()
+        with pytest.raises(errors.Unavailable):
+            client.lookup(1, ids)
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+def test_connect_to_nothing_is_unavailable(tmp_path):
+    with pytest.raises(errors.Unavailable, match="cannot connect"):
+        EngramClient.connect(f"unix://{tmp_path}/nothing.sock")
+    with pytest.raises(errors.ConfigError, match="expected unix://"):
+        EngramClient.connect("http://localhost:1")
