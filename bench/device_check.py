@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""Every CUDA-dependent check of the GPU client in one run (under 5 minutes on an H200); one table.
+
+Checks (CUDA / without CUDA):
+
+  hash          torch row ids on the GPU equal the numpy reference      / torch on CPU vs numpy
+  prefetch      prefetched rows byte-exact vs TableSet.read_rows, every  / the CPU paths
+                path (resident-uva, staged-shm, staged-pinned; daemon
+                resident and cached)
+  h2d           H2D GB/s from the daemon's shared region registered     / skipped
+                with cudaHostRegister, vs pinned and pageable buffers
+  gather        UVA gather GB/s from the registered arena (decode 256    / index_select GB/s on CPU
+                and prefill 8192 sized requests)
+  kvikio        kvikio read GB/s of a layer file into device memory and / skipped
+                whether cuFile (GDS) or compat (POSIX) mode was used
+  e2e           bench/e2e.py --quick overheads (b, c vs a)               / same, tiny model on CPU
+
+    python bench/device_check.py              # CUDA if present, else the CPU-checkable parts
+    python bench/device_check.py --cpu-only --json
+Exit status 1 if a correctness check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import e2e  # noqa: E402
+from engram_store import TableSet, get_spec  # noqa: E402
+from engram_store.hashing import row_ids_numpy, row_ids_torch  # noqa: E402
+from engram_store.synth import write_synthetic  # noqa: E402
+from gpu_client import EngramClient, EngramPrefetcher, LocalClient, Step  # noqa: E402
+from gpu_client.resident import ArenaGather, readonly_tensor, register_host_memory, unregister_host_memory  # noqa: E402
+
+
+def row(check: str, ok: bool | None, value: str = "", note: str = "") -> dict:
+    return {"check": check, "status": {True: "ok", False: "FAIL", None: "skipped"}[ok], "value": value, "note": note}
+
+
+def _timeit(fn, device, seconds: float = 0.5) -> float:
+    """Seconds per call: one warm-up, then repeat for about ``seconds``."""
+    fn()
+    e2e._sync(device)
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn()
+        n += 1
+    e2e._sync(device)
+    return (time.perf_counter() - start) / n
+
+
+def check_hash(spec, device) -> dict:
+    rng = np.random.default_rng(0)
+    bad = 0
+    for trial in range(20):
+        lengths = rng.integers(0, 40, size=int(rng.integers(1, 9)))
+        tokens = rng.integers(0, spec.compressed_vocab, size=int(lengths.sum()))
+        tokens[rng.random(tokens.size) < 0.05] = -1
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        hist = rng.integers(-1, spec.compressed_vocab, size=(lengths.size, spec.history_len))
+        for layer in spec.layers:
+            want = row_ids_numpy(spec, layer, tokens, cu, hist)
+            got = row_ids_torch(spec, layer, torch.from_numpy(tokens).to(device), torch.from_numpy(cu).to(device),
+                                torch.from_numpy(hist).to(device)).cpu().numpy()
+            bad += int(not np.array_equal(got, want))
+    return row("hash", bad == 0, f"{20 * len(spec.layers) - bad}/{20 * len(spec.layers)} batches equal",
+               f"{spec.name}, torch on {device} vs numpy")
+
+
+def _reference_steps(spec, ts: TableSet, seed: int):
+    """(steps, expected rows per step and layer): a prefill chunk of 6 requests, then 4 decode steps.
+
+    Expected rows hash each request's whole sequence so far (no history), then read the reference reader.
+    """
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, spec.compressed_vocab, size=int(rng.integers(1, 30))) for _ in range(6)]
+    steps = [Step.from_lists(range(6), prompts)]
+    steps += [Step.decode(range(6), rng.integers(0, spec.compressed_vocab, size=6), finished=range(6) if k == 3 else ())
+              for k in range(4)]
+    seqs: dict[int, list[int]] = {r: [] for r in range(6)}
+    expected = []
+    for step in steps:
+        per_layer: dict[int, list[np.ndarray]] = {layer: [] for layer in spec.layers}
+        for b, r in enumerate(step.request_ids):
+            new = step.tokens[step.cu_seqlens[b]: step.cu_seqlens[b + 1]]
+            seqs[r].extend(int(t) for t in new)
+            for layer in spec.layers:
+                ids = row_ids_numpy(spec, layer, np.asarray(seqs[r]))[len(seqs[r]) - new.size:]
+                per_layer[layer].append(ts.read_rows(layer, ids).reshape(new.size, spec.rows_per_token, spec.row_bytes))
+        expected.append({layer: np.concatenate(p) for layer, p in per_layer.items()})
+    return steps, expected
+
+
+def check_prefetch(spec, ts: TableSet, clients: dict, device) -> list[dict]:
+    out = []
+    steps, expected = _reference_steps(spec, ts, seed=1)
+    for name, (client, kwargs) in clients.items():
+        try:
+            with EngramPrefetcher(client, device=device, max_tokens=256, **kwargs) as pf:
+                futs = [pf.submit(steps[0])]
+                good = True
+                for k in range(len(steps)):  # step k+1 submitted before step k is consumed
+                    if k + 1 < len(steps):
+                        futs.append(pf.submit(steps[k + 1]))
+                    for layer in spec.layers:
+                        good &= np.array_equal(futs[k].wait(layer).cpu().numpy(), expected[k][layer])
+                out.append(row(f"prefetch {name}", good, pf.path, f"{len(steps)} steps, overlapped, on {device}"))
+        except Exception as exc:  # reported in the table, the other checks still run
+            out.append(row(f"prefetch {name}", False, "", f"{type(exc).__name__}: {exc}"))
+    return out
+
+
+def check_h2d(client, device) -> list[dict]:
+    if device.type != "cuda":
+        return [row("h2d", None, "", "no CUDA device")]
+    region = client.shared_region
+    nbytes = min(region.nbytes // 2, 32 << 20)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    sources = {"pageable": torch.empty(nbytes, dtype=torch.uint8), "pinned": torch.empty(nbytes, dtype=torch.uint8).pin_memory()}
+    registered = register_host_memory(region.ctypes.data, region.nbytes)
+    if registered:
+        sources["shm-registered"] = readonly_tensor(region[:nbytes])
+    out = []
+    for name, src in sources.items():
+        per = _timeit(lambda: dst.copy_(src, non_blocking=True), device)
+        out.append(row(f"h2d {name}", True, f"{nbytes / per / 1e9:.1f} GB/s", f"{nbytes >> 20} MiB copies"))
+    if registered:
+        unregister_host_memory(region.ctypes.data)
+    else:
+        out.append(row("h2d shm-registered", False, "", "cudaHostRegister refused the shared region"))
+    return out
+
+
+def check_gather(spec, client, device) -> list[dict]:
+    try:
+        gather = ArenaGather.for_client(client, spec, device)
+    except Exception as exc:
+        return [row("gather", False, "", f"{type(exc).__name__}: {exc}")]
+    if gather is None:
+        return [row("gather", False, "", "no resident arena from the client")]
+    out = []
+    layer = spec.layers[0]
+    for label, n in (("decode-256", 256 * spec.rows_per_token), ("prefill-8192", 8192 * spec.rows_per_token)):
+        ids = torch.from_numpy(np.random.default_rng(2).integers(0, spec.rows(layer), size=n)).to(device)
+        dst = torch.empty(n, spec.row_bytes, dtype=torch.uint8, device=device)
+        per = _timeit(lambda: gather.gather_into(layer, ids, dst), device)
+        out.append(row(f"gather {gather.path} {label}", True, f"{n * spec.row_bytes / per / 1e9:.2f} GB/s",
+                       f"{n} rows, {per * 1e6:.0f} us"))
+    gather.close()
+    return out
+
+
+def check_kvikio(ts: TableSet, device) -> list[dict]:
+    if device.type != "cuda":
+        return [row("kvikio", None, "", "no CUDA device")]
+    try:
+        import kvikio
+        import kvikio.defaults
+    except ImportError as exc:
+        return [row("kvikio", None, "", f"kvikio not installed ({exc}); GDS path left out")]
+    path = ts.path(ts.layers[0])
+    nbytes = path.stat().st_size
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    try:
+        compat = kvikio.defaults.get("compat_mode") if hasattr(kvikio.defaults, "get") else kvikio.defaults.compat_mode()
+    except Exception as exc:
+        compat = f"unknown ({exc})"
+    with kvikio.CuFile(str(path), "r") as f:
+        per = _timeit(lambda: f.read(buf), device)
+        preferred = getattr(f, "is_compat_mode_preferred", lambda: None)()
+    mode = "compat (POSIX)" if preferred or str(compat).upper().endswith(("ON", "TRUE")) else "cuFile"
+    return [row("kvikio read", True, f"{nbytes / per / 1e9:.2f} GB/s",
+                f"{nbytes >> 20} MiB layer file (page cache warm); mode {mode}, compat_mode={compat}")]
+
+
+def check_e2e(device, cpu_only: bool) -> list[dict]:
+    argv = ["--quick", "--device", str(device)] + (["--hidden", "64", "--mlp", "128", "--heads", "4"] if cpu_only else [])
+    doc = e2e.measure(e2e.parse_args(argv))
+    paths = " ".join(f"{n}={p}" for n, p in doc["paths"].items())
+    out = [row("e2e logits identical", doc["logits_identical"], f"daemon {doc['daemon_mode']}", paths)]
+    for wname, res in doc["results"].items():
+        value = ", ".join(f"{n} {res[n]['overhead_pct']:+.1f}%" for n in res if n not in ("a", "tokens_per_step"))
+        out.append(row(f"e2e {wname}", True, value, f"a = {res['a']['step_ms']:.2f} ms/step (quick run)"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 2)[2],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-only", action="store_true", help="run the CPU-checkable parts only (automatic without CUDA)")
+    ap.add_argument("--scale", type=float, default=0.002,
+                    help="table size on CUDA, a fraction of DeepSeek-V4.1-Flash (0.002: about 380 MB)")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = ap.parse_args(argv)
+    cpu_only = args.cpu_only or not torch.cuda.is_available()
+    device = torch.device("cpu" if cpu_only else "cuda")
+    spec = get_spec("tiny") if cpu_only else get_spec("deepseek-v4.1-flash", args.scale)
+    rows = [check_hash(get_spec("deepseek-v4.1-flash"), device)]
+    with tempfile.TemporaryDirectory(prefix="engram-devcheck-") as tmp:
+        tmp = Path(tmp)
+        write_synthetic(tmp / "tables", spec, seed=0)
+        ts = TableSet.open(tmp / "tables")
+        (tmp / "r").mkdir()
+        (tmp / "c").mkdir()
+        with e2e.Daemon(tmp / "tables", tmp / "r", "64GiB") as resident, \
+                e2e.Daemon(tmp / "tables", tmp / "c", "1MiB") as cached:
+            local = LocalClient.open(tmp / "tables")
+            daemon = EngramClient.connect(resident.ready["unix"])
+            cold = EngramClient.connect(cached.ready["unix"])
+            clients = {"local resident": (local, dict(resident=True)),
+                       "local staged": (local, dict(resident=False)),
+                       f"daemon {daemon.info()['mode']}": (daemon, dict()),
+                       "daemon staged": (daemon, dict(resident=False)),
+                       f"daemon {cold.info()['mode']}": (cold, dict())}
+            rows += check_prefetch(spec, ts, clients, device)
+            rows += check_h2d(daemon, device)
+            rows += check_gather(spec, daemon, device)
+            rows += check_kvikio(ts, device)
+            for c in (local, daemon, cold):
+                c.close()
+        ts.close()
+    rows += check_e2e(device, cpu_only)
+    if args.json:
+        print(json.dumps({"device": torch.cuda.get_device_name() if not cpu_only else "cpu", "rows": rows}, indent=1))
+    else:
+        print(f"device check on {torch.cuda.get_device_name() if not cpu_only else 'CPU only'} ({spec.name})")
+        print(f"{'check':<34}{'status':<9}{'value':<44}note")
+        for r in rows:
+            print(f"{r['check']:<34}{r['status']:<9}{r['value']:<44}{r['note']}")
+    return 1 if any(r["status"] == "FAIL" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Engram rows to bf16: FP8 e4m3fn payload times a power-of-two E8M0 scale per block.
+
+A row is ``dim`` payload bytes (FP8 e4m3fn values) followed by ``dim // scale_block``
+scale bytes (E8M0: the value ``2^(byte - 127)``, 255 meaning NaN). The value of
+payload ``i`` is ``fp8(payload[i]) * 2^(scale[i // scale_block] - 127)``.
+
+The arithmetic is exact in float32 (an e4m3 value has 4 significant bits and the
+smallest product, 2^-9 * 2^-127, is a float32 subnormal), so the only rounding is
+the final cast to bf16. Works on any device torch supports float8 on (CPU, CUDA),
+with fixed shapes and no host synchronization, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Union
+
+from engram_store.errors import InvalidRequest
+from engram_store.spec import ModelSpec, RowFormat
+
+if TYPE_CHECKING:
+    import torch
+
+E8M0_BIAS = 127
+E8M0_NAN = 255
+
+
+def _row_format(spec_or_row_format: Union[ModelSpec, RowFormat]) -> RowFormat:
+    if isinstance(spec_or_row_format, ModelSpec):
+        return spec_or_row_format.row_format
+    if isinstance(spec_or_row_format, RowFormat):
+        return spec_or_row_format
+    raise InvalidRequest(f"dequantize needs a ModelSpec or RowFormat, got {type(spec_or_row_format).__name__}")
+
+
+@functools.cache
+def _scale_table_cpu():
+    """float32 ``[256]``: the value of every E8M0 byte (NaN for 255)."""
+    import torch
+
+    table = torch.ldexp(torch.ones(256, dtype=torch.float32), torch.arange(256, dtype=torch.int32) - E8M0_BIAS)
+    table[E8M0_NAN] = float("nan")
+    return table
+
+
+_scale_tables: dict = {}
+
+
+def _scale_table(device: "torch.device") -> "torch.Tensor":
+    table = _scale_tables.get(device)
+    if table is None:
+        table = _scale_tables[device] = _scale_table_cpu().to(device)
+    return table
+
+
+def dequantize(rows: "torch.Tensor", spec_or_row_format: Union[ModelSpec, RowFormat],
+               *, out: "torch.Tensor | None" = None) -> "torch.Tensor":
+    """bf16 ``[T, rows_per_token * dim]`` from uint8 rows ``[T, rows_per_token, row_bytes]``.
+
+    ``out`` (bf16, that shape, same device) is filled and returned when given, so a
+    caller with fixed-capacity buffers allocates nothing per step.
+    """
+    import torch
+
+    fmt = _row_format(spec_or_row_format)
+    if rows.dtype != torch.uint8 or rows.dim() != 3 or rows.shape[-1] != fmt.row_bytes:
+        raise InvalidRequest(f"rows must be uint8 [T, rows_per_token, {fmt.row_bytes}], "
+                             f"got {rows.dtype} {list(rows.shape)}")
+    T, R, _ = rows.shape
+    payload = rows[..., : fmt.dim].reshape(T, R, fmt.scale_count, fmt.scale_block)
+    values = payload.view(torch.float8_e4m3fn).to(torch.float32)
+    scales = _scale_table(rows.device)[rows[..., fmt.dim :].to(torch.int64)]  # [T, R, scale_count]
+    product = values * scales[..., None]
+    if out is None:
+        return product.reshape(T, R * fmt.dim).to(torch.bfloat16)
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (T, R * fmt.dim) or out.device != rows.device:
+        raise InvalidRequest(f"out must be bf16 [{T}, {R * fmt.dim}] on {rows.device}, "
+                             f"got {out.dtype} {list(out.shape)} on {out.device}")
+    out.copy_(product.reshape(T, R * fmt.dim))
+    return out

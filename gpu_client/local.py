@@ -1,0 +1,213 @@
+"""The "tables in process memory" baseline: a client with EngramClient's surface over a RowStore.
+
+:class:`LocalClient` wraps any :class:`engram_store.storage.base.RowStore`
+(``engram_store.TieredStore`` in process, or :class:`MemoryTables` below) and answers
+``lookup_into`` / ``lookup`` / ``info`` / ``stats`` / ``arena`` exactly like the
+daemon client does, so the prefetcher, the tiny model and the benchmarks run
+unchanged against either.
+
+:class:`MemoryTables` loads a table set into one sealed read-only memfd laid out
+like the daemon's resident arena (row ``r`` of a layer at ``offset + r * row_bytes``),
+so the resident fast path can be exercised without a daemon.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engram_store.errors import InvalidRequest, RowOutOfRange, UnknownLayer
+from engram_store.layout import PAGE_BYTES
+from engram_store.spec import ModelSpec
+from engram_store.storage.base import ArenaInfo, ArenaLayer, RowStore
+from engram_store.tableset import TableSet
+
+log = logging.getLogger(__name__)
+
+_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def check_lookup(layers: tuple[int, ...], rows_of, row_bytes: int, layer: int, row_ids: np.ndarray,
+                 out: np.ndarray) -> np.ndarray:
+    """Validate a ``lookup_into`` call per the RowStore contract; return the row ids as flat int64."""
+    if layer not in layers:
+        raise UnknownLayer(f"layer {layer} is not served; layers are {list(layers)}")
+    ids = np.asarray(row_ids)
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise InvalidRequest(f"row ids must be integers, got {ids.dtype}")
+    if out.dtype != np.uint8 or out.shape != ids.shape + (row_bytes,) or not out.flags.c_contiguous \
+            or not out.flags.writeable:
+        raise InvalidRequest(f"out must be a writable C-contiguous uint8 array of shape {ids.shape + (row_bytes,)}, "
+                             f"got {out.dtype} {out.shape}")
+    flat = ids.reshape(-1).astype(np.int64, copy=False)
+    if flat.size:
+        lo, hi = int(flat.min()), int(flat.max())
+        if lo < 0 or hi >= rows_of(layer):
+            raise RowOutOfRange(f"layer {layer}: row ids must be in [0, {rows_of(layer)}), got [{lo}, {hi}]")
+    return flat
+
+
+class MemoryTables:
+    """A RowStore holding a whole table set in process memory (one sealed memfd).
+
+    Thread-safe: lookups only read the mapping.
+    """
+
+    def __init__(self, spec: ModelSpec, layers: dict[int, np.ndarray]) -> None:
+        self.spec = spec
+        self._row_bytes = spec.row_bytes
+        entries, offset = [], 0
+        for layer, rows in layers.items():
+            entries.append(ArenaLayer(layer, offset, rows.shape[0], self._row_bytes))
+            offset += -(-rows.nbytes // PAGE_BYTES) * PAGE_BYTES
+        size = max(offset, PAGE_BYTES)
+        self._fd = os.memfd_create("engram-local-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(self._fd, size)
+        for entry, rows in zip(entries, layers.values()):
+            os.pwrite(self._fd, memoryview(np.ascontiguousarray(rows)).cast("B"), entry.offset)
+        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, _SEALS)
+        self._map = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        whole = np.frombuffer(self._map, dtype=np.uint8)
+        self._tables = {e.layer: whole[e.offset: e.offset + e.rows * e.row_bytes].reshape(e.rows, e.row_bytes)
+                        for e in entries}
+        self._arena = ArenaInfo(self._fd, size, tuple(entries))
+        self._requests = 0
+        self._rows = 0
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "MemoryTables":
+        """Read every layer of the table set at ``directory`` into memory."""
+        ts = TableSet.open(Path(directory))
+        try:
+            layers = {}
+            for layer in ts.layers:
+                entry = ts.manifest.layer(layer)
+                pages = np.fromfile(ts.path(layer), dtype=np.uint8)
+                layers[layer] = entry.layout.unpack(pages, 0, entry.rows)
+            return cls(ts.spec, layers)
+        finally:
+            ts.close()
+
+    # --- RowStore -------------------------------------------------------------
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(self._tables)
+
+    @property
+    def row_bytes(self) -> int:
+        return self._row_bytes
+
+    @property
+    def mode(self) -> str:
+        return "resident"
+
+    def rows(self, layer: int) -> int:
+        if layer not in self._tables:
+            raise UnknownLayer(f"layer {layer} is not served; layers are {list(self._tables)}")
+        return self._tables[layer].shape[0]
+
+    def lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> None:
+        flat = check_lookup(self.layers, self.rows, self._row_bytes, layer, row_ids, out)
+        np.take(self._tables[layer], flat, axis=0, out=out.reshape(-1, self._row_bytes), mode="clip")
+        self._requests += 1
+        self._rows += flat.size
+
+    def lookup(self, layer: int, row_ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(row_ids)
+        out = np.empty(ids.shape + (self._row_bytes,), dtype=np.uint8)
+        self.lookup_into(layer, ids, out)
+        return out
+
+    def arena(self) -> ArenaInfo | None:
+        return self._arena
+
+    def stats(self) -> dict[str, int | float]:
+        return {"requests": self._requests, "rows_dram": self._rows, "bytes_dram": self._rows * self._row_bytes,
+                "rows_nvme": 0, "bytes_nvme": 0, "arena_bytes": self._arena.size}
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            self._tables.clear()
+            try:
+                self._map.close()
+            except BufferError:  # a caller still holds a view; the mapping goes with it
+                log.debug("arena mapping still referenced at close")
+            os.close(self._fd)
+            self._fd = -1
+
+
+class LocalArena:
+    """A store's arena mapped read-only: ``array`` (flat uint8) and ``layers``, as ``EngramClient.arena``."""
+
+    def __init__(self, info: ArenaInfo) -> None:
+        self._map = mmap.mmap(info.fd, info.size, mmap.MAP_SHARED, mmap.PROT_READ)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self.size = info.size
+        self.layers = info.layers
+
+
+class LocalClient:
+    """An in-process client: the EngramClient surface over a RowStore, no daemon involved."""
+
+    def __init__(self, store: RowStore, spec: ModelSpec | None = None) -> None:
+        if spec is None:
+            spec = getattr(store, "spec", None) or getattr(getattr(store, "manifest", None), "spec", None)
+        if not isinstance(spec, ModelSpec):
+            raise InvalidRequest("LocalClient needs the table set's ModelSpec: pass spec= or a store with .spec")
+        self.store = store
+        self.spec = spec
+        self._arena: LocalArena | None = None
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike, *, store: str = "memory", **tiered: Any) -> "LocalClient":
+        """A client over the table set at ``directory``.
+
+        ``store="memory"``: loaded whole into process memory (:class:`MemoryTables`);
+        ``store="tiered"``: an in-process ``engram_store.TieredStore`` (``tiered`` are its
+        ``open`` arguments, e.g. ``dram_bytes=``, ``mode=``), the daemon's engine without the daemon.
+        """
+        if store == "memory":
+            return cls(MemoryTables.load(directory))
+        if store == "tiered":
+            from engram_store import TieredStore
+
+            return cls(TieredStore.open(directory, **tiered))
+        raise InvalidRequest(f"store must be 'memory' or 'tiered', got {store!r}")
+
+    def lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> None:
+        self.store.lookup_into(layer, row_ids, out)
+
+    def lookup(self, layer: int, row_ids: np.ndarray) -> np.ndarray:
+        return self.store.lookup(layer, row_ids)
+
+    @property
+    def arena(self) -> "LocalArena | None":
+        """The store's resident arena mapped read-only (like ``EngramClient.arena``), else None."""
+        if self._arena is None:
+            info = self.store.arena()
+            if info is not None:
+                self._arena = LocalArena(info)
+        return self._arena
+
+    def info(self) -> dict[str, Any]:
+        return {"layers": list(self.store.layers), "rows": {layer: self.store.rows(layer) for layer in self.store.layers},
+                "row_bytes": self.store.row_bytes, "mode": self.store.mode, "spec": self.spec.to_dict(),
+                "transport": "local"}
+
+    def stats(self) -> dict[str, int | float]:
+        return self.store.stats()
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> "LocalClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

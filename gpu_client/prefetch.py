@@ -1,0 +1,405 @@
+"""Layer-ahead prefetch of Engram rows into device buffers.
+
+Row ids depend only on token ids, so the rows of every Engram layer of a step
+can be fetched while the layers before them compute::
+
+    pf = EngramPrefetcher(client, device="cuda")
+    fut = pf.submit(Step.from_lists(["a", "b"], [[5, 9, 11], [7]]))   # returns at once
+    ...                                                               # earlier layers run
+    rows = fut.wait(layer)     # uint8 [T, rows_per_token, row_bytes] on the device
+
+``submit`` hashes on the device (keeping each request's last tokens as history
+so a decode step hashes like prefill), then a background thread fetches every
+layer in layer order. ``path`` says how (and ``info()`` reports it):
+
+* ``resident-cpu`` / ``resident-uva``: the daemon is resident and the client
+  mapped its arena; rows are gathered in process (CPU) or by the GPU over UVA;
+* ``staged-shm`` (CUDA): lookups land in the client's shared region, which is
+  registered with ``cudaHostRegister``, and are DMA'd from there on a side stream;
+* ``staged-pinned`` (CUDA): lookups into pinned staging buffers, then H2D
+  (gRPC clients, or a region the driver refused to register);
+* ``staged`` (CPU): lookups straight into the output buffers.
+
+Buffers: ``depth`` (default 2) sets of fixed-capacity buffers, used in turn, so
+step k+1's fetch overlaps step k's compute. The rows returned for a step stay
+valid until ``depth`` further steps are submitted; on CUDA, work enqueued on the
+current stream before a ``submit`` is complete before that submit's copies
+overwrite a buffer. CUDA-graph users capture one graph per buffer set over
+:meth:`EngramPrefetcher.buffer` and read the row count from :meth:`token_count`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+from typing import TYPE_CHECKING, Any, Hashable, Sequence
+
+import numpy as np
+
+from engram_store.errors import EngramStoreError, InvalidRequest, ResourceExhausted, StorageError
+from engram_store.hashing import hash_suffix_torch, next_history_torch, suffix_tokens_torch
+from engram_store.spec import ModelSpec
+
+from .step import RequestHistory, Step
+from .resident import ArenaGather, readonly_tensor, register_host_memory, unregister_host_memory
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+class PrefetchFuture:
+    """The rows of one submitted step; ``wait(layer)`` blocks only until that layer is on the device."""
+
+    def __init__(self, owner: "EngramPrefetcher", slot: int, num_tokens: int, ids: list) -> None:
+        self._owner = owner
+        self.slot = slot  # which buffer set holds the rows
+        self.num_tokens = num_tokens
+        self._ids = ids  # per layer: int64 row ids [T * rows_per_token] (host for staged, device for resident)
+        self._ids_ready = None  # CUDA event: ids copied to the host
+        self._handles: list = [None] * len(owner.layers)  # staged-shm: lookups in flight in the daemon
+        self._ready = [threading.Event() for _ in owner.layers]
+        self._copied: list = [None] * len(owner.layers)  # CUDA events: rows on the device
+        self._error: BaseException | None = None
+        self._claimed = [False] * len(owner.layers)
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return all(e.is_set() for e in self._ready)
+
+    def wait(self, layer: int) -> "torch.Tensor":
+        """uint8 ``[num_tokens, rows_per_token, row_bytes]`` on the device (a view of buffer set ``slot``)."""
+        import torch
+
+        li = self._owner._layer_index(layer)
+        if not self._ready[li].is_set() and self._claim(li):  # lazy (no prefetch) or not yet started
+            self._owner._fetch(self, li)
+        self._ready[li].wait()
+        if self._error is not None:
+            raise self._error
+        if self._copied[li] is not None:
+            torch.cuda.current_stream(self._owner.device).wait_event(self._copied[li])
+        return self._owner.buffer(self.slot, layer)[: self.num_tokens]
+
+    def wait_all(self) -> None:
+        for layer in self._owner.layers:
+            self.wait(layer)
+
+    def _settle(self) -> None:
+        """Wait (host side) until every layer has landed or failed, fetching unclaimed ones; never raises."""
+        for li, ready in enumerate(self._ready):
+            if not ready.is_set() and self._claim(li):
+                self._owner._fetch(self, li)
+            ready.wait()
+
+    def _claim(self, li: int) -> bool:
+        with self._lock:
+            claimed, self._claimed[li] = self._claimed[li], True
+            return not claimed
+
+
+class EngramPrefetcher:
+    """Hashes steps on ``device`` and fetches their rows ahead of the Engram layers.
+
+    ``client``: an ``EngramClient`` or ``LocalClient`` (``info()``, ``lookup_into``,
+    optionally ``arena()``). ``prefetch=False`` fetches a layer only when it is waited
+    for (the no-prefetch baseline). ``resident=None`` uses the arena when offered.
+    Not thread-safe: one engine thread submits and waits.
+    """
+
+    def __init__(self, client: Any, device: "str | torch.device" = "cpu", *, max_tokens: int = 8192,
+                 depth: int = 2, prefetch: bool = True, resident: bool | None = None, validate: bool = True) -> None:
+        import torch
+
+        info = client.info()
+        self.spec = ModelSpec.from_dict(info["spec"])
+        self.layers = tuple(self.spec.layers)
+        missing = set(self.layers) - {int(x) for x in info["layers"]}
+        if missing:
+            raise InvalidRequest(f"the store does not serve Engram layers {sorted(missing)} of {self.spec.name!r}")
+        if max_tokens < 1 or depth < 1:
+            raise InvalidRequest(f"max_tokens and depth must be >= 1, got {max_tokens} and {depth}")
+        self.client = client
+        self.device = torch.device(device)
+        self.max_tokens = max_tokens
+        self.depth = depth
+        self.prefetch = prefetch
+        self.validate = validate
+        self._cuda = self.device.type == "cuda"
+        self._history = RequestHistory(self.spec, self.device)
+        self._arena = ArenaGather.for_client(client, self.spec, self.device) if resident in (None, True) else None
+        if resident and self._arena is None:
+            raise StorageError("resident=True but the client offers no usable arena (is the daemon resident?)")
+        self._region_ptr = None  # staged-shm: the client's shared region, registered for DMA
+        self.path = self._arena.path if self._arena is not None else self._staged_path(client)
+        # CPU + a client with submit() (EngramClient over unix://): lookups go out from submit() itself and
+        # are collected in wait(); the daemon is the background worker, so no thread of ours competes
+        # with the model for the GIL. Up to `depth` steps are outstanding, so each gets a share of the region.
+        region = getattr(client, "shared_region", None) if self.path == "staged" else None
+        self._async = region is not None and hasattr(client, "submit")
+        share = region.nbytes // (depth + 1) // len(self.layers) - 2 * 4096 if self._async else 0
+        self._async_rows = max(share, 0) // (8 + self.spec.row_bytes)
+        R, rb, L = self.spec.rows_per_token, self.spec.row_bytes, len(self.layers)
+        shape = (depth, L, max_tokens, R, rb)
+        self._device_buf = torch.empty(shape, dtype=torch.uint8, device=self.device)
+        self._counts = torch.zeros(depth, dtype=torch.int64, device=self.device)
+        self._staging = self._device_buf
+        self._host_ids = None
+        if self._cuda:
+            self._stream = torch.cuda.Stream(self.device)
+            self._consumed: list = [None] * depth
+            self._last_copy: list = [[None] * L for _ in range(depth)]  # H2D copies still reading staging
+            if self._arena is None:  # pinned staging also backs staged-shm for lookups too big for the region
+                self._staging = torch.empty(shape, dtype=torch.uint8).pin_memory()
+                self._host_ids = torch.empty((depth, L, max_tokens * R), dtype=torch.int64).pin_memory()
+        self._inflight: list[PrefetchFuture | None] = [None] * depth
+        self._pending: collections.deque[PrefetchFuture] = collections.deque()
+        self._waited: set[int] = set()
+        self._submitted = 0
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker = threading.Thread(target=self._run, name="engram-prefetch", daemon=True)
+        self._worker.start()
+        log.info("prefetcher for %s on %s: path %s, depth %d, %d tokens", self.spec.name, self.device, self.path,
+                 depth, max_tokens)
+
+    # --- public ----------------------------------------------------------------
+    def submit(self, step: Step) -> PrefetchFuture:
+        """Hash ``step`` and start fetching its rows for every Engram layer; returns at once."""
+        import torch
+
+        T = step.num_tokens
+        if T > self.max_tokens:
+            raise ResourceExhausted(f"step has {T} tokens, the prefetcher holds {self.max_tokens}; "
+                                    "raise max_tokens or split the chunk")
+        if self.validate and T:
+            lo, hi = int(step.tokens.min()), int(step.tokens.max())
+            if lo < -1 or hi >= self.spec.compressed_vocab:
+                raise InvalidRequest(f"tokens must be compressed ids in [0, {self.spec.compressed_vocab}) or -1, "
+                                     f"got values in [{lo}, {hi}]")
+        slot = self._submitted % self.depth
+        previous = self._inflight[slot]
+        if previous is not None:  # the step that used this buffer set `depth` steps ago must have landed
+            previous._settle()
+            if self._pending and self._pending[0] is previous:
+                self._waited = set()
+            if previous in self._pending:
+                self._pending.remove(previous)
+        idx = self._history.slots(step.request_ids)
+        tokens = torch.from_numpy(step.tokens).to(self.device, non_blocking=True)
+        cu = torch.from_numpy(step.cu_seqlens).to(self.device, non_blocking=True)
+        hist = self._history.get(idx)
+        tok = suffix_tokens_torch(self.spec, tokens, cu, hist, validate=False)
+        ids = [hash_suffix_torch(self.spec, layer, tok).reshape(-1) for layer in self.layers]
+        self._history.put(idx, next_history_torch(self.spec, tokens, cu, hist, validate=False))
+        self._history.drop(step.finished)
+        self._counts[slot].fill_(T)
+        fut = PrefetchFuture(self, slot, T, ids)
+        if self._cuda:
+            self._consumed[slot] = torch.cuda.Event()
+            self._consumed[slot].record(torch.cuda.current_stream(self.device))
+            if self._arena is None:  # ids go to the host for the lookups
+                host = self._host_ids[slot]
+                for li, layer_ids in enumerate(ids):
+                    host[li, : layer_ids.numel()].copy_(layer_ids, non_blocking=True)
+                fut._ids = [host[li, : T * self.spec.rows_per_token] for li in range(len(self.layers))]
+                fut._ids_ready = torch.cuda.Event()
+                fut._ids_ready.record(torch.cuda.current_stream(self.device))
+            else:
+                for layer_ids in ids:
+                    layer_ids.record_stream(self._stream)
+        self._inflight[slot] = fut
+        self._pending.append(fut)
+        self._submitted += 1
+        if self.prefetch and self._async and T * self.spec.rows_per_token <= self._async_rows:
+            self._submit_lookups(fut)  # the daemon gathers while we compute; no thread of ours involved
+        elif self.prefetch:
+            self._jobs.put(fut)
+        return fut
+
+    def wait(self, layer: int) -> "torch.Tensor":
+        """Rows of ``layer`` for the oldest step whose layers have not all been waited for."""
+        if not self._pending:
+            raise InvalidRequest("wait() without a submitted step")
+        rows = self._pending[0].wait(layer)
+        self._waited.add(layer)
+        if len(self._waited) == len(self.layers):
+            self._pending.popleft()
+            self._waited = set()
+        return rows
+
+    def buffer(self, slot: int, layer: int) -> "torch.Tensor":
+        """Fixed-capacity uint8 ``[max_tokens, rows_per_token, row_bytes]`` device buffer of a buffer set."""
+        return self._device_buf[slot, self._layer_index(layer)]
+
+    def token_count(self, slot: int) -> "torch.Tensor":
+        """Device int64 scalar: valid rows in buffer set ``slot`` (for captured consumers)."""
+        return self._counts[slot]
+
+    def drain(self) -> None:
+        """Block until the rows of every submitted step have landed (or failed; errors stay with their futures)."""
+        for fut in list(self._pending):
+            fut._settle()
+
+    def forget(self, request_ids: Sequence[Hashable]) -> None:
+        """Drop requests' history (finished or aborted outside a step)."""
+        self._history.drop(request_ids)
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._history)
+
+    def info(self) -> dict[str, Any]:
+        lookups = ("on-wait" if not self.prefetch else "async-submit" if self._async else
+                   "gpu-stream" if self._arena is not None and self._cuda else "thread")
+        return {"path": self.path, "lookups": lookups, "device": str(self.device), "prefetch": self.prefetch,
+                "depth": self.depth,
+                "max_tokens": self.max_tokens, "layers": list(self.layers), "rows_per_token": self.spec.rows_per_token,
+                "row_bytes": self.spec.row_bytes, "spec": self.spec.name, "active_requests": len(self._history)}
+
+    def close(self) -> None:
+        if self._worker.is_alive():
+            self._jobs.put(None)
+            self._worker.join()
+        for fut in self._pending:  # unblock anyone still waiting
+            if fut._error is None and not fut.done():
+                fut._error = EngramStoreError("prefetcher closed")
+            for event in fut._ready:
+                event.set()
+        self._pending.clear()
+        if self._arena is not None:
+            self._arena.close()
+        if self._region_ptr is not None and self._owns_region:
+            unregister_host_memory(self._region_ptr)
+        self._region_ptr = None
+
+    def __enter__(self) -> "EngramPrefetcher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals ---------------------------------------------------------------
+    def _layer_index(self, layer: int) -> int:
+        try:
+            return self.layers.index(layer)
+        except ValueError:
+            raise InvalidRequest(f"layer {layer} is not an Engram layer of {self.spec.name!r}; "
+                                 f"layers are {list(self.layers)}") from None
+
+    def _staged_path(self, client: Any) -> str:
+        """staged (CPU), staged-shm (rows DMA'd from the client's registered shared region) or staged-pinned."""
+        if not self._cuda:
+            return "staged"
+        region = getattr(client, "shared_region", None)
+        if region is None or not hasattr(client, "submit"):
+            return "staged-pinned"
+        registered = register_host_memory(region.ctypes.data, region.nbytes)
+        if registered is False:
+            return "staged-pinned"
+        self._region_ptr, self._region_bytes = region.ctypes.data, region.nbytes
+        self._owns_region = bool(registered)  # None: registered by someone else in this process
+        self._region_generation = getattr(client, "generation", 0)
+        return "staged-shm"
+
+    def _use_region(self, rows: int) -> bool:
+        """Whether a lookup of ``rows`` rows goes through the registered shared region (it fits, same connection)."""
+        if self._region_ptr is None or rows * (8 + self.spec.row_bytes) > self._region_bytes // 4:
+            return False
+        if getattr(self.client, "generation", 0) != self._region_generation:  # the daemon restarted
+            if self._owns_region:
+                unregister_host_memory(self._region_ptr)
+            self.path = self._staged_path(self.client)
+            if self.path != "staged-shm":
+                self._region_ptr = None
+                return False
+        return True
+
+    def _submit_lookups(self, fut: PrefetchFuture) -> None:
+        try:
+            for li, layer in enumerate(self.layers):
+                fut._handles[li] = self.client.submit(layer, fut._ids[li].numpy())
+        except EngramStoreError as exc:  # the waiter sees it; lookups already sent are collected and freed
+            fut._error = exc
+
+    def _run(self) -> None:
+        while (fut := self._jobs.get()) is not None:
+            if self._use_region(fut.num_tokens * self.spec.rows_per_token):
+                fut._ids_ready.synchronize()
+                try:
+                    for li, layer in enumerate(self.layers):  # every layer's lookup in flight at once
+                        with fut._lock:
+                            if not fut._claimed[li]:
+                                fut._handles[li] = self.client.submit(layer, fut._ids[li].numpy())
+                except EngramStoreError as exc:  # the per-layer fetch retries and reports it
+                    log.debug("early submit failed: %s", exc)
+            for li in range(len(self.layers)):  # layer order: the first Engram layer is ready first
+                if fut._claim(li):
+                    self._fetch(fut, li)
+
+    def _fetch(self, fut: PrefetchFuture, li: int) -> None:
+        """Bring layer ``li`` of ``fut`` into its device buffer; sets the layer's ready event whatever happens."""
+        try:
+            if fut._error is None:
+                self._fetch_layer(fut, li)
+            elif fut._handles[li] is not None:  # a lookup sent before the failure: free its region space
+                fut._handles[li].release()
+        except EngramStoreError as exc:  # handed to the waiter, which re-raises it in its own thread
+            fut._error = exc
+        except Exception as exc:
+            fut._error = StorageError(f"prefetch of layer {self.layers[li]} failed: {exc!r}")
+            fut._error.__cause__ = exc
+        finally:
+            fut._ready[li].set()
+
+    def _fetch_layer(self, fut: PrefetchFuture, li: int) -> None:
+        import torch
+
+        T, R, rb = fut.num_tokens, self.spec.rows_per_token, self.spec.row_bytes
+        if T == 0:
+            return
+        layer = self.layers[li]
+        dev = self._device_buf[fut.slot, li, :T]
+        if self._arena is not None:
+            if self._cuda:
+                with torch.cuda.stream(self._stream):
+                    self._stream.wait_event(self._consumed[fut.slot])
+                    self._arena.gather_into(layer, fut._ids[li], dev.view(T * R, rb))
+                    fut._copied[li] = torch.cuda.Event()
+                    fut._copied[li].record(self._stream)
+            else:
+                self._arena.gather_into(layer, fut._ids[li], dev.view(T * R, rb))
+            return
+        handle = fut._handles[li]
+        if self._cuda:
+            fut._ids_ready.synchronize()
+            if handle is None and self._use_region(T * R):
+                handle = self.client.submit(layer, fut._ids[li].numpy())
+        if handle is not None:  # rows sit in the client's shared region
+            try:
+                rows = handle.wait()
+                if not self._cuda:
+                    np.copyto(dev.numpy(), rows.reshape(T, R, rb))
+                    return
+                with torch.cuda.stream(self._stream):
+                    self._stream.wait_event(self._consumed[fut.slot])
+                    dev.copy_(readonly_tensor(rows).view(T, R, rb), non_blocking=True)
+                    fut._copied[li] = torch.cuda.Event()
+                    fut._copied[li].record(self._stream)
+                fut._copied[li].synchronize()  # the region extent is reused once released
+            finally:
+                handle.release()
+            return
+        if self._cuda:
+            if self._last_copy[fut.slot][li] is not None:  # the staging buffer is still being read
+                self._last_copy[fut.slot][li].synchronize()
+        staging = self._staging[fut.slot, li, :T]
+        self.client.lookup_into(layer, fut._ids[li].numpy().reshape(T, R), staging.numpy())
+        if self._cuda:
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(self._consumed[fut.slot])
+                dev.copy_(staging, non_blocking=True)
+                fut._copied[li] = self._last_copy[fut.slot][li] = torch.cuda.Event()
+                fut._copied[li].record(self._stream)
