@@ -169,10 +169,11 @@ class Daemon:
             self.metrics.start()
 
     def ready_info(self) -> dict[str, Any]:
+        socket_path = os.path.abspath(self.unix.path) if self.unix else ""  # clients may run from any directory
         return {
             "pid": os.getpid(), "version": __version__,
-            "socket": self.unix.path if self.unix else "",
-            "unix": f"unix://{self.unix.path}" if self.unix else "",
+            "socket": socket_path,
+            "unix": f"unix://{socket_path}" if socket_path else "",
             "grpc": self.grpc.address if self.grpc else "",
             "metrics": self.metrics.address if self.metrics else "",
             "mode": self.store.mode if self.store else "",
