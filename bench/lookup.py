@@ -26,9 +26,7 @@ import argparse
 import collections
 import heapq
 import json
-import shutil
 import sys
-import tempfile
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -280,20 +278,6 @@ def hit_rates(args, layer_rows: dict[int, int]) -> list[dict]:
     return out
 
 
-def ensure_tables(args) -> Path:
-    from engram_store.spec import get_spec
-    from engram_store.synth import write_synthetic
-
-    if args.tables:
-        return Path(args.tables)
-    spec = get_spec(args.model, args.scale)
-    out = Path(args.workdir) / f"lookup-bench-{spec.name}-{args.scale:g}"
-    if not (out / "manifest.json").exists():
-        print(f"synthesizing {spec.name} at scale {args.scale:g} into {out} ...", file=sys.stderr)
-        write_synthetic(out, spec, seed=1, overwrite=True)
-    return out
-
-
 def dram_for(mode: str, layer_rows: dict[int, int], row_bytes: int, policy: str) -> int:
     from engram_store.storage.policy import policy_bytes_per_slot
     from engram_store.storage.tiered import CACHE_BYTES_PER_SLOT
@@ -325,22 +309,18 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny table, few requests (smoke test)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
-    scratch = None
     if args.quick:
         args.model, args.scale, args.requests, args.warm, args.hit_requests = "tiny", 1.0, 4, 4, 9
-        if not args.tables and args.workdir == ".":
-            scratch = args.workdir = tempfile.mkdtemp(prefix="lookup-bench-")
-    try:
-        return run(args)
-    finally:
-        if scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
+    from _common import run_in_workdir  # bench/ is on sys.path when run as a script
+
+    return run_in_workdir(run, args, "lookup-bench")
 
 
 def run(args) -> int:
+    from _common import ensure_tables
     from engram_store.manifest import Manifest
 
-    tables = ensure_tables(args)
+    tables = ensure_tables(args, "lookup-bench")
     manifest = Manifest.load(tables)
     layer_rows = {e.layer: e.rows for e in manifest.layers}
     row_bytes = manifest.spec.row_bytes

@@ -23,28 +23,15 @@ import json
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from _common import ensure_tables, run_in_workdir  # bench/ is on sys.path when run as a script
+
 QUICK_QDS = (1, 16)
 DEFAULT_QDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
-def ensure_tables(args) -> Path:
-    from engram_store.spec import get_spec
-    from engram_store.synth import write_synthetic
-
-    if args.tables:
-        return Path(args.tables)
-    spec = get_spec(args.model, args.scale)
-    out = Path(args.workdir) / f"nvme-bench-{spec.name}-{args.scale:g}"
-    if not (out / "manifest.json").exists():
-        print(f"synthesizing {spec.name} at scale {args.scale:g} into {out} ...", file=sys.stderr)
-        write_synthetic(out, spec, seed=1, overwrite=True)
-    return out
 
 
 def random_iops(path: Path, qd: int, seconds: float, backend: str) -> dict:
@@ -169,18 +156,11 @@ def main(argv=None) -> int:
         args.model, args.scale, args.seconds, args.lookup_rows = "tiny", 1.0, 0.2, 256
         if args.qd == list(DEFAULT_QDS):
             args.qd = list(QUICK_QDS)
-    scratch = None
-    if args.workdir == "." and args.quick and not args.tables:
-        scratch = args.workdir = tempfile.mkdtemp(prefix="nvme-bench-")
-    try:
-        return run(args)
-    finally:
-        if scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
+    return run_in_workdir(run, args, "nvme-bench")
 
 
 def run(args) -> int:
-    tables = ensure_tables(args)
+    tables = ensure_tables(args, "nvme-bench")
     from engram_store.manifest import Manifest
 
     manifest = Manifest.load(tables)

@@ -7,7 +7,6 @@ import pytest
 
 from daemon_helpers import DaemonProcess
 from engram_store import TableSet, get_spec
-from engram_store.synth import write_synthetic
 from gpu_client import EngramClient, EngramPrefetcher, Step
 from test_gpu_client_prefetch import Reference, check
 
@@ -15,12 +14,8 @@ SPEC = get_spec("tiny")
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tables") / "tiny"
-    write_synthetic(path, SPEC, seed=9)
-    ts = TableSet.open(path)
-    yield path, ts
-    ts.close()
+def tables(tiny_tables):
+    return tiny_tables(seed=9)
 
 
 @pytest.fixture(scope="module", params=["1GiB", "64KiB"], ids=["resident", "cached"])

@@ -11,29 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from engram_store import TableSet, get_spec
+from engram_store import get_spec
 from engram_store.errors import InvalidRequest, RowOutOfRange, UnknownLayer
 from engram_store.storage.base import RowStore
-from engram_store.synth import write_synthetic
 from gpu_client import ArenaGather, LocalClient, MemoryTables
 
 SPEC = get_spec("tiny")
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tables") / "tiny"
-    write_synthetic(path, SPEC, seed=11)
-    ts = TableSet.open(path)
-    yield path, ts
-    ts.close()
-
-
-@pytest.fixture(scope="module")
-def client(tables):
-    c = LocalClient.open(tables[0])
-    yield c
-    c.close()
+def tables(tiny_tables):
+    return tiny_tables(seed=11)
 
 
 def test_import_does_not_load_torch():

@@ -13,7 +13,6 @@ import pytest
 from engram_store import TableSet, get_spec
 from engram_store.errors import InvalidRequest, ResourceExhausted, StorageError
 from engram_store.hashing import row_ids_numpy
-from engram_store.synth import write_synthetic
 from gpu_client import EngramPrefetcher, LocalClient, Step
 
 SPEC = get_spec("tiny")
@@ -26,19 +25,8 @@ PATHS = {  # name -> EngramPrefetcher keyword arguments
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tables") / "tiny"
-    write_synthetic(path, SPEC, seed=7)
-    ts = TableSet.open(path)
-    yield path, ts
-    ts.close()
-
-
-@pytest.fixture(scope="module")
-def client(tables):
-    c = LocalClient.open(tables[0])
-    yield c
-    c.close()
+def tables(tiny_tables):
+    return tiny_tables(seed=7)
 
 
 @pytest.fixture(params=sorted(PATHS))

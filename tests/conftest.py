@@ -1,0 +1,49 @@
+"""Fixtures shared by the GPU-client tests: a synthetic tiny table set and a LocalClient over it.
+
+A test module picks its own seed through a module-scoped ``tables`` fixture::
+
+    @pytest.fixture(scope="module")
+    def tables(tiny_tables):
+        return tiny_tables(seed=11)
+
+and then gets ``client`` (a ``LocalClient`` over that table set) from here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from engram_store import TableSet, get_spec
+from engram_store.synth import write_synthetic
+
+
+@pytest.fixture(scope="module")
+def tiny_tables(tmp_path_factory) -> Callable[[int], tuple[Path, TableSet]]:
+    """Factory: ``tiny_tables(seed)`` writes a synthetic tiny-spec table set and opens it.
+
+    Returns ``(path, TableSet)``; every TableSet it opened is closed when the test module ends.
+    """
+    opened: list[TableSet] = []
+
+    def make(seed: int) -> tuple[Path, TableSet]:
+        path = tmp_path_factory.mktemp("tables") / "tiny"
+        write_synthetic(path, get_spec("tiny"), seed=seed)
+        opened.append(TableSet.open(path))
+        return path, opened[-1]
+
+    yield make
+    for ts in opened:
+        ts.close()
+
+
+@pytest.fixture(scope="module")
+def client(tables):
+    """A ``LocalClient`` over the module's ``tables`` fixture (a ``(path, TableSet)`` pair from ``tiny_tables``)."""
+    from gpu_client import LocalClient
+
+    c = LocalClient.open(tables[0])
+    yield c
+    c.close()
