@@ -360,8 +360,10 @@ static PyObject *gather(PyObject *Py_UNUSED(self), PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n) {
             const char *p = src + idx[i + PREFETCH_AHEAD] * row_bytes;
-            for (size_t off = 0; off < rb; off += 64) __builtin_prefetch(p + off, 0, 0);
-            __builtin_prefetch(p + rb - 1, 0, 0);
+            /* Locality 3 (into every cache level): the row is read by memcpy a few
+               iterations later. The non-temporal hint (0) measured 2.5x slower. */
+            for (size_t off = 0; off < rb; off += 64) __builtin_prefetch(p + off, 0, 3);
+            __builtin_prefetch(p + rb - 1, 0, 3);
         }
         memcpy(out + (size_t)i * rb, src + idx[i] * row_bytes, rb);
     }
