@@ -25,6 +25,7 @@ import numpy as np
 from engram_store.errors import InvalidRequest, RowOutOfRange, UnknownLayer
 from engram_store.layout import PAGE_BYTES
 from engram_store.spec import ModelSpec
+from engram_store.storage.arena import shared_gatherer
 from engram_store.storage.base import ArenaInfo, ArenaLayer, RowStore
 from engram_store.tableset import TableSet
 
@@ -114,7 +115,7 @@ class MemoryTables:
 
     def lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> None:
         flat = check_lookup(self.layers, self.rows, self._row_bytes, layer, row_ids, out)
-        np.take(self._tables[layer], flat, axis=0, out=out.reshape(-1, self._row_bytes), mode="clip")
+        shared_gatherer().take(self._tables[layer], flat, out.reshape(-1, self._row_bytes))
         self._requests += 1
         self._rows += flat.size
 

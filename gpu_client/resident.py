@@ -7,8 +7,8 @@ When the daemon runs resident, every row sits in one sealed memfd (see
 The arena comes from ``client.arena`` (EngramClient over ``unix://`` maps it
 when the daemon passes the fd; LocalClient has its own).
 
-* CPU: ``numpy.take`` from the mapping into the caller's buffer (single
-  threaded and without the GIL, so it overlaps the model's compute on another
+* CPU: the store's native gather from the mapping into the caller's buffer
+  (``numpy.take`` where it is not built; single threaded and without the GIL, so it overlaps the model's compute on another
   thread; torch's multi-threaded ``index_select`` collapses when it competes
   with the model for the cores);
 * CUDA: the mapping is registered with ``cudaHostRegister`` (read-only, mapped)
@@ -32,6 +32,7 @@ import numpy as np
 
 from engram_store.errors import InvalidRequest, StorageError
 from engram_store.spec import ModelSpec
+from engram_store.storage.arena import shared_gatherer
 from engram_store.storage.base import ArenaInfo, ArenaLayer
 
 if TYPE_CHECKING:
@@ -223,7 +224,7 @@ class ArenaGather:
 
             torch.index_select(self._views[layer], 0, row_ids, out=out)
         else:
-            np.take(self._views[layer], row_ids.numpy(), axis=0, out=out.numpy(), mode="clip")
+            shared_gatherer().take(self._views[layer], row_ids.numpy(), out.numpy())
 
     def close(self) -> None:
         self._views = {}

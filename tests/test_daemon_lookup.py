@@ -87,6 +87,9 @@ def test_unix_views_region_and_arena(daemon, tables):
             np.testing.assert_array_equal(arena.layer_rows(3)[ids[0]], expected(tables, 3, ids[0]))
             out = np.empty((24, tables.row_bytes), np.uint8)
             np.testing.assert_array_equal(arena.gather_into(3, ids[0], out), expected(tables, 3, ids[0]))
+            for bad in ([-1], [tables.rows(3)]):  # no wrap-around of negative ids, no reads past the layer
+                with pytest.raises(errors.RowOutOfRange):
+                    arena.gather_into(3, np.array(bad), out[:1])
             with pytest.raises(ValueError):
                 arena.array[0] = 1  # mapped read-only
         else:

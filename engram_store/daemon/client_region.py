@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from .. import errors
+from ..storage.arena import shared_gatherer
 from ..storage.base import ArenaLayer
 from . import shm
 
@@ -32,12 +33,18 @@ class ClientArena:
         return self.array[a.offset: a.offset + a.rows * a.row_bytes].reshape(a.rows, a.row_bytes)
 
     def gather_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Rows straight from the arena, no daemon round trip (ids range-checked by numpy)."""
+        """Rows straight from the arena, no daemon round trip."""
         rows = self.layer_rows(layer)
-        try:
-            np.take(rows, np.asarray(row_ids).reshape(-1), axis=0, out=out.reshape(-1, rows.shape[1]))
-        except IndexError as exc:
-            raise errors.RowOutOfRange(f"layer {layer}: {exc}") from None
+        ids = np.asarray(row_ids).reshape(-1)
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise errors.InvalidRequest(f"row ids must be integers, got {ids.dtype}")
+        if ids.size and (ids.min() < 0 or ids.max() >= rows.shape[0]):
+            raise errors.RowOutOfRange(f"layer {layer}: row ids must be in [0, {rows.shape[0]}), "
+                                       f"got [{ids.min()}, {ids.max()}]")
+        flat_out = out.reshape(-1, rows.shape[1])
+        if ids.size != flat_out.shape[0]:
+            raise errors.InvalidRequest(f"out holds {flat_out.shape[0]} rows, {ids.size} row ids given")
+        shared_gatherer().take(rows, ids, flat_out)
         return out
 
     def close(self) -> None:

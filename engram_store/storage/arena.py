@@ -19,6 +19,7 @@ that started at or before that epoch has finished.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -71,6 +72,15 @@ class Gatherer:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+@functools.cache
+def shared_gatherer() -> Gatherer:
+    """One process-wide single-threaded :class:`Gatherer` (native gather, GIL released) for
+    in-process readers of an arena: clients gathering from a mapped resident arena and
+    ``LocalClient``. Single-threaded on purpose: those callers run beside the model's
+    compute and must not compete with it for every core. Row ids must be valid."""
+    return Gatherer(1)
 
 
 def _numpy_take(src: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
