@@ -32,3 +32,16 @@ def test_generated_code_works_with_the_installed_runtime():
     reply = pb.StatsReply(values={"unix_rows": 3.0})
     assert dict(pb.StatsReply.FromString(reply.SerializeToString()).values) == {"unix_rows": 3.0}
     assert hasattr(pb_grpc, "EngramStoreStub") and hasattr(pb_grpc, "add_EngramStoreServicer_to_server")
+
+
+def test_service_implements_every_rpc_of_the_proto():
+    """The generated servicer base answers UNIMPLEMENTED; ours must override every method."""
+    from engram_store._proto import engram_store_pb2 as pb
+    from engram_store._proto import engram_store_pb2_grpc as pb_grpc
+    from engram_store.daemon.grpc_service import EngramStoreService
+
+    (service,) = pb.DESCRIPTOR.services_by_name.values()
+    methods = [m.name for m in service.methods]
+    assert methods, "the proto declares no RPCs"
+    for name in methods:
+        assert getattr(EngramStoreService, name) is not getattr(pb_grpc.EngramStoreServicer, name), name
