@@ -136,27 +136,60 @@ def test_memfd_seal_makes_it_read_only():
         m.close()
 
 
-@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("impl", ["native", "numpy"])
 def test_gatherer_matches_numpy_take(threads, impl):
     from engram_store.storage import arena
 
-    if impl == "native" and (native_reader() is None or not hasattr(native_reader(), "gather")):
-        pytest.skip("native gather not built")
     g = arena.Gatherer(threads)
+    if impl == "native" and g._native is None:
+        pytest.skip("native gather _gather not built (the numpy case covers the fallback)")
     if impl == "numpy":
-        g._take = arena._numpy_take
+        g._native = None
+        if threads > 1:
+            g._pool = arena.ThreadPoolExecutor(threads - 1)
     try:
         rng = np.random.default_rng(4)
         src = rng.integers(0, 256, size=(5000, 264), dtype=np.uint8)
-        for n in [0, 1, 7, arena.PARALLEL_MIN_ROWS * 3 + 5]:
+        # sizes around the native block (1,024 rows) and split (2,048) edges and the fallback's split
+        for n in [0, 1, 7, 1023, 1024, 2047, 2048, 2049, 5000, arena.PARALLEL_MIN_ROWS * 3 + 5]:
             idx = rng.integers(0, len(src), n)
             idx[:1] = len(src) - 1
             out = np.zeros((n, 264), np.uint8)
             g.take(src, idx, out)
             np.testing.assert_array_equal(out, src[idx])
-        if impl == "native":
+        for bad_at, bad in [(0, 5000), (4095, -1), (9000, 1 << 40)]:  # single-threaded and pooled paths
+            idx = rng.integers(0, len(src), 10000)
+            idx[bad_at] = bad
             with pytest.raises(IndexError):
-                native_reader().gather(src, 264, np.array([5000]), np.zeros((1, 264), np.uint8))
+                g.take(src, idx, np.zeros((10000, 264), np.uint8))
+        idx = rng.integers(0, len(src), 3000)  # a good gather after a failed one
+        out = np.zeros((3000, 264), np.uint8)
+        g.take(src, idx, out)
+        np.testing.assert_array_equal(out, src[idx])
     finally:
         g.close()
+
+
+def test_native_gather_pool_under_concurrent_callers():
+    """Several Python threads gathering at once: one holds the native pool, the others copy
+    on their own threads; every result is exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engram_store.storage import arena
+
+    if arena.native_gather() is None:
+        pytest.skip("native gather _gather not built")
+    gs = [arena.Gatherer(t) for t in (2, 3, 4)]
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 256, size=(20000, 264), dtype=np.uint8)
+
+    def one(k: int) -> bool:
+        r = np.random.default_rng(k)
+        idx = r.integers(0, len(src), int(r.integers(1, 40000)))
+        out = np.empty((len(idx), 264), np.uint8)
+        gs[k % len(gs)].take(src, idx, out)
+        return bool(np.array_equal(out, src[idx]))
+
+    with ThreadPoolExecutor(6) as pool:
+        assert all(pool.map(one, range(120)))

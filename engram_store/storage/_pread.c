@@ -11,16 +11,10 @@
  *     Slots are reused, so scratch needs only queue_depth * max(lengths) bytes:
  *     the pages of a request never need to sit in memory all at once.
  *
- * gather(src, row_bytes, index, out) -> None
- *     out[i] = src[index[i]] for rows of row_bytes bytes, software-prefetching
- *     rows a few indices ahead so that cache and TLB misses overlap (a random
- *     gather over a large table is bound by memory latency, not bandwidth).
- *     Indices must be in range (the caller validates them).
- *
  * Up to queue_depth reads are kept in flight with Linux native AIO (io_setup /
  * io_submit / io_getevents as raw syscalls, completions reaped from the
  * user-mapped ring as libaio does; no libaio needed). With an O_DIRECT fd this
- * is what fio's libaio engine does. Offsets, lengths and indices are int64
+ * is what fio's libaio engine does. Offsets and lengths are int64
  * buffers; buffers must be aligned for O_DIRECT by the caller. A short read (end
  * of file) or an I/O error raises OSError naming the offset. Where the kernel
  * offers no AIO, reads run one by one with pread.
@@ -329,54 +323,7 @@ done:
     return result;
 }
 
-#define PREFETCH_AHEAD 12
-
-static PyObject *gather(PyObject *Py_UNUSED(self), PyObject *args) {
-    PyObject *o_src, *o_idx, *o_out;
-    long long row_bytes;
-    if (!PyArg_ParseTuple(args, "OLOO", &o_src, &row_bytes, &o_idx, &o_out)) return NULL;
-    Py_buffer v[MAX_VIEWS];
-    int nv = 0;
-    PyObject *result = NULL;
-    if (get_view(o_src, v, &nv, 0, 0, "src") < 0 || get_view(o_idx, v, &nv, 0, 1, "index") < 0 ||
-        get_view(o_out, v, &nv, 1, 0, "out") < 0)
-        goto done;
-    const char *src = v[0].buf;
-    const int64_t *idx = v[1].buf;
-    char *out = v[2].buf;
-    Py_ssize_t n = v[1].len / 8, rows = row_bytes > 0 ? v[0].len / row_bytes : 0;
-    if (row_bytes <= 0 || n * row_bytes > v[2].len) {
-        PyErr_SetString(PyExc_ValueError, "gather: out needs len(index) * row_bytes bytes");
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (idx[i] < 0 || idx[i] >= rows) {
-            PyErr_Format(PyExc_IndexError, "gather: index %lld outside [0, %zd)", (long long)idx[i], rows);
-            goto done;
-        }
-    }
-    Py_BEGIN_ALLOW_THREADS
-    size_t rb = (size_t)row_bytes;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n) {
-            const char *p = src + idx[i + PREFETCH_AHEAD] * row_bytes;
-            /* Locality 3 (into every cache level): the row is read by memcpy a few
-               iterations later. The non-temporal hint (0) measured 2.5x slower. */
-            for (size_t off = 0; off < rb; off += 64) __builtin_prefetch(p + off, 0, 3);
-            __builtin_prefetch(p + rb - 1, 0, 3);
-        }
-        memcpy(out + (size_t)i * rb, src + idx[i] * row_bytes, rb);
-    }
-    Py_END_ALLOW_THREADS
-    Py_INCREF(Py_None);
-    result = Py_None;
-done:
-    release(v, nv);
-    return result;
-}
-
 static PyMethodDef methods[] = {
-    {"gather", gather, METH_VARARGS, "gather(src, row_bytes, index, out) -> None"},
     {"read_batch", read_batch, METH_VARARGS,
      "read_batch(fd, buf, file_offsets, lengths, buf_offsets, queue_depth) -> bytes read"},
     {"read_rows", read_rows, METH_VARARGS,

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..layout import PAGE_BYTES
 from .base import ArenaInfo, ArenaLayer
-from .nvme import LayerFile, native_reader
+from .nvme import LayerFile
 from .policy import make_policy
 from .syscalls import HUGE_PAGE, aligned_buffer, as_array, create_memfd, map_fd, round_up, seal_read_only
 
@@ -42,30 +42,47 @@ FILL_CHUNK_BYTES = 64 << 20
 BulkRead = Callable[[LayerFile, int, int, object], None]  # (layer file, file offset, nbytes, dest buffer)
 
 
-PARALLEL_MIN_ROWS = 16384  # gathers this large are split across threads
+PARALLEL_MIN_ROWS = 16384  # fallback only: numpy gathers this large are split across Python threads
+
+
+def native_gather():
+    """The ``_gather`` extension module (row gathers on a native thread pool), or None."""
+    try:
+        from . import _gather
+    except ImportError as exc:
+        log.warning("native gather _gather not built (%s); using np.take on a Python thread pool", exc)
+        return None
+    return _gather
 
 
 class Gatherer:
-    """Copies rows ``src[index]`` into ``out`` (both uint8 ``[*, row_bytes]``, C-contiguous),
-    with the native gather (software prefetch, GIL released) when built, else
-    ``np.take``; large requests are split across threads. Thread-safe."""
+    """Copies rows ``src[index]`` into ``out`` (both uint8 ``[*, row_bytes]``, C-contiguous)
+    on up to ``threads`` threads. With the native gather (``_gather.c``: software
+    prefetch, GIL released, a pool of native threads claiming blocks of rows) when
+    built, else ``np.take`` with large requests split across a Python thread pool.
+    Thread-safe. Index bounds are checked (IndexError)."""
 
     def __init__(self, threads: int) -> None:
         self.threads = max(1, threads)
-        self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="engram-gather") if self.threads > 1 else None
-        native = native_reader()
-        self._take = _native_take(native) if native is not None and hasattr(native, "gather") else _numpy_take
+        self._native = native_gather()
+        use_pool = self._native is None and self.threads > 1
+        self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="engram-gather") if use_pool else None
 
     def take(self, src: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
         index = np.ascontiguousarray(index, dtype=np.int64)
+        if self._native is not None:
+            self._native.gather(src, src.shape[1], index, out, self.threads)
+            return
         n = len(index)
+        if n and (index.min() < 0 or index.max() >= len(src)):
+            raise IndexError(f"gather: an index is outside [0, {len(src)})")
         parts = min(self.threads, n // PARALLEL_MIN_ROWS) if self._pool is not None else 1
         if parts <= 1:
-            self._take(src, index, out)
+            _numpy_take(src, index, out)
             return
         step = -(-n // parts)
-        futures = [self._pool.submit(self._take, src, index[lo : lo + step], out[lo : lo + step]) for lo in range(step, n, step)]
-        self._take(src, index[:step], out[:step])
+        futures = [self._pool.submit(_numpy_take, src, index[lo : lo + step], out[lo : lo + step]) for lo in range(step, n, step)]
+        _numpy_take(src, index[:step], out[:step])
         for f in futures:
             f.result()
 
@@ -76,22 +93,15 @@ class Gatherer:
 
 @functools.cache
 def shared_gatherer() -> Gatherer:
-    """One process-wide single-threaded :class:`Gatherer` (native gather, GIL released) for
-    in-process readers of an arena: clients gathering from a mapped resident arena and
-    ``LocalClient``. Single-threaded on purpose: those callers run beside the model's
-    compute and must not compete with it for every core. Row ids must be valid."""
+    """One process-wide single-threaded :class:`Gatherer` for in-process readers of an
+    arena: clients gathering from a mapped resident arena and ``LocalClient``.
+    Single-threaded on purpose: those callers run beside the model's compute and must
+    not compete with it for every core."""
     return Gatherer(1)
 
 
 def _numpy_take(src: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
     np.take(src, index, axis=0, out=out, mode="clip")
-
-
-def _native_take(native):
-    def take(src: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
-        native.gather(src, src.shape[1], index, out)
-
-    return take
 
 
 def dense_bytes(rows: int, row_bytes: int) -> int:
