@@ -38,13 +38,18 @@ class AccessSampler:
         if not rows.size or self.per_request <= 0:
             return
         picked = rows[:: max(1, rows.size // self.per_request)][: self.per_request]
-        cap = len(self.row)
+        k, cap = len(picked), len(self.row)
         with self._lock:
-            at = (self.next + np.arange(len(picked))) % cap
-            self.row[at] = picked
-            self.layer[at] = layer
-            self.next = (self.next + len(picked)) % cap
-            self.filled = min(cap, self.filled + len(picked))
+            at = self.next
+            if at + k <= cap:  # slices, not index arrays: this runs on every request
+                self.row[at : at + k] = picked
+                self.layer[at : at + k] = layer
+            else:
+                ring = (at + np.arange(k)) % cap
+                self.row[ring] = picked
+                self.layer[ring] = layer
+            self.next = (at + k) % cap
+            self.filled = min(cap, self.filled + k)
 
     def hottest(self) -> np.ndarray:
         """int64 ``[n, 2]`` distinct sampled (layer, row), most sampled first."""

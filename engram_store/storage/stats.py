@@ -33,6 +33,9 @@ class LookupStats:
         return dataclasses.asdict(self)
 
 
+_FIELDS = tuple(f.name for f in dataclasses.fields(LookupStats))
+
+
 class StoreCounters:
     """Cumulative counters, thread-safe."""
 
@@ -46,8 +49,18 @@ class StoreCounters:
         with self._lock:
             self.requests += 1
             t = self._total
-            for f in dataclasses.fields(LookupStats):
-                setattr(t, f.name, getattr(t, f.name) + getattr(s, f.name))
+            for name in _FIELDS:
+                setattr(t, name, getattr(t, name) + getattr(s, name))
+
+    def add_dram(self, rows: int, nbytes: int, seconds: float) -> None:
+        """:meth:`add` for a lookup served wholly from DRAM (the resident fast path)."""
+        with self._lock:
+            self.requests += 1
+            t = self._total
+            t.rows += rows
+            t.rows_dram += rows
+            t.bytes_dram += nbytes
+            t.seconds += seconds
 
     def error(self) -> None:
         with self._lock:

@@ -176,16 +176,30 @@ class TieredStore:
         if self._closed:
             raise StorageError("the store is closed")
         lf = self._layer(layer)
-        flat, out2 = self._validate(lf, row_ids, out)
+        flat, out2 = self._check_request(lf, row_ids, out)
         if lf.file is None:
             self._counters.error()
             raise StorageError(f"layer {lf.layer} is unavailable: {lf.error}")
-        st = LookupStats(rows=len(flat))
-        try:
-            if self._arena is not None:
+        n = len(flat)
+        if self._arena is not None:
+            # The fast path: bounds are checked by the gather itself (no extra pass over
+            # the ids), and as little Python as possible runs after it, when the copy
+            # has pushed the interpreter's working set out of the CPU caches.
+            try:
                 self._gather.take(self._arena.views[lf.layer], flat, out2)
-                st.rows_dram = len(flat)
-            elif len(flat):
+            except IndexError:
+                raise self._out_of_range(lf, flat) from None
+            self._sampler.record(lf.layer, flat)
+            seconds = time.perf_counter() - t0
+            self._counters.add_dram(n, n * self.row_bytes, seconds)
+            return LookupStats(rows=n, rows_dram=n, bytes_dram=n * self.row_bytes, seconds=seconds)
+        if n:
+            lo, hi = int(flat.min()), int(flat.max())
+            if lo < 0 or hi >= lf.layout.rows:
+                raise self._out_of_range(lf, flat)
+        st = LookupStats(rows=n)
+        try:
+            if n:
                 self._lookup_cached(lf.layer, flat, out2, st)
         except StorageError:
             self._counters.error()
@@ -230,7 +244,8 @@ class TieredStore:
             raise UnknownLayer(f"layer {layer!r} is not in this table set; layers are {list(self.layers)}")
         return self._files[int(layer)]
 
-    def _validate(self, lf: LayerFile, row_ids, out) -> tuple[np.ndarray, np.ndarray]:
+    def _check_request(self, lf: LayerFile, row_ids, out) -> tuple[np.ndarray, np.ndarray]:
+        """Dtypes and shapes (not bounds); returns the flat int64 ids and ``out`` as rows."""
         ids = row_ids if isinstance(row_ids, np.ndarray) else np.asarray(row_ids)
         if ids.dtype.kind not in "iu":
             raise InvalidRequest(f"row ids must be an integer array (int64 preferred), got dtype {ids.dtype}")
@@ -241,14 +256,16 @@ class TieredStore:
             raise InvalidRequest(f"out must be uint8 of shape {want} (row_ids.shape + (row_bytes,)), got {out.dtype} {out.shape}")
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise InvalidRequest("out must be C-contiguous and writable; pass np.empty(shape, np.uint8) or a contiguous slice")
-        flat = ids.reshape(-1)
+        if ids.dtype.kind == "u" and ids.size and int(ids.max()) > np.iinfo(np.int64).max:
+            raise self._out_of_range(lf, ids.reshape(-1))
+        return ids.reshape(-1).astype(np.int64, copy=False), out.reshape(-1, self.row_bytes)
+
+    @staticmethod
+    def _out_of_range(lf: LayerFile, flat: np.ndarray) -> RowOutOfRange:
         rows = lf.layout.rows
-        if flat.size:
-            lo, hi = int(flat.min()), int(flat.max())
-            if lo < 0 or hi >= rows:
-                bad = lo if lo < 0 else hi
-                raise RowOutOfRange(f"layer {lf.layer}: row id {bad} is outside [0, {rows}); ids seen span [{lo}, {hi}]")
-        return flat.astype(np.int64, copy=False), out.reshape(-1, self.row_bytes)
+        lo, hi = int(flat.min()), int(flat.max())
+        bad = lo if lo < 0 else hi
+        return RowOutOfRange(f"layer {lf.layer}: row id {bad} is outside [0, {rows}); ids seen span [{lo}, {hi}]")
 
     def arena(self) -> ArenaInfo | None:
         """The sealed read-only arena (resident mode), else None. The store owns the fd."""
