@@ -207,20 +207,40 @@ def rss_anon() -> int:
     return 0
 
 
+BLOCK_ROWS = 250_000  # rows a backend serves in a row (at least MIN_BLOCK requests)
+MIN_BLOCK = 4
+QUIESCE_S = 0.01  # busy pause before each block, while the last backend's idle workers stop spinning
+
+
 def run_point(backends: list[Backend], warm: list, timed: list, row_bytes: int) -> dict:
-    """Warm every backend, then time each request on every backend in turn (rotating
-    the order), so all see the same machine state."""
+    """Warm every backend, then time the requests in blocks of about
+    :data:`BLOCK_ROWS` rows, each block on every backend in turn (rotating the order),
+    so all see the same machine state.
+
+    Blocks rather than alternating per request: torch's OpenMP workers spin for about
+    5 ms after each call and, sharing the process, take a core from whatever backend
+    runs next, so per-request alternation measured that interference more than the
+    backends. Before each block the bench busy-waits :data:`QUIESCE_S` (sleeping
+    instead lets the vCPUs idle, and the next few requests of any backend then run up
+    to 3x slower) and serves one untimed request from the warm-up set."""
     out = np.empty((max(len(ids) for _, ids in warm + timed), row_bytes), dtype=np.uint8)
     for b in backends:
         for layer, ids in warm:
             b.lookup_into(layer, ids, out[: len(ids)])
     before = {b.name: b.stats() for b in backends if b.stats}
     lat: dict[str, list[float]] = {b.name: [] for b in backends}
-    for i, (layer, ids) in enumerate(timed):
-        for b in backends[i % len(backends):] + backends[: i % len(backends)]:
-            t0 = time.perf_counter()
+    block = max(MIN_BLOCK, BLOCK_ROWS // max(1, max(len(ids) for _, ids in timed)))
+    for k, lo in enumerate(range(0, len(timed), block)):
+        for b in backends[k % len(backends):] + backends[: k % len(backends)]:
+            until = time.perf_counter() + QUIESCE_S
+            while time.perf_counter() < until:
+                pass
+            layer, ids = warm[k % len(warm)]
             b.lookup_into(layer, ids, out[: len(ids)])
-            lat[b.name].append(time.perf_counter() - t0)
+            for layer, ids in timed[lo : lo + block]:
+                t0 = time.perf_counter()
+                b.lookup_into(layer, ids, out[: len(ids)])
+                lat[b.name].append(time.perf_counter() - t0)
     rows = sum(len(ids) for _, ids in timed)
     res = {}
     for b in backends:
