@@ -56,6 +56,8 @@ def test_unknown_keys_are_named_everywhere(tmp_path):
     ("dram_bytes", "lots", "dram_bytes"),
     ("workers", "-2", "workers"),
     ("workers", "two", "workers"),
+    ("busy_poll_us", "-1", "busy_poll_us"),
+    ("busy_poll_us", "1000000", "busy_poll_us"),
     ("verify", "maybe", "verify"),
     ("socket_mode", "0999", "socket_mode"),
     ("grpc", "localhost", "HOST:PORT"),

@@ -80,6 +80,7 @@ class DaemonConfig:
     max_clients: int = 1024  # Unix-socket clients at once; more are refused
     max_request_rows: int = 1 << 20  # rows per request (both transports); more is RESOURCE_EXHAUSTED
     workers: int = 0  # lookup threads; 0 = one per CPU
+    busy_poll_us: int = 200  # Unix clients: poll for the next request this long before sleeping; 0 = never
     grpc: str = "127.0.0.1:50051"  # gRPC listen address; "" disables it
     grpc_allow_remote: bool = False  # must be true to listen on a non-loopback address
     grpc_tls_cert: str = ""  # PEM certificate chain; with grpc_tls_key enables TLS
@@ -112,6 +113,8 @@ class DaemonConfig:
             raise bad("socket_mode", "must be permission bits such as 0660")
         if self.workers < 0:
             raise bad("workers", "must be 0 (one per CPU) or positive")
+        if not 0 <= self.busy_poll_us <= 100_000:
+            raise bad("busy_poll_us", "must be in 0..100000 (microseconds)")
         if self.grpc:
             host, _ = parse_hostport(self.grpc, "grpc")
             if not is_loopback(host) and not self.grpc_allow_remote:

@@ -58,6 +58,8 @@ class UnixServer:
         self._conns: set[_Connection] = set()
         self._lock = threading.Lock()
         self._closing = False
+        self._poll_token = threading.Lock()  # held by the one connection busy-polling
+        self._busy_poll_seconds = config.busy_poll_us / 1e6
 
     def start(self) -> str:
         if os.path.exists(self.path) and not os.path.isdir(self.path):
@@ -243,6 +245,7 @@ class _Connection:
 
     def _read_loop(self) -> None:
         while True:
+            self._busy_poll()
             frame, _ = self._read_frame(wire.MAX_CLIENT_PAYLOAD)
             if frame.op == Op.LOOKUP:
                 self._lookup(frame)
@@ -256,6 +259,16 @@ class _Connection:
                 self.send(Frame(Op.RESULT, frame.request_id).pack(json.dumps(body).encode()))
             else:
                 self._reply_error(frame, Status.INVALID_ARGUMENT, f"unknown op {frame.op}")
+
+    def _busy_poll(self) -> None:
+        """Poll the socket briefly before blocking on it (``busy_poll_us``), when no other
+        connection is polling: a client's next request then needs no wake-up of this thread."""
+        server = self.server
+        if server._busy_poll_seconds and server._poll_token.acquire(blocking=False):
+            try:
+                shm.spin_until_readable(self.sock, server._busy_poll_seconds)
+            finally:
+                server._poll_token.release()
 
     # --- lookups ----------------------------------------------------------
     def _reply_error(self, frame: Frame, status: Status, message: str) -> None:
