@@ -10,6 +10,8 @@ prefill (196,608 rows) sizes, uniform row ids, resident (DRAM) tables:
   unix-spin   unix-view with the client busy-polling for replies (spin_us=2000)
   unix-pipe   the same as unix-view, two requests in flight (how a layer-ahead prefetcher drives it)
   unix-into   the same, rows copied into the caller's buffer (lookup_into)
+  unix-arena  resident daemon: the client gathers from the sealed arena it mapped at
+              connect (``client.arena.gather_into``, as many threads as ``inproc``), no round trip
   grpc        daemon over gRPC on 127.0.0.1 (lookup_into)
 
 Client processes live through the whole run; each round runs every backend in turn
@@ -35,8 +37,8 @@ from pathlib import Path
 import numpy as np
 
 SIZES = {"decode": 6144, "prefill": 196_608}
-BACKENDS = ("inproc", "torch", "unix-view", "unix-spin", "unix-pipe", "unix-into", "grpc")
-DAEMON_BACKENDS = ("unix-view", "unix-spin", "unix-pipe", "unix-into", "grpc")
+BACKENDS = ("inproc", "torch", "unix-view", "unix-spin", "unix-pipe", "unix-into", "unix-arena", "grpc")
+DAEMON_BACKENDS = ("unix-view", "unix-spin", "unix-pipe", "unix-into", "unix-arena", "grpc")
 SPIN_US = 2000  # unix-spin: EngramClient.connect(spin_us=...)
 
 
@@ -70,6 +72,16 @@ def _make_lookup(backend: str, tables: str, address: str, dram_bytes: int):
 
         warm_lookup.client = client
         return warm_lookup, client.close
+    if backend == "unix-arena":
+        arena = client.arena
+        if arena is None:
+            raise RuntimeError("unix-arena needs a resident daemon (no arena was passed)")
+        threads = min(8, os.cpu_count() or 1)  # what TieredStore (inproc) uses by default
+
+        def arena_lookup(layer, ids, out):
+            arena.gather_into(layer, ids, out, threads=threads)
+
+        return arena_lookup, client.close
     if backend in ("unix-view", "unix-spin"):
         def view_lookup(layer, ids, out):
             with client.lookup_view(layer, ids) as rows:

@@ -16,10 +16,10 @@ def test_bench_help_and_quick_run(tmp_path):
     assert out.returncode == 0 and "--quick" in out.stdout
     report = tmp_path / "r.json"
     out = subprocess.run([sys.executable, bench, "--quick", "--sizes", "decode", "--clients", "1",
-                          "--backends", "inproc,unix-view,grpc", "--json", str(report)],
+                          "--backends", "inproc,unix-view,unix-arena,grpc", "--json", str(report)],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "unix-view" in out.stdout and "vs inproc" in out.stdout
     rows = json.loads(report.read_text())["results"]
-    assert {r["backend"] for r in rows} == {"inproc", "unix-view", "grpc"}
+    assert {r["backend"] for r in rows} == {"inproc", "unix-view", "unix-arena", "grpc"}
     assert all(r["rows_per_s"] > 0 and r["p99_ms"] >= r["p50_ms"] for r in rows)

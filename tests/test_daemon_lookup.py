@@ -87,6 +87,9 @@ def test_unix_views_region_and_arena(daemon, tables):
             np.testing.assert_array_equal(arena.layer_rows(3)[ids[0]], expected(tables, 3, ids[0]))
             out = np.empty((24, tables.row_bytes), np.uint8)
             np.testing.assert_array_equal(arena.gather_into(3, ids[0], out), expected(tables, 3, ids[0]))
+            many = np.random.default_rng(5).integers(0, tables.rows(3), 5000)  # large enough to split
+            big = np.empty((5000, tables.row_bytes), np.uint8)
+            np.testing.assert_array_equal(arena.gather_into(3, many, big, threads=2), expected(tables, 3, many))
             for bad in ([-1], [tables.rows(3)]):  # no wrap-around of negative ids, no reads past the layer
                 with pytest.raises(errors.RowOutOfRange):
                     arena.gather_into(3, np.array(bad), out[:1])

@@ -32,19 +32,21 @@ class ClientArena:
             raise errors.UnknownLayer(f"layer {layer} is not in the arena; layers are {sorted(self._by_layer)}")
         return self.array[a.offset: a.offset + a.rows * a.row_bytes].reshape(a.rows, a.row_bytes)
 
-    def gather_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Rows straight from the arena, no daemon round trip."""
+    def gather_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray, *, threads: int = 1) -> np.ndarray:
+        """Rows straight from the arena, no daemon round trip; ``threads`` copy a large
+        request (1 by default: the caller's compute needs the other cores)."""
         rows = self.layer_rows(layer)
         ids = np.asarray(row_ids).reshape(-1)
         if ids.size and not np.issubdtype(ids.dtype, np.integer):
             raise errors.InvalidRequest(f"row ids must be integers, got {ids.dtype}")
-        if ids.size and (ids.min() < 0 or ids.max() >= rows.shape[0]):
-            raise errors.RowOutOfRange(f"layer {layer}: row ids must be in [0, {rows.shape[0]}), "
-                                       f"got [{ids.min()}, {ids.max()}]")
         flat_out = out.reshape(-1, rows.shape[1])
         if ids.size != flat_out.shape[0]:
             raise errors.InvalidRequest(f"out holds {flat_out.shape[0]} rows, {ids.size} row ids given")
-        shared_gatherer().take(rows, ids, flat_out)
+        try:
+            shared_gatherer(max(1, threads)).take(rows, ids, flat_out)  # checks the bounds as it goes
+        except IndexError:
+            raise errors.RowOutOfRange(f"layer {layer}: row ids must be in [0, {rows.shape[0]}), "
+                                       f"got [{ids.min()}, {ids.max()}]") from None
         return out
 
     def close(self) -> None:

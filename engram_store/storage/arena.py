@@ -92,12 +92,12 @@ class Gatherer:
 
 
 @functools.cache
-def shared_gatherer() -> Gatherer:
-    """One process-wide single-threaded :class:`Gatherer` for in-process readers of an
-    arena: clients gathering from a mapped resident arena and ``LocalClient``.
-    Single-threaded on purpose: those callers run beside the model's compute and must
-    not compete with it for every core."""
-    return Gatherer(1)
+def shared_gatherer(threads: int = 1) -> Gatherer:
+    """A process-wide :class:`Gatherer` per thread count, for in-process readers of an
+    arena: clients gathering from a mapped resident arena and ``LocalClient``. One
+    thread by default, on purpose: those callers run beside the model's compute and
+    must not compete with it for every core unless asked to."""
+    return Gatherer(threads)
 
 
 def _numpy_take(src: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
