@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import numpy as np
@@ -67,3 +68,62 @@ def test_connect_to_nothing_is_unavailable(tmp_path):
         EngramClient.connect(f"unix://{tmp_path}/nothing.sock")
     with pytest.raises(errors.ConfigError, match="expected unix://"):
         EngramClient.connect("http://localhost:1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_clients_see_unavailable_while_the_daemon_starts(tables, tmp_path):
+    """Before the daemon is ready (loading tables, listeners not open yet) a gRPC call gets
+    UNAVAILABLE, not a hang or another code; clients made before it started are served
+    once it is ready, with the right bytes."""
+    import grpc
+
+    from engram_store._proto import engram_store_pb2 as pb
+    from engram_store._proto import engram_store_pb2_grpc as pb_grpc
+
+    port = _free_port()
+    daemon = DaemonProcess(tables.directory, tmp_path, extra=["--grpc", f"127.0.0.1:{port}"])
+    ids = np.arange(0, tables.rows(1), 13)
+    early = [EngramClient(daemon.unix, reconnect_timeout=60), EngramClient(f"grpc://127.0.0.1:{port}", reconnect_timeout=60)]
+    results: dict = {}
+
+    def look(i: int, client: EngramClient) -> None:
+        try:
+            results[i] = client.lookup(1, ids)
+        except Exception as exc:  # reported below
+            results[i] = exc
+
+    codes = []
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        starter = threading.Thread(target=daemon.start)
+        starter.start()
+        threads = [threading.Thread(target=look, args=(i, c)) for i, c in enumerate(early)]
+        for t in threads:
+            t.start()
+        stub = pb_grpc.EngramStoreStub(channel)
+        while not daemon.ready_file.exists() and starter.is_alive():
+            try:
+                stub.Info(pb.InfoRequest(), timeout=5)
+            except grpc.RpcError as exc:
+                codes.append(exc.code())
+            if daemon.ready_file.exists():
+                break  # this call may have raced the start; count only calls made before it
+        starter.join(60)
+        assert daemon.ready, "daemon did not start"
+        assert codes and set(codes) == {grpc.StatusCode.UNAVAILABLE}, codes
+        for t in threads:
+            t.join(60)
+        for i in range(len(early)):
+            assert not isinstance(results.get(i), Exception), results.get(i)
+            np.testing.assert_array_equal(results[i], expected(tables, 1, ids))
+        assert stub.Info(pb.InfoRequest(), timeout=30, wait_for_ready=True).row_bytes == tables.row_bytes
+    finally:
+        channel.close()
+        for c in early:
+            c.close()
+        daemon.stop()

@@ -289,3 +289,40 @@ def test_grpc_status_codes_mean_something(daemon, tables):
         assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
         reply = stub.Lookup(pb.LookupRequest(layer=1, row_ids=ids(3, 1, dtype="<i4"), dtype=pb.INT32), timeout=30)
         assert reply.rows == expected(tables, 1, np.array([3, 1])).tobytes()
+
+
+def test_client_that_stops_reading_is_dropped(tables, tmp_path):
+    """A client that floods requests and reads no reply fills the socket; after
+    client_send_timeout_seconds the daemon drops it, and other clients are served meanwhile."""
+    with DaemonProcess(tables.directory, tmp_path, env={"ENGRAM_STORE_CLIENT_SEND_TIMEOUT_SECONDS": "1"}) as d:
+        ids = np.arange(0, tables.rows(1), 31)
+        with EngramClient.connect(d.unix, reconnect_timeout=0) as good:
+            stuck, welcome, _, fds = raw_connect(d.socket_path)
+            for fd in fds:
+                os.close(fd)
+            assert welcome.status == Status.OK
+            stuck.setblocking(False)
+            flood = b"".join(Frame(Op.INFO, rid).pack() for rid in range(1, 4001))  # ~4 MB of replies
+            sent = 0
+            deadline = time.monotonic() + 30
+            while sent < len(flood) and time.monotonic() < deadline:
+                try:
+                    sent += stuck.send(flood[sent:])
+                except BlockingIOError:
+                    time.sleep(0.01)  # the daemon stopped reading: it is blocked sending to us
+                except OSError:
+                    break  # already dropped
+            np.testing.assert_array_equal(good.lookup(1, ids), expected(tables, 1, ids))  # served meanwhile
+            deadline = time.monotonic() + 30
+            while good.stats()["unix_connected_clients"] != 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert good.stats()["unix_connected_clients"] == 1  # the stuck client was dropped
+            np.testing.assert_array_equal(good.lookup(1, ids), expected(tables, 1, ids))
+            stuck.setblocking(True)
+            stuck.settimeout(30)
+            try:  # the replies that were queued, then the end of the connection (not a hang)
+                while stuck.recv(1 << 20):
+                    pass
+            except ConnectionResetError:
+                pass
+            stuck.close()

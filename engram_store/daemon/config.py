@@ -78,6 +78,7 @@ class DaemonConfig:
     client_shm_bytes: int = 64 << 20  # shared region per client unless it asks for another size
     max_client_shm_bytes: int = 1 << 30  # largest shared region a client may ask for
     max_clients: int = 1024  # Unix-socket clients at once; more are refused
+    client_send_timeout_seconds: float = 10.0  # a Unix client that reads no reply for this long is dropped
     max_request_rows: int = 1 << 20  # rows per request (both transports); more is RESOURCE_EXHAUSTED
     workers: int = 0  # lookup threads; 0 = one per CPU
     busy_poll_us: int = 200  # Unix clients: poll for the next request this long before sleeping; 0 = never
@@ -129,6 +130,8 @@ class DaemonConfig:
             raise bad("nvme_queue_depth", "must be in 1..1024")
         if self.grpc_event_loop not in ("uvloop", "asyncio"):
             raise bad("grpc_event_loop", "must be 'uvloop' or 'asyncio'")
+        if not 0 < self.client_send_timeout_seconds <= 3600:
+            raise bad("client_send_timeout_seconds", "must be in (0, 3600] seconds")
         if self.drain_seconds < 0:
             raise bad("drain_seconds", "must not be negative")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

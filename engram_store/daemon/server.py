@@ -38,7 +38,6 @@ from .wire import DType, Frame, Op, Status
 log = logging.getLogger(__name__)
 
 HANDSHAKE_SECONDS = 5.0  # a peer that sends no HELLO by then is dropped
-SEND_SECONDS = 10  # a peer that reads none of its replies for this long is dropped
 MAX_INFLIGHT = 64  # lookups one client may have queued in the daemon
 _NUMPY_DTYPE = {DType.INT64: DType.INT64.numpy, DType.INT32: DType.INT32.numpy}
 
@@ -160,7 +159,8 @@ class _Connection:
         self.server = server
         self.sock = sock
         # Kernel send timeout: a client that stops reading cannot pin a worker thread.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_SECONDS, 0))
+        timeout = server.config.client_send_timeout_seconds
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(timeout), int(timeout % 1 * 1e6)))
         self.region = None
         self.array: np.ndarray | None = None
         self.send_lock = threading.Lock()
