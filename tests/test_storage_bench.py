@@ -38,6 +38,9 @@ def test_lookup_quick_json(tmp_path):
     for p in points.values():
         assert p["store"]["rows_per_s"] > 0 and p["torch"]["rows_per_s"] > 0 and p["store_vs_torch"] > 0
         assert p["store"]["p99_ms"] >= p["store"]["p50_ms"]
+        assert 0.0 <= p["store"]["hit_rate"] <= 1.0  # counts timed requests only
+        if p["mode"] == "resident":
+            assert p["store"]["hit_rate"] == 1.0
     rates = {h["traffic"]: h for h in out["hit_rates"]}
     assert set(rates) == {"uniform", "zipf1.0"}
     for h in rates.values():  # Belady is the optimum for the same slots: nothing may beat it
