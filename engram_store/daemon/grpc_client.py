@@ -16,7 +16,7 @@ import numpy as np
 from .. import errors
 from .._proto import engram_store_pb2 as pb
 from .._proto import engram_store_pb2_grpc as pb_grpc
-from . import wire
+from . import lookup_codec, wire
 from .unix_client import _check_ids, _check_out
 
 MAX_MESSAGE_BYTES = 256 << 20  # explicit client limits; the daemon sends at most one chunk per message
@@ -59,6 +59,14 @@ class GrpcTransport:
         else:
             self._channel = grpc.insecure_channel(target, options=options)
         self._stub = pb_grpc.EngramStoreStub(self._channel)
+        # The Lookup RPCs with lookup_codec's decoder: rows stay in the received bytes until
+        # they are copied into the caller's buffer.
+        lookup = f"/{pb.DESCRIPTOR.services_by_name['EngramStore'].full_name}/"
+        self._lookup = self._channel.unary_unary(lookup + "Lookup", request_serializer=pb.LookupRequest.SerializeToString,
+                                                 response_deserializer=lookup_codec.decode_reply)
+        self._lookup_stream = self._channel.unary_stream(lookup + "LookupStream",
+                                                         request_serializer=pb.LookupRequest.SerializeToString,
+                                                         response_deserializer=lookup_codec.decode_reply)
         self._broken = ""
         try:
             reply = self._stub.Info(pb.InfoRequest(), timeout=connect_timeout)
@@ -85,13 +93,14 @@ class GrpcTransport:
                                    dtype=pb.INT64)
         rb = self.row_bytes
         try:
-            if ids.size * rb <= self.chunk_bytes:
-                reply = self._stub.Lookup(request, timeout=self.call_timeout)
-                flat[:] = np.frombuffer(reply.rows, dtype=np.uint8)
-            else:
-                for reply in self._stub.LookupStream(request, timeout=self.call_timeout):
-                    start = reply.first_row * rb
-                    flat[start: start + len(reply.rows)] = np.frombuffer(reply.rows, dtype=np.uint8)
+            replies = [self._lookup(request, timeout=self.call_timeout)] if ids.size * rb <= self.chunk_bytes \
+                else self._lookup_stream(request, timeout=self.call_timeout)
+            for reply in replies:
+                start = reply.first_row * rb
+                if reply.row_bytes != rb or start + len(reply.rows) > flat.size:
+                    raise errors.StorageError(f"gRPC reply does not fit the request: rows from {reply.first_row}, "
+                                              f"{len(reply.rows)} bytes of {reply.row_bytes}-byte rows")
+                flat[start: start + len(reply.rows)] = np.frombuffer(reply.rows, dtype=np.uint8)
         except grpc.RpcError as exc:
             self._raise(exc)
         return out

@@ -24,7 +24,7 @@ from .. import __version__, errors
 from .._proto import engram_store_pb2 as pb
 from .._proto import engram_store_pb2_grpc as pb_grpc
 from ..storage.base import RowStore
-from . import wire
+from . import lookup_codec, wire
 from .config import DaemonConfig, parse_hostport
 from .stats import TransportStats
 
@@ -103,7 +103,7 @@ class EngramStoreService(pb_grpc.EngramStoreServicer):
         await context.abort(CODE_OF.get(status, grpc.StatusCode.INTERNAL), str(exc))
 
     # --- RPCs -------------------------------------------------------------
-    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupReply:
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> lookup_codec.EncodedReply:
         t0 = time.perf_counter()
         try:
             store, ids = self._request(request)
@@ -116,11 +116,10 @@ class EngramStoreService(pb_grpc.EngramStoreServicer):
             await self._fail(context, exc, t0)
             raise  # unreachable: abort raises
         self.stats.record(ids.size, store.row_bytes, time.perf_counter() - t0)
-        return pb.LookupReply(rows=out.tobytes(), first_row=0, row_count=ids.size, row_bytes=store.row_bytes,
-                              total_rows=ids.size)
+        return lookup_codec.encode_reply(out, 0, ids.size, store.row_bytes, ids.size)
 
     async def LookupStream(self, request: pb.LookupRequest,
-                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LookupReply]:
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[lookup_codec.EncodedReply]:
         t0 = time.perf_counter()
         pending: list[asyncio.Future | None] = []
         try:
@@ -134,8 +133,7 @@ class EngramStoreService(pb_grpc.EngramStoreServicer):
                     nxt = starts[i + 2]
                     pending.append(asyncio.ensure_future(self._gather(store, request.layer, ids[nxt: nxt + step])))
                 pending[i] = None  # drop the finished buffer
-                yield pb.LookupReply(rows=out.tobytes(), first_row=start, row_count=len(out),
-                                     row_bytes=store.row_bytes, total_rows=ids.size)
+                yield lookup_codec.encode_reply(out, start, len(out), store.row_bytes, ids.size)
         except Exception as exc:
             for fut in pending:
                 if fut is not None:
@@ -167,6 +165,22 @@ class EngramStoreService(pb_grpc.EngramStoreServicer):
         return pb.StatsReply(values=values)
 
 
+def add_service(service: EngramStoreService, server: grpc.aio.Server) -> None:
+    """The generated ``add_EngramStoreServicer_to_server``, built from the proto's descriptor,
+    except that ``LookupReply`` messages go out through :mod:`lookup_codec` (rows copied once)."""
+    (desc,) = pb.DESCRIPTOR.services_by_name.values()
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler}
+    handlers = {}
+    for m in desc.methods:
+        out_type = getattr(pb, m.output_type.name)
+        serialize = lookup_codec.serialize_reply if out_type is pb.LookupReply else out_type.SerializeToString
+        handlers[m.name] = kinds[m.client_streaming, m.server_streaming](
+            getattr(service, m.name), request_deserializer=getattr(pb, m.input_type.name).FromString,
+            response_serializer=serialize)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
+    server.add_registered_method_handlers(desc.full_name, handlers)
+
+
 class GrpcServer:
     """The grpc.aio server, run on the caller's event loop."""
 
@@ -179,7 +193,7 @@ class GrpcServer:
     async def start(self) -> str:
         server = grpc.aio.server(options=message_limits(self.config),
                                  maximum_concurrent_rpcs=max(64, self.config.max_clients))
-        pb_grpc.add_EngramStoreServicer_to_server(self.service, server)
+        add_service(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         host, _ = parse_hostport(self.config.grpc, "grpc")
         if self.config.grpc_tls_cert:
