@@ -193,3 +193,31 @@ def test_native_gather_pool_under_concurrent_callers():
 
     with ThreadPoolExecutor(6) as pool:
         assert all(pool.map(one, range(120)))
+
+
+def test_native_gather_pool_after_fork():
+    """A child forked after the parent used the pool (workers not copied) gathers correctly
+    and starts its own workers."""
+    from engram_store.storage import arena
+
+    native = arena.native_gather()
+    if native is None:
+        pytest.skip("native gather _gather not built")
+    rng = np.random.default_rng(9)
+    src = rng.integers(0, 256, size=(20000, 264), dtype=np.uint8)
+    idx = rng.integers(0, len(src), 30000)
+    out = np.empty((len(idx), 264), np.uint8)
+    native.gather(src, 264, idx, out, 2)
+    assert native.pool_size() >= 1
+    pid = os.fork()
+    if pid == 0:  # the child: exit status says what happened
+        code = 1
+        try:
+            before = native.pool_size()
+            child_out = np.zeros_like(out)
+            native.gather(src, 264, idx, child_out, 2)
+            code = 0 if before == 0 and native.pool_size() == 1 and np.array_equal(child_out, src[idx]) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -14,6 +14,7 @@
  * finds it busy copies on its own thread instead of waiting. Idle workers spin
  * for a few microseconds after a job (back-to-back requests then start at
  * once) and sleep on a futex after that, so an idle pool costs no CPU.
+ * A child process after fork() starts with no workers and grows its own pool.
  *
  * Why not the Python thread pool: a hand-off through it costs tens of
  * microseconds of GIL and condition-variable traffic per part, which is the
@@ -181,6 +182,17 @@ static void gather_parallel(const job_t *j, int threads) {
 
 #define N_VIEWS 3
 
+/* fork() copies only the calling thread: the child's pool is empty, and the lock may have
+   been held by a thread that does not exist there. */
+static void reset_pool_in_child(void) {
+    pthread_mutex_init(&pool_lock, NULL);
+    n_workers = 0;
+}
+
+static PyObject *pool_size(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    return PyLong_FromLong(n_workers);
+}
+
 static PyObject *gather(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *o_src, *o_idx, *o_out;
     long long row_bytes;
@@ -237,6 +249,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS, "gather(src, row_bytes, index, out, threads=1) -> None"},
+    {"pool_size", pool_size, METH_NOARGS, "pool_size() -> worker threads started in this process"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -244,4 +257,7 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_gather", "Row gathers split across a native thread pool.", -1, methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__gather(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__gather(void) {
+    pthread_atfork(NULL, NULL, reset_pool_in_child);
+    return PyModule_Create(&module);
+}
