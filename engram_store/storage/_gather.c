@@ -161,14 +161,16 @@ static int ensure_workers(int want) {
 static void gather_parallel(const job_t *j, int threads) {
     job = *j;
     job.nblocks = (j->n + BLOCK_ROWS - 1) / BLOCK_ROWS;
-    int workers = ensure_workers(threads - 1);
+    int workers = ensure_workers(threads - 1); /* the pool may be larger: another caller asked for more */
+    if (workers > threads - 1) workers = threads - 1;
     if (workers > job.nblocks - 1) workers = (int)job.nblocks - 1;
     atomic_store(&done, 0);
     atomic_store(&workers_wanted, workers);
     uint32_t gen = atomic_load(&generation) + 1;
     atomic_store(&claim, (uint64_t)gen << 32);
     atomic_store(&generation, gen); /* publishes job, claim and done (seq_cst) */
-    if (workers > 0) futex(&generation, FUTEX_WAKE, workers);
+    /* Wake every sleeper: FUTEX_WAKE picks whom it wakes, and only workers 0..workers-1 take part. */
+    if (workers > 0) futex(&generation, FUTEX_WAKE, n_workers);
     work(gen);
     for (int spins = 0; atomic_load(&done) < job.nblocks; spins++) {
         if (spins < 64)
