@@ -161,8 +161,10 @@ def test_gatherer_matches_numpy_take(threads, impl):
         for bad_at, bad in [(0, 5000), (4095, -1), (9000, 1 << 40)]:  # single-threaded and pooled paths
             idx = rng.integers(0, len(src), 10000)
             idx[bad_at] = bad
+            out = np.zeros((10000, 264), np.uint8)
             with pytest.raises(IndexError):
-                g.take(src, idx, np.zeros((10000, 264), np.uint8))
+                g.take(src, idx, out)
+            assert not out.any()  # checked before anything is copied
         idx = rng.integers(0, len(src), 3000)  # a good gather after a failed one
         out = np.zeros((3000, 264), np.uint8)
         g.take(src, idx, out)
@@ -188,6 +190,7 @@ def test_native_gather_pool_under_concurrent_callers():
         r = np.random.default_rng(k)
         idx = r.integers(0, len(src), int(r.integers(1, 40000)))
         out = np.empty((len(idx), 264), np.uint8)
+        gs[k % len(gs)].expect(len(idx))  # the daemon's hint before a gather: must not disturb it
         gs[k % len(gs)].take(src, idx, out)
         return bool(np.array_equal(out, src[idx]))
 

@@ -58,6 +58,7 @@ class UnixServer:
         self._lock = threading.Lock()
         self._closing = False
         self._poll_token = threading.Lock()  # held by the one connection busy-polling
+        self.expect: Callable[[int], None] = getattr(store, "expect", lambda rows: None)
         self._busy_poll_seconds = config.busy_poll_us / 1e6
 
     def start(self) -> str:
@@ -298,6 +299,7 @@ class _Connection:
 
     def _lookup(self, frame: Frame) -> None:
         t0 = time.perf_counter()
+        self.server.expect(frame.count)  # wake the gather threads while the frame is checked
         try:
             self._check(frame)
         except errors.EngramStoreError as exc:

@@ -7,13 +7,14 @@
  *     scheduler delays simply takes fewer blocks. Each thread software-prefetches
  *     rows a few indices ahead so that cache and TLB misses overlap: a random
  *     gather over a large table is bound by memory latency, not bandwidth.
- *     An index outside [0, rows) raises IndexError; `out` is then partly written.
+ *     An index outside [0, rows) raises IndexError before anything is copied.
  *
  * The pool is created on first use and grows to the largest `threads` asked
  * for (at most MAX_WORKERS + 1). It serves one gather at a time: a caller that
  * finds it busy copies on its own thread instead of waiting. Idle workers spin
  * for a few microseconds after a job (back-to-back requests then start at
- * once) and sleep on a futex after that, so an idle pool costs no CPU.
+ * once) and sleep on a futex after that, so an idle pool costs no CPU;
+ * prime() wakes them ahead of a gather that is about to come.
  * A child process after fork() starts with no workers and grows its own pool.
  *
  * Why not the Python thread pool: a hand-off through it costs tens of
@@ -53,11 +54,11 @@ typedef struct {
 static job_t job;
 static _Atomic uint64_t claim;
 static _Atomic int64_t done;
-static _Atomic int64_t bad = -1; /* smallest position of an out-of-range index, -1 if none */
 static _Atomic uint32_t generation; /* futex word the workers sleep on */
 static _Atomic int workers_wanted;  /* workers that take part in the current generation */
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static int n_workers;
+static _Atomic uint32_t nudge;
 
 static long futex(_Atomic uint32_t *addr, int op, uint32_t val) {
     return syscall(SYS_futex, (uint32_t *)addr, op | FUTEX_PRIVATE_FLAG, val, NULL, NULL, 0);
@@ -75,12 +76,6 @@ static int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static void note_bad(int64_t pos) {
-    int64_t cur = atomic_load(&bad);
-    while ((cur < 0 || pos < cur) && !atomic_compare_exchange_weak(&bad, &cur, pos)) {
-    }
 }
 
 /* Position of the first index in [lo, hi) outside [0, rows), or -1. */
@@ -113,11 +108,7 @@ static void work(uint32_t gen) {
         if (!atomic_compare_exchange_weak(&claim, &c, c + 1)) continue;
         int64_t b = (int64_t)(c & 0xffffffffu);
         int64_t lo = b * BLOCK_ROWS, hi = lo + BLOCK_ROWS < job.n ? lo + BLOCK_ROWS : job.n;
-        int64_t wrong = first_out_of_range(&job, lo, hi);
-        if (wrong >= 0)
-            note_bad(wrong);
-        else
-            copy_rows(&job, lo, hi);
+        copy_rows(&job, lo, hi);
         atomic_fetch_add(&done, 1);
     }
 }
@@ -128,7 +119,13 @@ static void *worker_main(void *arg) {
     for (;;) {
         uint32_t g;
         int64_t spin_until = now_ns() + IDLE_SPIN_NS;
+        uint32_t seen_nudge = atomic_load(&nudge);
         for (int spins = 0; (g = atomic_load(&generation)) == seen; spins++) {
+            uint32_t nn = atomic_load(&nudge);
+            if (nn != seen_nudge) {
+                seen_nudge = nn;
+                spin_until = now_ns() + IDLE_SPIN_NS;
+            }
             if (spin_until == 0 || ((spins & 63) == 63 && now_ns() > spin_until)) {
                 spin_until = 0;
                 futex(&generation, FUTEX_WAIT, seen);
@@ -191,6 +188,16 @@ static void reset_pool_in_child(void) {
     n_workers = 0;
 }
 
+/* A gather is coming: wake sleeping workers now, so that they are spinning when it
+   starts (a futex wake-up costs tens of microseconds on a VM, a decode gather ~150). */
+static PyObject *prime(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    if (n_workers > 0) {
+        atomic_fetch_add(&nudge, 1);
+        futex(&generation, FUTEX_WAKE, n_workers);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *pool_size(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
     return PyLong_FromLong(n_workers);
 }
@@ -224,17 +231,17 @@ static PyObject *gather(PyObject *Py_UNUSED(self), PyObject *args) {
         goto done;
     }
     if (threads > MAX_WORKERS + 1) threads = MAX_WORKERS + 1;
-    int64_t first_bad = -1;
+    int64_t first_bad;
     Py_BEGIN_ALLOW_THREADS
-    if (threads > 1 && j.n >= MIN_SPLIT_ROWS && pthread_mutex_trylock(&pool_lock) == 0) {
-        atomic_store(&bad, -1);
-        gather_parallel(&j, threads);
-        first_bad = atomic_load(&bad);
-        pthread_mutex_unlock(&pool_lock);
-    } else {
-        /* On this thread, as one block: bounds are checked before anything is copied. */
-        first_bad = first_out_of_range(&j, 0, j.n);
-        if (first_bad < 0) copy_rows(&j, 0, j.n);
+    /* Every index is checked before any row is copied: on an error `out` is untouched. */
+    first_bad = first_out_of_range(&j, 0, j.n);
+    if (first_bad < 0) {
+        if (threads > 1 && j.n >= MIN_SPLIT_ROWS && pthread_mutex_trylock(&pool_lock) == 0) {
+            gather_parallel(&j, threads);
+            pthread_mutex_unlock(&pool_lock);
+        } else {
+            copy_rows(&j, 0, j.n);
+        }
     }
     Py_END_ALLOW_THREADS
     if (first_bad >= 0) {
@@ -251,6 +258,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS, "gather(src, row_bytes, index, out, threads=1) -> None"},
+    {"prime", prime, METH_NOARGS, "prime() -> None: wake idle workers, a gather is coming"},
     {"pool_size", pool_size, METH_NOARGS, "pool_size() -> worker threads started in this process"},
     {NULL, NULL, 0, NULL},
 };
@@ -261,5 +269,10 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__gather(void) {
     pthread_atfork(NULL, NULL, reset_pool_in_child);
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "MIN_SPLIT_ROWS", MIN_SPLIT_ROWS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

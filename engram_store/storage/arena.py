@@ -68,6 +68,12 @@ class Gatherer:
         use_pool = self._native is None and self.threads > 1
         self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="engram-gather") if use_pool else None
 
+    def expect(self, rows: int) -> None:
+        """A gather of ``rows`` rows is about to come: wake the native pool's idle threads
+        now (tens of microseconds on a VM), so that they are running when it starts."""
+        if self._native is not None and self.threads > 1 and rows >= self._native.MIN_SPLIT_ROWS:
+            self._native.prime()
+
     def take(self, src: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
         index = np.ascontiguousarray(index, dtype=np.int64)
         if self._native is not None:

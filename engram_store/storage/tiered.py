@@ -169,6 +169,11 @@ class TieredStore:
         self.lookup_into(layer, ids, out)
         return out
 
+    def expect(self, rows: int) -> None:
+        """Hint that a lookup of ``rows`` rows is about to come (e.g. a request frame has
+        arrived): the gather threads are woken while the caller still parses it."""
+        self._gather.expect(rows)
+
     def lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> LookupStats:
         """Fill ``out[i]`` with the bytes of row ``row_ids[i]`` (see ``RowStore``); returns
         the stats of this call."""
