@@ -322,7 +322,7 @@ class UnixTransport:
 
 def _check_ids(row_ids: Any) -> np.ndarray:
     ids = np.asarray(row_ids)
-    if not np.issubdtype(ids.dtype, np.integer):
+    if ids.dtype.kind not in "iu":  # np.issubdtype costs ~5 us a call on the hot path
         raise errors.InvalidRequest(f"row ids must be an integer array, got dtype {ids.dtype}")
     return ids
 
