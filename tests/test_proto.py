@@ -45,3 +45,32 @@ def test_service_implements_every_rpc_of_the_proto():
     assert methods, "the proto declares no RPCs"
     for name in methods:
         assert getattr(EngramStoreService, name) is not getattr(pb_grpc.EngramStoreServicer, name), name
+
+
+def test_add_service_registers_every_rpc_and_refuses_a_missing_one():
+    """The daemon registers its service from the proto's descriptor (not the generated base
+    class, whose methods answer UNIMPLEMENTED): every RPC is wired, a missing one fails at start."""
+    from engram_store._proto import engram_store_pb2 as pb
+    from engram_store.daemon.grpc_service import EngramStoreService, add_service
+
+    class Recorder:
+        def __init__(self):
+            self.handlers = {}
+
+        def add_generic_rpc_handlers(self, handlers):
+            pass
+
+        def add_registered_method_handlers(self, name, handlers):
+            self.handlers[name] = handlers
+
+    (service,) = pb.DESCRIPTOR.services_by_name.values()
+    server = Recorder()
+    svc = EngramStoreService.__new__(EngramStoreService)
+    add_service(svc, server)
+    assert sorted(server.handlers[service.full_name]) == sorted(m.name for m in service.methods)
+
+    class Incomplete:
+        Lookup = LookupStream = Info = EngramStoreService.Info  # no Stats
+
+    with pytest.raises(AttributeError, match="Stats"):
+        add_service(Incomplete(), Recorder())

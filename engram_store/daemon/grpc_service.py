@@ -22,7 +22,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from .. import __version__, errors
 from .._proto import engram_store_pb2 as pb
-from .._proto import engram_store_pb2_grpc as pb_grpc
 from ..storage.base import RowStore
 from . import lookup_codec, wire
 from .config import DaemonConfig, parse_hostport
@@ -53,8 +52,12 @@ def message_limits(config: DaemonConfig) -> list[tuple[str, int]]:
     ]
 
 
-class EngramStoreService(pb_grpc.EngramStoreServicer):
-    """Serves ``store`` once :meth:`attach` is called; UNAVAILABLE before and while draining."""
+class EngramStoreService:
+    """Serves ``store`` once :meth:`attach` is called; UNAVAILABLE before and while draining.
+
+    Not derived from the generated ``EngramStoreServicer``: that base answers UNIMPLEMENTED for
+    any RPC a subclass forgets, while :func:`add_service` looks every RPC of the proto up on
+    this class, so a missing one stops the daemon at start-up instead."""
 
     def __init__(self, config: DaemonConfig, stats: TransportStats, pool: Executor,
                  info: Callable[[], dict[str, Any]], stats_snapshot: Callable[[], dict[str, float]]) -> None:
@@ -166,8 +169,9 @@ class EngramStoreService(pb_grpc.EngramStoreServicer):
 
 
 def add_service(service: EngramStoreService, server: grpc.aio.Server) -> None:
-    """The generated ``add_EngramStoreServicer_to_server``, built from the proto's descriptor,
-    except that ``LookupReply`` messages go out through :mod:`lookup_codec` (rows copied once)."""
+    """What the generated ``add_EngramStoreServicer_to_server`` does, built from the proto's
+    descriptor: every RPC must be a method of ``service`` (AttributeError otherwise), and
+    ``LookupReply`` messages go out through :mod:`lookup_codec` (rows copied once)."""
     (desc,) = pb.DESCRIPTOR.services_by_name.values()
     kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler}
     handlers = {}
