@@ -34,6 +34,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "_gather_api.h"
+
 #define BLOCK_ROWS 1024     /* rows per claim: small enough to balance, large enough to amortize */
 #define MIN_SPLIT_ROWS 2048 /* smaller gathers run on the caller's thread */
 #define MAX_WORKERS 15
@@ -129,6 +131,8 @@ static void *worker_main(void *arg) {
             if (spin_until == 0 || ((spins & 63) == 63 && now_ns() > spin_until)) {
                 spin_until = 0;
                 futex(&generation, FUTEX_WAIT, seen);
+            } else if ((spins & 7) == 7) {
+                sched_yield(); /* a thread woken on this core (a client reading its reply) runs first */
             } else {
                 cpu_relax();
             }
@@ -190,13 +194,36 @@ static void reset_pool_in_child(void) {
 
 /* A gather is coming: wake sleeping workers now, so that they are spinning when it
    starts (a futex wake-up costs tens of microseconds on a VM, a decode gather ~150). */
-static PyObject *prime(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+static void prime_pool(void) {
     if (n_workers > 0) {
         atomic_fetch_add(&nudge, 1);
         futex(&generation, FUTEX_WAKE, n_workers);
     }
+}
+
+static PyObject *prime(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    prime_pool();
     Py_RETURN_NONE;
 }
+
+/* The whole gather, without the GIL: every index is checked before any row is copied,
+   so on an error `out` is untouched. Returns -1 or the position of the first bad index. */
+static int64_t gather_rows(const char *src, int64_t rows, size_t row_bytes, const int64_t *idx, int64_t n, char *out,
+                           int threads) {
+    job_t j = {.src = src, .idx = idx, .out = out, .row_bytes = row_bytes, .n = n, .rows = rows};
+    int64_t first_bad = first_out_of_range(&j, 0, n);
+    if (first_bad >= 0) return first_bad;
+    if (threads > MAX_WORKERS + 1) threads = MAX_WORKERS + 1;
+    if (threads > 1 && n >= MIN_SPLIT_ROWS && pthread_mutex_trylock(&pool_lock) == 0) {
+        gather_parallel(&j, threads);
+        pthread_mutex_unlock(&pool_lock);
+    } else {
+        copy_rows(&j, 0, n);
+    }
+    return -1;
+}
+
+static engram_gather_api c_api = {.gather = gather_rows, .prime = prime_pool};
 
 static PyObject *pool_size(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
     return PyLong_FromLong(n_workers);
@@ -224,29 +251,19 @@ static PyObject *gather(PyObject *Py_UNUSED(self), PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "gather: row_bytes must be positive");
         goto done;
     }
-    job_t j = {.src = v[0].buf, .idx = v[1].buf, .out = v[2].buf, .row_bytes = (size_t)row_bytes,
-               .n = v[1].len / 8, .rows = v[0].len / row_bytes};
-    if (j.n * row_bytes > v[2].len) {
+    const int64_t n = v[1].len / 8, rows = v[0].len / row_bytes;
+    if (n * row_bytes > v[2].len) {
         PyErr_SetString(PyExc_ValueError, "gather: out needs len(index) * row_bytes bytes");
         goto done;
     }
-    if (threads > MAX_WORKERS + 1) threads = MAX_WORKERS + 1;
+    const int64_t *idx = v[1].buf;
     int64_t first_bad;
     Py_BEGIN_ALLOW_THREADS
-    /* Every index is checked before any row is copied: on an error `out` is untouched. */
-    first_bad = first_out_of_range(&j, 0, j.n);
-    if (first_bad < 0) {
-        if (threads > 1 && j.n >= MIN_SPLIT_ROWS && pthread_mutex_trylock(&pool_lock) == 0) {
-            gather_parallel(&j, threads);
-            pthread_mutex_unlock(&pool_lock);
-        } else {
-            copy_rows(&j, 0, j.n);
-        }
-    }
+    first_bad = gather_rows(v[0].buf, rows, (size_t)row_bytes, idx, n, v[2].buf, threads);
     Py_END_ALLOW_THREADS
     if (first_bad >= 0) {
         PyErr_Format(PyExc_IndexError, "gather: index %lld at position %lld is outside [0, %lld)",
-                     (long long)j.idx[first_bad], (long long)first_bad, (long long)j.rows);
+                     (long long)idx[first_bad], (long long)first_bad, (long long)rows);
         goto done;
     }
     Py_INCREF(Py_None);
@@ -270,7 +287,11 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__gather(void) {
     pthread_atfork(NULL, NULL, reset_pool_in_child);
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "MIN_SPLIT_ROWS", MIN_SPLIT_ROWS) < 0) {
+    if (m == NULL) return NULL;
+    PyObject *api = PyCapsule_New(&c_api, ENGRAM_GATHER_CAPSULE, NULL);
+    if (api == NULL || PyModule_AddIntConstant(m, "MIN_SPLIT_ROWS", MIN_SPLIT_ROWS) < 0 ||
+        PyModule_AddObject(m, "_C_API", api) < 0) {
+        Py_XDECREF(api);
         Py_DECREF(m);
         return NULL;
     }
