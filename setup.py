@@ -1,12 +1,16 @@
-"""Builds the optional native reader; all metadata lives in pyproject.toml.
+"""Builds the optional native modules; all metadata lives in pyproject.toml.
 
-``optional=True``: without a C compiler the package still installs and the
-storage engine falls back to its thread-pool reader (and logs so).
+``optional=True``: without a C compiler the package still installs; the NVMe
+reader falls back to a thread pool, the gather to numpy, the daemon's Unix
+fast path (``_unixfast``, which needs ``_gather``) to Python (each logs so).
 """
 
 from setuptools import Extension, setup
 
 setup(ext_modules=[
     Extension("engram_store.storage._pread", ["engram_store/storage/_pread.c"], optional=True),
-    Extension("engram_store.storage._gather", ["engram_store/storage/_gather.c"], optional=True),
+    Extension("engram_store.storage._gather", ["engram_store/storage/_gather.c"],
+              depends=["engram_store/storage/_gather_api.h"], optional=True),
+    Extension("engram_store.daemon._unixfast", ["engram_store/daemon/_unixfast.c"],
+              depends=["engram_store/storage/_gather_api.h"], optional=True),
 ])

@@ -16,6 +16,7 @@ import pytest
 from daemon_helpers import REPO, DaemonProcess, daemon_command, expected, make_tables
 
 from engram_store import errors
+from engram_store.daemon import fastpath
 from engram_store.spec import ModelSpec
 from gpu_client.client import EngramClient
 
@@ -25,13 +26,19 @@ def tables(tmp_path_factory):
     return make_tables(tmp_path_factory.mktemp("tables") / "tiny", seed=11)
 
 
-@pytest.fixture(scope="module", params=["resident", "cached"])
+@pytest.fixture(scope="module", params=["resident", "resident-python", "cached"])
 def daemon(request, tables, tmp_path_factory):
-    dram = "1GiB" if request.param == "resident" else "256KiB"
-    d = DaemonProcess(tables.directory, tmp_path_factory.mktemp("daemon"), dram_bytes=dram)
+    """Resident with the native Unix path (when built), resident all in Python, cached."""
+    mode, _, path = request.param.partition("-")
+    dram = "1GiB" if mode == "resident" else "256KiB"
+    d = DaemonProcess(tables.directory, tmp_path_factory.mktemp("daemon"), dram_bytes=dram,
+                      extra=["--no-unix-native"] if path == "python" else [])
     try:
         d.start()
-        assert d.ready["mode"] == request.param
+        assert d.ready["mode"] == mode
+        with EngramClient.connect(d.unix) as c:
+            native = c.info()["unix_native"]
+        assert native == (request.param == "resident" and fastpath.native_module() is not None)
         yield d
     finally:
         d.stop()

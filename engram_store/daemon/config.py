@@ -82,6 +82,7 @@ class DaemonConfig:
     max_request_rows: int = 1 << 20  # rows per request (both transports); more is RESOURCE_EXHAUSTED
     workers: int = 0  # lookup threads; 0 = one per CPU
     busy_poll_us: int = 200  # Unix clients: poll for the next request this long before sleeping; 0 = never
+    unix_native: bool = True  # resident mode: serve Unix lookups in native code (false: the Python path)
     grpc: str = "127.0.0.1:50051"  # gRPC listen address; "" disables it
     grpc_allow_remote: bool = False  # must be true to listen on a non-loopback address
     grpc_tls_cert: str = ""  # PEM certificate chain; with grpc_tls_key enables TLS

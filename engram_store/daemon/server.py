@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import errors
 from ..storage.base import RowStore
-from . import shm, wire
+from . import fastpath, shm, wire
 from .config import DaemonConfig
 from .stats import DaemonStats
 from .wire import DType, Frame, Op, Status
@@ -60,6 +60,7 @@ class UnixServer:
         self._poll_token = threading.Lock()  # held by the one connection busy-polling
         self.expect: Callable[[int], None] = getattr(store, "expect", lambda rows: None)
         self._busy_poll_seconds = config.busy_poll_us / 1e6
+        self.native = fastpath.NativePath.for_store(store, config)
 
     def start(self) -> str:
         if os.path.exists(self.path) and not os.path.isdir(self.path):
@@ -83,7 +84,8 @@ class UnixServer:
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._thread = threading.Thread(target=self._accept_loop, name="engram-unix-accept", daemon=True)
         self._thread.start()
-        log.info("unix socket listening on %s (mode %o)", self.path, self.config.socket_mode)
+        log.info("unix socket listening on %s (mode %o); resident lookups in %s", self.path, self.config.socket_mode,
+                 "native code" if self.native is not None else "Python")
         return self.path
 
     def _accept_loop(self) -> None:
@@ -164,6 +166,7 @@ class _Connection:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(timeout), int(timeout % 1 * 1e6)))
         self.region = None
         self.array: np.ndarray | None = None
+        self.native: fastpath.NativeConn | None = None
         self.send_lock = threading.Lock()
         self.cond = threading.Condition()
         self.inflight = 0
@@ -194,6 +197,9 @@ class _Connection:
         with self.cond:
             while self.inflight:
                 self.cond.wait()
+        native, self.native = self.native, None
+        if native is not None:
+            native.close()  # it holds buffers of the region and the arena
         self.sock.close()
         self.array = None  # drop our view first: a live view blocks the unmap
         region, self.region = self.region, None
@@ -243,13 +249,19 @@ class _Connection:
                 shm.send_with_fds(self.sock, Frame(Op.WELCOME, flags=flags, count=size).pack(payload), fds)
         finally:
             os.close(fd)
+        if self.server.native is not None:
+            self.native = self.server.native.connect(self.sock, self.array)
 
     def _read_loop(self) -> None:
+        native = self.native
         while True:
-            self._busy_poll()
-            frame, _ = self._read_frame(wire.MAX_CLIENT_PAYLOAD)
+            if native is None:
+                self._busy_poll()
+                frame, _ = self._read_frame(wire.MAX_CLIENT_PAYLOAD)
+            elif (frame := self._next_native(native)) is None:
+                continue
             if frame.op == Op.LOOKUP:
-                self._lookup(frame)
+                self._lookup(frame, pooled=native is None)
             elif frame.op in (Op.INFO, Op.STATS):
                 try:
                     body = self.server.info() if frame.op == Op.INFO else self.server.stats_snapshot()
@@ -260,6 +272,24 @@ class _Connection:
                 self.send(Frame(Op.RESULT, frame.request_id).pack(json.dumps(body).encode()))
             else:
                 self._reply_error(frame, Status.INVALID_ARGUMENT, f"unknown op {frame.op}")
+
+    def _next_native(self, native: fastpath.NativeConn) -> Frame | None:
+        """Let the native path answer lookups; returns the first frame it leaves to Python
+        (None after it answered one, which is recorded here, after the reply went out)."""
+        got = native.next()
+        if got[0] == fastpath.SERVED:
+            _, layer, count, seconds = got
+            native.record(layer, count, seconds)
+            self.server.stats.unix.record(count, self.server.store.row_bytes, seconds)
+            return None
+        if got[0] == fastpath.EOF:
+            raise ConnectionError(f"peer closed the connection after {len(got[1])} of {wire.FRAME.size} bytes")
+        frame = Frame.unpack(got[1])
+        wire.check_header(frame, wire.MAX_CLIENT_PAYLOAD)
+        if frame.payload_bytes:
+            shm.recv_exact(self.sock, frame.payload_bytes)
+        native.fit(frame)
+        return frame
 
     def _busy_poll(self) -> None:
         """Poll the socket briefly before blocking on it (``busy_poll_us``), when no other
@@ -297,7 +327,9 @@ class _Connection:
         if frame.count and frame.ids_offset < out_end and frame.out_offset < ids_end:
             raise errors.InvalidRequest("the row ids and the rows overlap in the shared region")
 
-    def _lookup(self, frame: Frame) -> None:
+    def _lookup(self, frame: Frame, pooled: bool = True) -> None:
+        """Answer one LOOKUP; with ``pooled`` a worker gathers when more frames wait (never
+        beside the native path, which sends on this thread without ``send_lock``)."""
         t0 = time.perf_counter()
         self.server.expect(frame.count)  # wake the gather threads while the frame is checked
         try:
@@ -305,7 +337,7 @@ class _Connection:
         except errors.EngramStoreError as exc:
             self._finish(frame, t0, exc)
             return
-        if shm.pending(self.sock):  # more frames queued: let a worker gather while we read on
+        if pooled and shm.pending(self.sock):  # more frames queued: let a worker gather while we read on
             with self.cond:
                 while self.inflight >= MAX_INFLIGHT:
                     self.cond.wait()

@@ -107,6 +107,7 @@ class Daemon:
             "layers": list(store.layers), "rows": {str(layer): store.rows(layer) for layer in store.layers},
             "row_bytes": store.row_bytes, "mode": store.mode, "spec": self.spec,
             "max_request_rows": self.config.max_request_rows, "workers": self.config.worker_count,
+            "unix_native": self.unix is not None and self.unix.native is not None,
             "version": __version__,
             "protocol_version": wire.VERSION, "pid": os.getpid(),
             "arena": None if arena is None else {

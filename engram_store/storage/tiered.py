@@ -216,6 +216,28 @@ class TieredStore:
         self._counters.add(st)
         return st
 
+    # --- for callers that gather from the arena themselves -----------------
+    def resident_views(self) -> dict[int, np.ndarray]:
+        """Resident mode: each servable layer's rows in the sealed arena (read-only uint8
+        ``[rows, row_bytes]``); ``{}`` in cached mode. For a caller that gathers with its
+        own native code (the daemon's Unix fast path): it must stop using the views before
+        :meth:`close`, check every id against ``rows``, and report each lookup with
+        :meth:`record_resident_lookup`."""
+        if self._arena is None or self._closed:
+            return {}
+        return {layer: self._arena.views[layer] for layer, lf in self._files.items() if lf.file is not None}
+
+    @property
+    def gather_threads(self) -> int:
+        """Threads one large gather may use (``gather_threads`` of :meth:`open`)."""
+        return self._gather.threads
+
+    def record_resident_lookup(self, layer: int, ids: np.ndarray, seconds: float) -> None:
+        """Count a lookup of ``ids`` served from :meth:`resident_views` (stats, access sampling)."""
+        self._sampler.record(layer, ids)
+        n = len(ids)
+        self._counters.add_dram(n, n * self.row_bytes, seconds)
+
     def _lookup_cached(self, layer: int, flat: np.ndarray, out2: np.ndarray, st: LookupStats) -> None:
         cache = self._cache
         token, found = cache.begin(layer, flat)

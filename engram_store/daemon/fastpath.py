@@ -1,0 +1,108 @@
+"""The native path for resident lookups over the Unix socket, and when the daemon uses it.
+
+In resident mode a connection's reader hands its socket to :class:`NativeConn`
+(``_unixfast.c``): it reads frame headers, checks them, copies the ids, gathers
+rows from the arena into the client's region and sends the RESULT without the
+interpreter. Whatever it does not take (another op, a frame with a payload,
+int32 ids, any request the checks or the bounds refuse) comes back as a header
+for the Python reader, which answers it exactly as before, errors included.
+
+Used when ``unix_native`` is on, both native modules are built and agree with
+:mod:`wire`, and the store serves resident views (``TieredStore.resident_views``);
+otherwise the Python reader does everything.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import socket
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from . import wire
+from .config import DaemonConfig
+
+log = logging.getLogger(__name__)
+
+IDS_START_ROWS = 8192  # row ids a connection's copy buffer holds at first; it grows to the largest request
+SERVED, FRAME, EOF = 0, 1, 2  # what NativeConn.next() returns first
+
+
+@functools.cache
+def native_module() -> ModuleType | None:
+    """``_unixfast`` if it is built and speaks :mod:`wire`'s frame, else None (logged)."""
+    try:
+        from . import _unixfast
+    except ImportError as exc:
+        log.warning("native Unix path _unixfast not built (%s); resident lookups go through Python", exc)
+        return None
+    expected = {"FRAME_SIZE": wire.FRAME.size, "MAGIC": wire.MAGIC, "VERSION": wire.VERSION,
+                "OP_LOOKUP": wire.Op.LOOKUP, "OP_RESULT": wire.Op.RESULT, "DTYPE_INT64": wire.DType.INT64,
+                "SERVED": SERVED, "FRAME": FRAME, "EOF": EOF}
+    wrong = {k: (getattr(_unixfast, k, None), int(v)) for k, v in expected.items() if getattr(_unixfast, k, None) != v}
+    if wrong:
+        log.error("_unixfast disagrees with wire.py (native, python): %s; resident lookups go through Python", wrong)
+        return None
+    return _unixfast
+
+
+class NativePath:
+    """What the native path serves, shared by every connection of one daemon."""
+
+    def __init__(self, module: ModuleType, store: Any, config: DaemonConfig) -> None:
+        self.module, self.store, self.config = module, store, config
+        self.views: dict[int, np.ndarray] = store.resident_views()
+        self.threads = int(store.gather_threads)
+
+    @classmethod
+    def for_store(cls, store: Any, config: DaemonConfig) -> "NativePath | None":
+        if not config.unix_native or not hasattr(store, "resident_views"):
+            return None
+        module = native_module()
+        if module is None or not store.resident_views():
+            return None
+        return cls(module, store, config)
+
+    def connect(self, sock: socket.socket, region: np.ndarray) -> "NativeConn":
+        return NativeConn(self, sock, region)
+
+
+class NativeConn:
+    """One connection served natively. Only its reader thread may call it."""
+
+    def __init__(self, path: NativePath, sock: socket.socket, region: np.ndarray) -> None:
+        self.path, self._sock, self._region = path, sock, region
+        self.ids = np.empty(IDS_START_ROWS, dtype=np.int64)
+        self._conn = self._open()
+
+    def _open(self) -> Any:
+        cfg = self.path.config
+        return self.path.module.Conn(self._sock.fileno(), self._region, self.ids, self.path.views,
+                                     self.path.store.row_bytes, self.path.threads, cfg.max_request_rows,
+                                     cfg.busy_poll_us * 1000)
+
+    def next(self) -> tuple:
+        """``(SERVED, layer, count, seconds)`` after answering a lookup (its ids are
+        ``self.ids[:count]`` until the next call), ``(FRAME, header)`` for the Python
+        reader, or ``(EOF, partial)``; OSError when the socket fails."""
+        return self._conn.next()
+
+    def record(self, layer: int, count: int, seconds: float) -> None:
+        self.path.store.record_resident_lookup(layer, self.ids[:count], seconds)
+
+    def fit(self, frame: wire.Frame) -> None:
+        """Grow the id buffer when ``frame`` is a lookup too large for it (the Python
+        reader serves that one; the next of its size comes through here)."""
+        if frame.op == wire.Op.LOOKUP and len(self.ids) < frame.count <= self.path.config.max_request_rows:
+            self._conn.close()
+            self.ids = np.empty(max(frame.count, 2 * len(self.ids)), dtype=np.int64)
+            self._conn = self._open()
+
+    def close(self) -> None:
+        """Release the region and arena buffers (before the region is unmapped)."""
+        self._conn.close()
+        self._region = None
+
