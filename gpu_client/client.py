@@ -36,6 +36,8 @@ class LookupHandle:
     """A submitted lookup: ``wait()`` -> rows (a read-only view of the shared region over unix,
     an owned array over gRPC); ``release()`` frees the region space. Also a context manager."""
 
+    __slots__ = ("_client", "_layer", "_ids", "_inner", "_rows")
+
     def __init__(self, client: "EngramClient", layer: int, row_ids: np.ndarray) -> None:
         self._client, self._layer, self._ids = client, layer, row_ids
         self._inner: Any = None

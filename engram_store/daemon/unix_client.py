@@ -38,6 +38,8 @@ PIECES, PIECES_IN_FLIGHT, PIECE_MIN_ROWS = 4, 2, 16384  # lookup_into's copy-out
 class UnixPending:
     """One submitted lookup; ``wait()`` returns a read-only view into the shared region."""
 
+    __slots__ = ("_transport", "_request_ids", "_extent", "_rows", "_error", "_waited", "_released")
+
     def __init__(self, transport: "UnixTransport", request_ids: list[int], extent: tuple[int, int], rows: np.ndarray) -> None:
         self._transport, self._request_ids, self._extent, self._rows = transport, request_ids, extent, rows
         self._error: BaseException | None = None
@@ -55,7 +57,7 @@ class UnixPending:
                     if isinstance(exc, errors.Unavailable):
                         break
                     continue
-                if frame.status != Status.OK and self._error is None:
+                if frame.status and self._error is None:  # Status.OK is 0
                     self._error = wire.error_of(frame.status, payload.decode(errors="replace"))
         if self._error is not None:
             raise self._error
@@ -140,8 +142,7 @@ class UnixTransport:
                 os.close(fd)
 
     # --- requests -----------------------------------------------------------
-    def _send(self, frames: list[Frame] | bytes) -> None:
-        data = frames if isinstance(frames, bytes) else b"".join(f.pack() for f in frames)
+    def _send(self, data: bytes) -> None:
         try:
             with self._send_lock:
                 self._sock.sendall(data)
@@ -165,12 +166,15 @@ class UnixTransport:
         off = self._extents.alloc(need) if block else self._extents.try_alloc(need)
         if off is None:
             return None
+        out_off = off + ids_bytes
         try:
             np.copyto(self.region[off: off + n * 8].view("<i8"), ids.reshape(-1), casting="unsafe")
-            out_off = off + ids_bytes
             step = self.frame_rows
-            rids = [self._next_id() for _ in range(0, n, step)]
-            if rids:  # nothing to ask for an empty request
+            if 0 < n <= step:  # the usual case: one frame
+                rids = [next(self._ids)]
+                self._send(wire.pack_lookup(rids[0], layer, n, off, out_off))
+            else:  # nothing to ask for an empty request
+                rids = [self._next_id() for _ in range(0, n, step)]
                 self._send(b"".join(wire.pack_lookup(rid, layer, min(step, n - s), off + s * 8,
                                                      out_off + s * self.row_bytes)
                                     for rid, s in zip(rids, range(0, n, step), strict=True)))
@@ -178,8 +182,7 @@ class UnixTransport:
             self._extents.release(off, need)
             raise
         rows = self.region[out_off: out_off + n * self.row_bytes].reshape(ids.shape + (self.row_bytes,))
-        rows = rows.view()
-        rows.setflags(write=False)
+        rows.setflags(write=False)  # a new view: the region itself stays writable
         return UnixPending(self, rids, (off, need), rows)
 
     def reserve(self, nbytes: int) -> np.ndarray:
@@ -255,7 +258,7 @@ class UnixTransport:
 
     def _call_json(self, op: Op) -> Any:
         rid = self._next_id()
-        self._send([Frame(op, rid)])
+        self._send(Frame(op, rid).pack())
         frame, payload = self._result(rid)
         if frame.status != Status.OK:
             raise wire.error_of(frame.status, payload.decode(errors="replace"))
