@@ -7,6 +7,12 @@ pipelined more (so one client's requests and many clients' requests overlap;
 the gathers release the GIL). Rows go from the store straight into the
 client's region: ``store.lookup_into(layer, ids, region[out_offset:...])``.
 
+In resident mode (``unix_native``) a reader first hands its socket to the
+native path (:mod:`.fastpath`): well-formed lookups are answered there, one
+after another, without the interpreter; whatever it leaves comes back here as
+a frame header and is answered below. Such a connection never uses the worker
+pool (the native path sends on the reader's thread).
+
 A connection's region stays mapped until its last in-flight lookup is done,
 so a client that dies mid-request costs nothing but the lookup itself.
 """
