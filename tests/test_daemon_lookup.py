@@ -135,6 +135,23 @@ def test_info_and_stats(daemon, tables):
             assert stats[f"{info['transport']}_rows"] >= 10 and 0.0 <= stats["hit_ratio"] <= 1.0
 
 
+def test_native_path_answers_lookups_and_grows_its_id_buffer(daemon, tables):
+    """Resident with _unixfast: every well-formed lookup is answered natively except the
+    first one larger than the connection's id buffer (Python answers it, the buffer grows)."""
+    native = "--no-unix-native" not in daemon.extra and daemon.ready["mode"] == "resident" \
+        and fastpath.native_module() is not None
+    big = fastpath.IDS_START_ROWS + 100
+    with EngramClient.connect(daemon.unix) as client:
+        before = client.stats()
+        for n, seed in ((100, 1), (big, 2), (big, 3), (7, 4)):
+            ids = _ids(tables, 3, n, seed)
+            np.testing.assert_array_equal(client.lookup(3, ids), expected(tables, 3, ids))
+        after = client.stats()
+    assert after["unix_requests"] - before["unix_requests"] == 4
+    assert after["unix_native_requests"] - before["unix_native_requests"] == (3 if native else 0)
+    assert after["unix_rows"] - before["unix_rows"] == 100 + 2 * big + 7
+
+
 @pytest.mark.parametrize("transport", ["unix", "grpc"])
 def test_errors_are_typed_and_carry_the_message(daemon, tables, transport):
     address = daemon.unix if transport == "unix" else daemon.grpc

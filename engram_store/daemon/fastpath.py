@@ -95,10 +95,13 @@ class NativeConn:
 
     def fit(self, frame: wire.Frame) -> None:
         """Grow the id buffer when ``frame`` is a lookup too large for it (the Python
-        reader serves that one; the next of its size comes through here)."""
-        if frame.op == wire.Op.LOOKUP and len(self.ids) < frame.count <= self.path.config.max_request_rows:
+        reader serves that one; the next of its size comes through here). Never beyond
+        ids the client's region can hold: a client cannot make it larger than its region."""
+        if frame.op == wire.Op.LOOKUP and len(self.ids) < frame.count <= self.path.config.max_request_rows \
+                and frame.count * 8 <= len(self._region):
             self._conn.close()
-            self.ids = np.empty(max(frame.count, 2 * len(self.ids)), dtype=np.int64)
+            rows = min(max(frame.count, 2 * len(self.ids)), len(self._region) // 8, self.path.config.max_request_rows)
+            self.ids = np.empty(rows, dtype=np.int64)
             self._conn = self._open()
 
     def close(self) -> None:

@@ -43,6 +43,8 @@ class DaemonCollector:
         info.add_metric([self.mode], 1)
         yield info
         requests = CounterMetricFamily("engram_store_requests", "Lookup requests", labels=["transport"])
+        native = CounterMetricFamily("engram_store_native_requests", "Lookup requests answered by the native "
+                                     "Unix path (resident mode)", labels=["transport"])
         rows = CounterMetricFamily("engram_store_rows", "Rows served", labels=["transport"])
         nbytes = CounterMetricFamily("engram_store_bytes", "Row bytes served", labels=["transport"])
         errs = CounterMetricFamily("engram_store_request_errors", "Failed requests", labels=["transport", "code"])
@@ -57,6 +59,7 @@ class DaemonCollector:
             nbytes.add_metric([t.name], snap[f"{t.name}_bytes"])
             if t.name == "unix":
                 clients.add_metric([t.name], snap[f"{t.name}_connected_clients"])
+                native.add_metric([t.name], snap[f"{t.name}_native_requests"])
             for code, count in t.errors.copy().items():
                 errs.add_metric([t.name, code], count)
             counts, total = t.histogram()
@@ -65,7 +68,7 @@ class DaemonCollector:
                 cumulative += count
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
             latency.add_metric([t.name], buckets, total)
-        yield from (requests, rows, nbytes, errs, clients, latency)
+        yield from (requests, native, rows, nbytes, errs, clients, latency)
         tier_rows = CounterMetricFamily("engram_store_tier_rows", "Rows served per tier", labels=["tier"])
         tier_bytes = CounterMetricFamily("engram_store_tier_bytes", "Row bytes served per tier", labels=["tier"])
         for tier in ("dram", "nvme"):

@@ -286,7 +286,7 @@ class _Connection:
         if got[0] == fastpath.SERVED:
             _, layer, count, seconds = got
             native.record(layer, count, seconds)
-            self.server.stats.unix.record(count, self.server.store.row_bytes, seconds)
+            self.server.stats.unix.record(count, self.server.store.row_bytes, seconds, native=True)
             return None
         if got[0] == fastpath.EOF:
             raise ConnectionError(f"peer closed the connection after {len(got[1])} of {wire.FRAME.size} bytes")

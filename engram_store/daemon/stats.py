@@ -27,12 +27,14 @@ class TransportStats:
     latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     latency_sum_seconds: float = 0.0
     connected_clients: int = 0
+    native_requests: int = 0  # of requests, those answered by the native Unix path
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def record(self, rows: int, row_bytes: int, seconds: float, error: str | None = None) -> None:
+    def record(self, rows: int, row_bytes: int, seconds: float, error: str | None = None, native: bool = False) -> None:
         slot = bisect.bisect_left(LATENCY_BUCKETS, seconds)
         with self._lock:
             self.requests += 1
+            self.native_requests += native
             self.latency_buckets[slot] += 1
             self.latency_sum_seconds += seconds
             if error is None:
@@ -54,6 +56,7 @@ class TransportStats:
                 f"{self.name}_errors": sum(self.errors.values()),
                 f"{self.name}_latency_sum_seconds": self.latency_sum_seconds,
                 f"{self.name}_connected_clients": self.connected_clients,
+                f"{self.name}_native_requests": self.native_requests,
             }
             for name, count in self.errors.items():
                 out[f"{self.name}_errors_{name.lower()}"] = count
