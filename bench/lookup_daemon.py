@@ -67,11 +67,11 @@ def _make_lookup(backend: str, tables: str, address: str, dram_bytes: int):
 
     client = EngramClient.connect(address, shm_bytes=256 << 20, spin_us=SPIN_US if backend == "unix-spin" else 0)
     if backend == "unix-pipe":
-        def warm_lookup(layer, ids, out):  # warm-up goes one by one; timed runs use _pipelined
+        def pipe_lookup(layer, ids, out):  # a lone request; client_worker drives _pipelined
             client.lookup_into(layer, ids, out)
 
-        warm_lookup.client = client
-        return warm_lookup, client.close
+        pipe_lookup.client = client
+        return pipe_lookup, client.close
     if backend == "unix-arena":
         arena = client.arena
         if arena is None:
@@ -108,8 +108,11 @@ def client_worker(index: int, conn, tables: str, addresses: dict, dram_bytes: in
             reqs = [(layers[i % len(layers)], rng.integers(0, layer_rows[layers[i % len(layers)]], size))
                     for i in range(warm + timed)]
             out = np.empty((size, row_bytes), np.uint8)
-            for layer, ids in reqs[:warm]:
-                lookup(layer, ids, out)
+            if backend == "unix-pipe":  # warm the region extents that the timed requests will use
+                _pipelined(lookup.client, reqs[:warm])
+            else:
+                for layer, ids in reqs[:warm]:
+                    lookup(layer, ids, out)
             barriers[clients].wait()
             start = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
             if backend == "unix-pipe":
