@@ -279,8 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", default="1,4", help="client process counts (default %(default)s)")
     ap.add_argument("--backends", default=",".join(b for b in BACKENDS if b != "unix-pipe"),
                     help=f"comma-separated, from {', '.join(BACKENDS)} (default %(default)s)")
-    ap.add_argument("--requests", type=int, nargs=2, default=[1500, 12], metavar=("DECODE", "PREFILL"),
-                    help="timed requests per client and round (default %(default)s: about 0.4 s of decode, "
+    ap.add_argument("--requests", type=int, nargs=2, default=[1500, 40], metavar=("DECODE", "PREFILL"),
+                    help="timed requests per client and round (default %(default)s: about 0.4 s of decode and 0.3 s of prefill, "
                          "so that one stall of the shared host moves a ratio by a few percent, not by tens)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over all backends; medians reported (default %(default)s)")
     ap.add_argument("--quick", action="store_true", help="tiny tables, few requests: a smoke run")
