@@ -52,9 +52,8 @@ def native_module() -> ModuleType | None:
 class NativePath:
     """What the native path serves, shared by every connection of one daemon."""
 
-    def __init__(self, module: ModuleType, store: Any, config: DaemonConfig) -> None:
-        self.module, self.store, self.config = module, store, config
-        self.views: dict[int, np.ndarray] = store.resident_views()
+    def __init__(self, module: ModuleType, store: Any, config: DaemonConfig, views: dict[int, np.ndarray]) -> None:
+        self.module, self.store, self.config, self.views = module, store, config, views
         self.threads = int(store.gather_threads)
 
     @classmethod
@@ -62,9 +61,8 @@ class NativePath:
         if not config.unix_native or not hasattr(store, "resident_views"):
             return None
         module = native_module()
-        if module is None or not store.resident_views():
-            return None
-        return cls(module, store, config)
+        views = store.resident_views() if module is not None else {}
+        return cls(module, store, config, views) if views else None
 
     def connect(self, sock: socket.socket, region: np.ndarray) -> "NativeConn":
         return NativeConn(self, sock, region)
