@@ -1,8 +1,11 @@
 """Shared-memory and fd-passing syscalls, in one place.
 
 memfd regions are created by the daemon, passed to a client over the Unix
-socket with SCM_RIGHTS and mapped by both sides. The table arena arrives
-sealed (F_SEAL_WRITE): a client can map it read-only and nothing else.
+socket with SCM_RIGHTS and mapped by both sides. A client region is sealed
+against shrinking and growing before it is sent: a client that could
+``ftruncate`` it would make the daemon's next write into it raise SIGBUS and
+kill the daemon. The table arena arrives sealed (F_SEAL_WRITE too): a client
+can map it read-only and nothing else.
 """
 
 from __future__ import annotations
@@ -15,13 +18,24 @@ import time
 
 import numpy as np
 
+from .. import errors
+from ..storage import syscalls
+
+REGION_SEALS = syscalls.F_SEAL_SHRINK | syscalls.F_SEAL_GROW | syscalls.F_SEAL_SEAL  # fixed size, for good
+
 
 def create_region(size: int, name: str = "engram-store-client") -> tuple[int, mmap.mmap]:
-    """A new memfd of ``size`` bytes and the daemon's read-write mapping of it.
-    The caller owns the fd (close it once it is sent); the mapping keeps the memory."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    """A new memfd of ``size`` bytes, sealed at that size (:data:`REGION_SEALS`), and the
+    daemon's read-write mapping of it. The caller owns the fd (close it once it is sent);
+    the mapping keeps the memory. Raises ``StorageError`` where the kernel cannot seal it:
+    an unsealed region is never handed to a client."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
+        syscalls.add_seals(fd, REGION_SEALS)
+        if syscalls.seals(fd) & REGION_SEALS != REGION_SEALS:
+            raise errors.StorageError(f"client region memfd is not sealed against resizing "
+                                      f"(seals {syscalls.seals(fd):#x}, need {REGION_SEALS:#x})")
         region = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)

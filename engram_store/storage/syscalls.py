@@ -168,7 +168,12 @@ def map_fd(fd: int, size: int, *, writable: bool, huge: bool = True, populate: b
 def seal_read_only(fd: int) -> None:
     """Seal ``fd`` against writes, shrink and grow (and further seals). Every writable
     shared mapping of it must be unmapped first (the kernel answers EBUSY otherwise)."""
-    fcntl.fcntl(fd, F_ADD_SEALS, READ_ONLY_SEALS)
+    add_seals(fd, READ_ONLY_SEALS)
+
+
+def add_seals(fd: int, flags: int) -> None:
+    """``F_ADD_SEALS``; OSError (EPERM) when the memfd was not created sealable."""
+    fcntl.fcntl(fd, F_ADD_SEALS, flags)
 
 
 def seals(fd: int) -> int:

@@ -1,0 +1,77 @@
+"""Hostile local clients: each test plays the attack against a real daemon, then checks
+that the daemon is alive and an honest client still gets the right bytes."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from daemon_helpers import DaemonProcess, expected, make_tables, raw_connect, read_result
+
+from engram_store.daemon.wire import DType, Frame, Op, Status
+from engram_store.storage import syscalls
+from gpu_client.client import EngramClient
+
+SHM = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    return make_tables(tmp_path_factory.mktemp("tables") / "tiny", seed=21)
+
+
+@pytest.fixture(scope="module", params=["resident", "resident-python", "cached"])
+def daemon(request, tables, tmp_path_factory):
+    """Every reader of a client region: the native path, the Python path, cached mode."""
+    mode, _, path = request.param.partition("-")
+    d = DaemonProcess(tables.directory, tmp_path_factory.mktemp("daemon"),
+                      dram_bytes="1GiB" if mode == "resident" else "256KiB",
+                      extra=["--no-unix-native"] if path == "python" else [])
+    try:
+        d.start()
+        assert d.ready["mode"] == mode
+        yield d
+    finally:
+        d.stop()
+
+
+def _honest_lookup(daemon: DaemonProcess, tables) -> None:
+    ids = np.random.default_rng(5).integers(0, tables.rows(1), 500)
+    for address in (daemon.unix, daemon.grpc):
+        with EngramClient.connect(address, reconnect_timeout=0) as client:
+            np.testing.assert_array_equal(client.lookup(1, ids), expected(tables, 1, ids))
+
+
+def test_region_cannot_be_truncated_and_the_daemon_survives_the_attempt(daemon, tables):
+    """The SIGBUS attack: ftruncate the region to 0, then ask for rows written at offset 0."""
+    sock, welcome, _, fds = raw_connect(daemon.socket_path, SHM)
+    try:
+        assert welcome.status == Status.OK
+        region_fd = fds[0]
+        seals = syscalls.seals(region_fd)
+        assert seals & syscalls.F_SEAL_SHRINK and seals & syscalls.F_SEAL_GROW and seals & syscalls.F_SEAL_SEAL
+        with pytest.raises(PermissionError):
+            os.ftruncate(region_fd, 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(region_fd, welcome.count * 2)
+        with pytest.raises(PermissionError):  # nor can the seals be taken off or added to
+            syscalls.add_seals(region_fd, syscalls.F_SEAL_WRITE)
+        assert os.fstat(region_fd).st_size == welcome.count
+        # The lookup of the repro: 8,192 bytes of rows at offset 0 (the ids after them).
+        rows = 8192 // tables.row_bytes + 1
+        ids_offset = 16384
+        ids = np.arange(rows, dtype=np.int64)
+        os.pwrite(region_fd, ids.tobytes(), ids_offset)
+        sock.sendall(Frame(Op.LOOKUP, 7, dtype=DType.INT64, layer=1, count=rows, ids_offset=ids_offset,
+                           out_offset=0).pack())
+        frame, payload = read_result(sock)
+        assert (frame.request_id, frame.status) == (7, Status.OK), payload
+        got = np.frombuffer(os.pread(region_fd, rows * tables.row_bytes, 0), np.uint8).reshape(rows, -1)
+        np.testing.assert_array_equal(got, expected(tables, 1, ids))
+    finally:
+        sock.close()
+        for fd in fds:
+            os.close(fd)
+    assert daemon.proc.poll() is None, daemon.log_text()
+    _honest_lookup(daemon, tables)
