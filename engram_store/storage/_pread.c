@@ -18,6 +18,11 @@
  * buffers; buffers must be aligned for O_DIRECT by the caller. A short read (end
  * of file) or an I/O error raises OSError naming the offset. Where the kernel
  * offers no AIO, reads run one by one with pread.
+ *
+ * Drained contexts are pooled (io_setup/io_destroy are slow). A context belongs
+ * to the process that set it up: fork() does not copy its ring, so the child's
+ * io_submit on it fails with EINVAL. The child therefore starts with an empty
+ * pool (pthread_atfork) and sets up its own contexts.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -76,6 +81,13 @@ static int ctx_get(aio_context_t *ctx) {
     pthread_mutex_unlock(&pool_lock);
     *ctx = 0;
     return sys_io_setup(MAX_QD, ctx) < 0 ? -1 : 0;
+}
+
+/* fork() copies only the calling thread and none of the AIO rings: the child forgets the
+   parent's contexts (they are not its to destroy) and the lock another thread may have held. */
+static void reset_pool_in_child(void) {
+    pthread_mutex_init(&pool_lock, NULL);
+    pool_n = 0;
 }
 
 /* Keep a drained context for the next call; destroy one with reads still in flight. */
@@ -335,4 +347,7 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_pread", "Batched O_DIRECT reads with Linux AIO.", -1, methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__pread(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__pread(void) {
+    pthread_atfork(NULL, NULL, reset_pool_in_child);
+    return PyModule_Create(&module);
+}
