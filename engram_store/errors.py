@@ -49,5 +49,11 @@ class Unavailable(EngramStoreError):
     """The daemon is starting, stopping or unreachable."""
 
 
+class DeadlineExceeded(EngramStoreError, TimeoutError):
+    """The daemon did not answer a call within its deadline (stopped, stalled or overloaded).
+    Not an :class:`Unavailable`: retrying at once would wait as long again. The connection is
+    closed (a late reply cannot land in memory given to another call); the next call reconnects."""
+
+
 class ResourceExhausted(EngramStoreError):
     """A request exceeds a configured limit (request size, clients)."""

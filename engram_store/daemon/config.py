@@ -24,7 +24,8 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
           "T": 1000**4, "TB": 1000**4, "KI": 1 << 10, "KIB": 1 << 10, "MI": 1 << 20, "MIB": 1 << 20,
           "GI": 1 << 30, "GIB": 1 << 30, "TI": 1 << 40, "TIB": 1 << 40}
-SIZE_KEYS = frozenset({"dram_bytes", "client_shm_bytes", "max_client_shm_bytes", "grpc_chunk_bytes"})
+SIZE_KEYS = frozenset({"dram_bytes", "client_shm_bytes", "max_client_shm_bytes", "grpc_chunk_bytes",
+                       "max_total_client_shm_bytes", "grpc_max_inflight_bytes"})
 
 
 def parse_size(text: str | int, key: str = "size") -> int:
@@ -77,8 +78,12 @@ class DaemonConfig:
     socket_group: str = ""  # group owning the socket ("" keeps the daemon's group)
     client_shm_bytes: int = 64 << 20  # shared region per client unless it asks for another size
     max_client_shm_bytes: int = 1 << 30  # largest shared region a client may ask for
+    max_total_client_shm_bytes: int = 16 << 30  # all clients' shared regions together; more is refused
     max_clients: int = 1024  # Unix-socket clients at once; more are refused
-    client_send_timeout_seconds: float = 10.0  # a Unix client that reads no reply for this long is dropped
+    max_clients_per_uid: int = 256  # Unix-socket clients of one uid at once (SO_PEERCRED); more are refused
+    handshake_timeout_seconds: float = 5.0  # a Unix client whose HELLO is not complete by then is dropped
+    client_idle_timeout_seconds: float = 600.0  # a Unix client silent this long is dropped; 0 = never
+    client_send_timeout_seconds: float = 10.0  # a client (both transports) that reads no reply for this long is dropped
     max_request_rows: int = 1 << 20  # rows per request (both transports); more is RESOURCE_EXHAUSTED
     workers: int = 0  # lookup threads; 0 = one per CPU
     busy_poll_us: int = 200  # Unix clients: poll for the next request this long before sleeping; 0 = never
@@ -88,6 +93,7 @@ class DaemonConfig:
     grpc_tls_cert: str = ""  # PEM certificate chain; with grpc_tls_key enables TLS
     grpc_tls_key: str = ""  # PEM private key
     grpc_chunk_bytes: int = 1 << 20  # row bytes per gRPC message; larger lookups stream
+    grpc_max_inflight_bytes: int = 1 << 30  # reply bytes all gRPC lookups may hold at once; more is refused
     grpc_event_loop: str = "uvloop"  # "uvloop" or "asyncio"
     metrics: str = "127.0.0.1:9464"  # Prometheus HTTP address; "" disables it
     ready_file: str = ""  # JSON written once every listener is open
@@ -104,7 +110,8 @@ class DaemonConfig:
             if not isinstance(value, want) or (str(f.type) != "bool" and isinstance(value, bool)):
                 raise bad(f.name, f"expected {f.type}")
         for key in ("dram_bytes", "client_shm_bytes", "max_client_shm_bytes", "grpc_chunk_bytes",
-                    "max_clients", "max_request_rows"):
+                    "max_clients", "max_request_rows", "max_clients_per_uid", "max_total_client_shm_bytes",
+                    "grpc_max_inflight_bytes"):
             if getattr(self, key) <= 0:
                 raise bad(key, "must be positive")
         if self.client_shm_bytes > self.max_client_shm_bytes:
@@ -133,6 +140,16 @@ class DaemonConfig:
             raise bad("grpc_event_loop", "must be 'uvloop' or 'asyncio'")
         if not 0 < self.client_send_timeout_seconds <= 3600:
             raise bad("client_send_timeout_seconds", "must be in (0, 3600] seconds")
+        if not 0 < self.handshake_timeout_seconds <= 600:
+            raise bad("handshake_timeout_seconds", "must be in (0, 600] seconds")
+        if not 0 <= self.client_idle_timeout_seconds <= 7 * 86400:
+            raise bad("client_idle_timeout_seconds", "must be in [0, 604800] seconds (0 = never)")
+        if self.max_total_client_shm_bytes < self.client_shm_bytes:
+            raise bad("max_total_client_shm_bytes", f"must hold at least one region of client_shm_bytes "
+                                                    f"({self.client_shm_bytes})")
+        if self.grpc_max_inflight_bytes < self.grpc_chunk_bytes:
+            raise bad("grpc_max_inflight_bytes", f"must hold at least one message of grpc_chunk_bytes "
+                                                 f"({self.grpc_chunk_bytes})")
         if self.drain_seconds < 0:
             raise bad("drain_seconds", "must not be negative")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
