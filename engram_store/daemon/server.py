@@ -1,11 +1,22 @@
 """The Unix-socket server: shared-memory regions, fd passing and the one-copy gather.
 
-One accept thread; one reader thread per connection. A reader parses frames,
-refuses bad ones at once, and runs a lookup itself when nothing else from its
-client is waiting, or hands it to the shared worker pool when the client has
-pipelined more (so one client's requests and many clients' requests overlap;
-the gathers release the GIL). Rows go from the store straight into the
-client's region: ``store.lookup_into(layer, ids, region[out_offset:...])``.
+One accept thread; one reader thread per connection; one sender thread. A
+reader parses frames, refuses bad ones at once, and runs a lookup itself when
+nothing else from its client is waiting, or hands it to the shared worker pool
+when the client has pipelined more (so one client's requests and many clients'
+requests overlap; the gathers release the GIL). Rows go from the store
+straight into the client's region: ``store.lookup_into(layer, ids,
+region[out_offset:...])``.
+
+Bounds (:mod:`.limits`): replies leave with non-blocking sends, and what a
+socket does not take waits in the connection's bounded outbox for the sender
+thread, so no worker ever blocks on a client. Lookups of more than
+:data:`PIECE_BYTES` of rows are split into pieces that the pool serves
+connection by connection in turn (a fair share: one client looping 1M-row
+lookups delays another's decode lookup by a piece, not by a request). Each
+connection has one handshake deadline from its connect, an idle timeout, a
+per-uid count (SO_PEERCRED) and its region's share of one budget for all
+regions.
 
 In resident mode (``unix_native``) a reader first hands its socket to the
 native path (:mod:`.fastpath`): well-formed lookups are answered there, one
@@ -19,6 +30,8 @@ so a client that dies mid-request costs nothing but the lookup itself.
 
 from __future__ import annotations
 
+import collections
+import functools
 import grp
 import json
 import logging
@@ -36,15 +49,17 @@ import numpy as np
 
 from .. import errors
 from ..storage.base import RowStore
-from . import fastpath, shm, wire
+from . import fastpath, limits, shm, wire
 from .config import DaemonConfig
 from .stats import DaemonStats
 from .wire import DType, Frame, Op, Status
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE_SECONDS = 5.0  # a peer that sends no HELLO by then is dropped
 MAX_INFLIGHT = 64  # lookups one client may have queued in the daemon
+MAX_QUEUED_REPLY_BYTES = 4 << 20  # replies one client has not read, beyond its socket buffer; more: dropped
+PIECE_BYTES = 4 << 20  # larger lookups are served in pieces of about this many row bytes, in turns
+ABORT_SECONDS = 0.5  # stop(): how long aborted connections get to end their running pieces
 _NUMPY_DTYPE = {DType.INT64: DType.INT64.numpy, DType.INT32: DType.INT32.numpy}
 
 
@@ -67,6 +82,11 @@ class UnixServer:
         self.expect: Callable[[int], None] = getattr(store, "expect", lambda rows: None)
         self._busy_poll_seconds = config.busy_poll_us / 1e6
         self.native = fastpath.NativePath.for_store(store, config)
+        self.region_budget = limits.ByteBudget(config.max_total_client_shm_bytes, "max_total_client_shm_bytes")
+        self.turns = limits.RoundRobin(pool, per_lane=config.worker_count // 4)
+        self.piece_rows = max(1024, PIECE_BYTES // store.row_bytes)
+        self.sender: limits.Sender | None = None
+        self._uids: collections.Counter[int] = collections.Counter()
 
     def start(self) -> str:
         if os.path.exists(self.path) and not os.path.isdir(self.path):
@@ -87,6 +107,7 @@ class UnixServer:
             sock.close()
             raise
         self._sock = sock
+        self.sender = limits.Sender(self.config.client_send_timeout_seconds)
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._thread = threading.Thread(target=self._accept_loop, name="engram-unix-accept", daemon=True)
         self._thread.start()
@@ -99,9 +120,15 @@ class UnixServer:
         sel = selectors.DefaultSelector()
         sel.register(listener, selectors.EVENT_READ)
         sel.register(self._wake_r, selectors.EVENT_READ)
+        idle = self.config.client_idle_timeout_seconds
+        sweep_every = min(1.0, idle / 10) if idle else None
+        next_sweep = time.monotonic() + (sweep_every or 0)
         try:
             while not self._closing:
-                for key, _ in sel.select():
+                if sweep_every and time.monotonic() >= next_sweep:
+                    self._drop_idle(idle)
+                    next_sweep = time.monotonic() + sweep_every
+                for key, _ in sel.select(sweep_every):
                     if key.fileobj == self._wake_r or self._closing:
                         return
                     try:
@@ -114,15 +141,26 @@ class UnixServer:
             sel.close()
 
     def _admit(self, client: socket.socket) -> None:
+        cfg = self.config
+        _, uid, _ = struct.unpack("3i", client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         with self._lock:
-            if len(self._conns) >= self.config.max_clients:
-                refuse = f"daemon serves {self.config.max_clients} clients at most (max_clients); try later"
+            if len(self._conns) >= cfg.max_clients:
+                refuse = f"daemon serves {cfg.max_clients} clients at most (max_clients); try later"
+            elif self._uids[uid] >= cfg.max_clients_per_uid:
+                refuse = (f"uid {uid} already has {self._uids[uid]} connections, the most one uid may have "
+                          "(max_clients_per_uid); close some or try later")
             else:
                 refuse = ""
-                conn = _Connection(self, client)
+                conn = _Connection(self, client, uid)
                 self._conns.add(conn)
+                self._uids[uid] += 1
         if refuse:
-            _send_quietly(client, Frame(Op.WELCOME, status=Status.RESOURCE_EXHAUSTED).pack(refuse.encode()))
+            self.stats.drop("refused")
+            try:  # a new socket's buffer is empty: this never blocks
+                client.send(Frame(Op.WELCOME, status=Status.RESOURCE_EXHAUSTED).pack(refuse.encode()),
+                            socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+            except OSError:
+                pass
             client.close()
             return
         self.stats.unix.client_delta(+1)
@@ -131,7 +169,20 @@ class UnixServer:
     def _forget(self, conn: "_Connection") -> None:
         with self._lock:
             self._conns.discard(conn)
+            self._uids[conn.uid] -= 1
+            if not self._uids[conn.uid]:
+                del self._uids[conn.uid]
         self.stats.unix.client_delta(-1)
+
+    def _drop_idle(self, idle_seconds: float) -> None:
+        """Drop connections that sent nothing for ``idle_seconds`` and wait for nothing."""
+        now = time.monotonic()
+        with self._lock:
+            idle = [c for c in self._conns if c.welcomed and not c.inflight and not c.outbox.queued_bytes
+                    and now - c.last_active > idle_seconds]
+        for conn in idle:
+            self.stats.drop("idle")
+            conn.abort(f"idle for {idle_seconds:g}s (client_idle_timeout_seconds)")
 
     def stop(self, drain_seconds: float) -> int:
         """Stop accepting, let every connection finish its in-flight lookups, close all.
@@ -146,7 +197,13 @@ class UnixServer:
         for conn in conns:
             conn.stop_reading()
         deadline = time.monotonic() + drain_seconds
-        busy = sum(not conn.finished.wait(max(0.0, deadline - time.monotonic())) for conn in conns)
+        late = [conn for conn in conns if not conn.finished.wait(max(0.0, deadline - time.monotonic()))]
+        for conn in late:  # out of time: their queued pieces end at once, their sockets close
+            conn.abort(f"the daemon is stopping and drain_seconds ({drain_seconds:g}s) passed")
+        busy = sum(not conn.finished.wait(max(0.0, deadline + ABORT_SECONDS - time.monotonic())) for conn in late)
+        if self.sender is not None:
+            self.sender.stop()
+            self.sender = None
         if self._sock is not None:
             self._sock.close()
             try:
@@ -164,19 +221,25 @@ class _Connection:
     """One client: its socket, its shared region and its lookups in the worker pool
     (``inflight``; those the reader runs itself end before it can close)."""
 
-    def __init__(self, server: UnixServer, sock: socket.socket) -> None:
+    def __init__(self, server: UnixServer, sock: socket.socket, uid: int) -> None:
         self.server = server
         self.sock = sock
-        # Kernel send timeout: a client that stops reading cannot pin a worker thread.
+        self.uid = uid
+        # Kernel send timeout for the native path's blocking sends (on this connection's reader only).
         timeout = server.config.client_send_timeout_seconds
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(timeout), int(timeout % 1 * 1e6)))
+        self.outbox = limits.Outbox(sock, server.sender, MAX_QUEUED_REPLY_BYTES)
+        self.lane = limits.Lane()
         self.region = None
+        self.region_bytes = 0  # taken from server.region_budget
         self.array: np.ndarray | None = None
         self.native: fastpath.NativeConn | None = None
         self.send_lock = threading.Lock()
         self.cond = threading.Condition()
         self.inflight = 0
         self.finished = threading.Event()
+        self.connected_at = self.last_active = time.monotonic()
+        self.welcomed = False
 
     # --- lifecycle --------------------------------------------------------
     def run(self) -> None:
@@ -185,6 +248,9 @@ class _Connection:
             self._read_loop()
         except wire.ProtocolError as exc:
             self.server.stats.protocol_error()
+            log.info("closing unix client: %s", exc)
+        except _HandshakeTimeout as exc:
+            self.server.stats.drop("handshake_timeout")
             log.info("closing unix client: %s", exc)
         except (ConnectionError, OSError, TimeoutError) as exc:
             log.debug("unix client gone: %s", exc)
@@ -199,10 +265,22 @@ class _Connection:
         except OSError:
             pass
 
+    def abort(self, why: str) -> None:
+        """End the connection now: queued pieces end without gathering, queued replies are
+        dropped, the socket is shut down (so the reader, native or not, ends too)."""
+        self.lane.cancelled = True
+        self.outbox.close(why)
+
     def _close(self) -> None:
         with self.cond:
             while self.inflight:
                 self.cond.wait()
+        # The replies of the last requests, unless the client does not read them (the sender
+        # drops it after client_send_timeout_seconds) or the daemon gives up on it (abort).
+        self.outbox.wait_empty(self.server.config.client_send_timeout_seconds)
+        self.outbox.close()
+        if self.outbox.slow:
+            self.server.stats.drop("slow_reader")
         native, self.native = self.native, None
         if native is not None:
             native.close()  # it holds buffers of the region and the arena
@@ -211,25 +289,51 @@ class _Connection:
         region, self.region = self.region, None
         if not shm.release(region):
             log.warning("a client region is still referenced after its connection closed; it is freed later")
+        self.server.region_budget.give(self.region_bytes)
+        self.region_bytes = 0
         self.server._forget(self)
         self.finished.set()
 
     # --- framing ----------------------------------------------------------
     def _read_frame(self, max_payload: int) -> tuple[Frame, bytes]:
         frame = Frame.unpack(shm.recv_exact(self.sock, wire.FRAME.size))
+        self.last_active = time.monotonic()
         wire.check_header(frame, max_payload)
         payload = shm.recv_exact(self.sock, frame.payload_bytes) if frame.payload_bytes else b""
         return frame, payload
 
     def send(self, data: bytes) -> None:
+        """Queue a reply; never blocks a worker. Beside the native path (which writes the
+        socket itself, on this connection's reader) replies are sent in line instead."""
+        if self.native is None:
+            self.outbox.send(data)
+            return
         with self.send_lock:
             _send_quietly(self.sock, data)
 
+    def _recv_by(self, size: int, deadline: float) -> bytes:
+        """Exactly ``size`` bytes before ``deadline`` (monotonic), however the peer slices them."""
+        buf = bytearray(size)
+        view, got = memoryview(buf), 0
+        while got < size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _HandshakeTimeout(f"HELLO incomplete ({got} of {size} bytes) after "
+                                        f"{self.server.config.handshake_timeout_seconds:g}s (handshake_timeout_seconds)")
+            self.sock.settimeout(left)
+            try:
+                n = self.sock.recv_into(view[got:])
+            except TimeoutError:
+                continue  # the deadline check above ends it
+            if n == 0:
+                raise ConnectionError(f"peer closed the connection after {got} of {size} bytes")
+            got += n
+        return bytes(buf)
+
     def _handshake(self) -> None:
         cfg = self.server.config
-        self.sock.settimeout(HANDSHAKE_SECONDS)
         try:
-            frame = Frame.unpack(shm.recv_exact(self.sock, wire.FRAME.size))
+            frame = Frame.unpack(self._recv_by(wire.FRAME.size, self.connected_at + cfg.handshake_timeout_seconds))
             if frame.magic == wire.MAGIC and frame.version != wire.VERSION:
                 msg = f"daemon speaks protocol version {wire.VERSION}, client {frame.version}"
                 self.send(Frame(Op.WELCOME, status=Status.VERSION_MISMATCH).pack(msg.encode()))
@@ -244,6 +348,12 @@ class _Connection:
             self.send(Frame(Op.WELCOME, status=Status.RESOURCE_EXHAUSTED).pack(msg.encode()))
             raise ConnectionError(msg)
         size = wire.align(size)
+        if not self.server.region_budget.take(size):
+            msg = self.server.region_budget.refusal(size, "shared region")
+            self.server.stats.drop("region_budget")
+            self.send(Frame(Op.WELCOME, status=Status.RESOURCE_EXHAUSTED).pack(msg.encode()))
+            raise ConnectionError(msg)
+        self.region_bytes = size
         fd, self.region = shm.create_region(size)
         try:
             self.array = shm.as_array(self.region)
@@ -257,6 +367,8 @@ class _Connection:
             os.close(fd)
         if self.server.native is not None:
             self.native = self.server.native.connect(self.sock, self.array)
+        self.welcomed = True
+        self.last_active = time.monotonic()
 
     def _read_loop(self) -> None:
         native = self.native
@@ -283,6 +395,7 @@ class _Connection:
         """Let the native path answer lookups; returns the first frame it leaves to Python
         (None after it answered one, which is recorded here, after the reply went out)."""
         got = native.next()
+        self.last_active = time.monotonic()
         if got[0] == fastpath.SERVED:
             _, layer, count, seconds = got
             native.record(layer, count, seconds)
@@ -334,8 +447,9 @@ class _Connection:
             raise errors.InvalidRequest("the row ids and the rows overlap in the shared region")
 
     def _lookup(self, frame: Frame, pooled: bool = True) -> None:
-        """Answer one LOOKUP; with ``pooled`` a worker gathers when more frames wait (never
-        beside the native path, which sends on this thread without ``send_lock``)."""
+        """Answer one LOOKUP. With ``pooled`` (never beside the native path, which sends on
+        this thread) the pool serves it in turns with other connections, in pieces, when it
+        is large or more frames wait; otherwise this thread gathers it, with no hand-off."""
         t0 = time.perf_counter()
         self.server.expect(frame.count)  # wake the gather threads while the frame is checked
         try:
@@ -343,47 +457,42 @@ class _Connection:
         except errors.EngramStoreError as exc:
             self._finish(frame, t0, exc)
             return
-        if pooled and shm.pending(self.sock):  # more frames queued: let a worker gather while we read on
-            with self.cond:
-                while self.inflight >= MAX_INFLIGHT:
-                    self.cond.wait()
-                self.inflight += 1
-            try:
-                self.server.pool.submit(self._pooled_gather, frame, t0)
-                return
-            except RuntimeError:  # pool shut down (draining): gather here
-                self._done_one()
-        self._gather(frame, t0)  # nothing else queued: no thread hand-off
-
-    def _pooled_gather(self, frame: Frame, t0: float) -> None:
-        try:
-            self._gather(frame, t0)
-        finally:
-            self._done_one()
+        step = self.server.piece_rows
+        if not pooled or (frame.count <= step and not shm.pending(self.sock)):
+            self._finish(frame, t0, self._gather(frame, 0, frame.count))
+            return
+        with self.cond:
+            while self.inflight >= MAX_INFLIGHT:
+                self.cond.wait()
+            self.inflight += 1
+        request = _Pieces(self, frame, t0, -(-frame.count // step))
+        self.server.turns.submit(self.lane, [functools.partial(request.run, start, min(start + step, frame.count))
+                                             for start in range(0, frame.count, step)])
 
     def _done_one(self) -> None:
         with self.cond:
             self.inflight -= 1
             self.cond.notify_all()
 
-    def _gather(self, frame: Frame, t0: float) -> None:
-        error: BaseException | None = None
+    def _gather(self, frame: Frame, start: int, stop: int) -> BaseException | None:
+        """Rows ``start:stop`` of ``frame`` into the region; the error, if any, as a value."""
         try:
-            self._gather_into_region(frame)
+            self._gather_into_region(frame, start, stop)
         except errors.EngramStoreError as exc:
-            error = exc.with_traceback(None)  # the traceback would pin views of the region
+            return exc.with_traceback(None)  # the traceback would pin views of the region
         except Exception as exc:  # a store bug must not kill the connection's other requests
             log.exception("lookup failed")
-            error = errors.StorageError(f"internal error: {exc}")
-        self._finish(frame, t0, error)
+            return errors.StorageError(f"internal error: {exc}")
+        return None
 
-    def _gather_into_region(self, frame: Frame) -> None:
+    def _gather_into_region(self, frame: Frame, start: int, stop: int) -> None:
         arr = self.array
         dtype = _NUMPY_DTYPE[frame.dtype]
         # Copy the ids out of the shared region first: the client could rewrite them mid-gather.
-        ids = arr[frame.ids_offset: frame.ids_offset + frame.count * dtype.itemsize].view(dtype).copy()
+        first = frame.ids_offset + start * dtype.itemsize
+        ids = arr[first: first + (stop - start) * dtype.itemsize].view(dtype).copy()
         rb = self.server.store.row_bytes
-        out = arr[frame.out_offset: frame.out_offset + frame.count * rb].reshape(frame.count, rb)
+        out = arr[frame.out_offset + start * rb: frame.out_offset + stop * rb].reshape(stop - start, rb)
         self.server.store.lookup_into(frame.layer, ids, out)
 
     def _finish(self, frame: Frame, t0: float, error: BaseException | None) -> None:
@@ -393,6 +502,36 @@ class _Connection:
             self._reply_error(frame, wire.status_of(error), str(error))
         status = None if error is None else wire.status_of(error).name
         self.server.stats.unix.record(frame.count, self.server.store.row_bytes, time.perf_counter() - t0, status)
+
+
+class _Pieces:
+    """One pooled LOOKUP served in pieces; the last piece to end sends the RESULT."""
+
+    __slots__ = ("conn", "frame", "t0", "left", "error", "lock")
+
+    def __init__(self, conn: _Connection, frame: Frame, t0: float, pieces: int) -> None:
+        self.conn, self.frame, self.t0, self.left = conn, frame, t0, pieces
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+
+    def run(self, start: int, stop: int) -> None:
+        if self.conn.lane.cancelled:
+            error: BaseException | None = errors.Unavailable("the daemon dropped this connection")
+        else:
+            error = None if self.error is not None else self.conn._gather(self.frame, start, stop)
+        with self.lock:
+            self.error = self.error or error
+            self.left -= 1
+            last = self.left == 0
+        if last:
+            try:
+                self.conn._finish(self.frame, self.t0, self.error)
+            finally:
+                self.conn._done_one()
+
+
+class _HandshakeTimeout(TimeoutError):
+    """The peer's HELLO was not complete by the connection's handshake deadline."""
 
 
 def _send_quietly(sock: socket.socket, data: bytes) -> None:

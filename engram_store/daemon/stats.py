@@ -74,17 +74,26 @@ class DaemonStats:
     unix: TransportStats = field(default_factory=lambda: TransportStats("unix"))
     grpc: TransportStats = field(default_factory=lambda: TransportStats("grpc"))
     protocol_errors: int = 0  # connections closed for garbage frames
+    # Unix clients refused or dropped by a bound, by reason: refused (max_clients, max_clients_per_uid),
+    # region_budget, handshake_timeout, idle, slow_reader (unread replies past their bound or too long)
+    dropped_clients: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def protocol_error(self) -> None:
         with self._lock:
             self.protocol_errors += 1
 
+    def drop(self, reason: str) -> None:
+        with self._lock:
+            self.dropped_clients[reason] = self.dropped_clients.get(reason, 0) + 1
+
     def transports(self) -> tuple[TransportStats, TransportStats]:
         return self.unix, self.grpc
 
     def snapshot(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {"protocol_errors": self.protocol_errors}
+        with self._lock:
+            out.update({f"unix_dropped_clients_{reason}": n for reason, n in self.dropped_clients.items()})
         for t in self.transports():
             out.update(t.snapshot())
         return out
