@@ -9,6 +9,13 @@ into the caller's buffer piece by piece, several pieces in flight.
 
 Whichever waiting thread holds no result reads the socket for everyone
 (no receiver thread, so a lone caller pays no thread hand-off).
+
+Deadlines: a call waits at most ``timeout`` seconds for its replies, then
+raises :class:`~engram_store.errors.DeadlineExceeded` and closes the
+connection (a late reply must not land in region space given to another
+call); the next call reconnects. Connecting retries with backoff, within
+``connect_timeout``, while the daemon's backlog is full or its socket has no
+listener yet (a restart).
 """
 
 from __future__ import annotations
@@ -16,8 +23,11 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import select
 import socket
+import struct
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -33,6 +43,10 @@ from .wire import Frame, Op, Status
 # memory latency, and each frame costs a round of Python work. One frame per request.
 FRAME_ROWS = 1 << 30
 PIECES, PIECES_IN_FLIGHT, PIECE_MIN_ROWS = 4, 2, 16384  # lookup_into's copy-out pipelining
+# A call's deadline: above the slowest honest request (a 1M-row lookup of cold rows from
+# NVMe takes seconds), far below what a caller would wait for a daemon that stopped.
+DEFAULT_TIMEOUT_SECONDS = 10.0
+CONNECT_BACKOFF_SECONDS = (0.005, 0.25)  # first and largest pause between connect attempts
 
 
 class UnixPending:
@@ -85,22 +99,31 @@ class UnixPending:
 class UnixTransport:
     """A connection to ``path``; raises Unavailable when the daemon cannot be reached or goes away.
     ``spin_seconds``: busy-poll the socket this long before sleeping on a reply (saves a
-    wake-up, about 0.1 ms on a VM, at the price of a CPU while waiting)."""
+    wake-up, about 0.1 ms on a VM, at the price of a CPU while waiting). ``timeout``: the
+    longest one call waits for the daemon (DeadlineExceeded after that)."""
 
     kind = "unix"
 
     def __init__(self, path: str, shm_bytes: int = 0, connect_timeout: float = 5.0, frame_rows: int = FRAME_ROWS,
-                 spin_seconds: float = 0.0) -> None:
-        self.path, self.frame_rows, self.spin_seconds = path, frame_rows, spin_seconds
+                 spin_seconds: float = 0.0, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> None:
+        if not timeout > 0:
+            raise errors.ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.path, self.frame_rows, self.spin_seconds, self.timeout = path, frame_rows, spin_seconds, timeout
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._region = None
         self.arena: ClientArena | None = None
         try:
-            self._sock.settimeout(connect_timeout)
-            self._sock.connect(path)
+            deadline = time.monotonic() + connect_timeout
+            self._sock = _connect(self._sock, path, deadline)
+            self._sock.settimeout(max(1e-3, deadline - time.monotonic()))
             self._sock.sendall(Frame(Op.HELLO, count=shm_bytes).pack())
             self._welcome()
             self._sock.settimeout(None)
+            # Sends (small frames) give up too when a stopped daemon leaves the socket full.
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                  struct.pack("ll", int(timeout), int(timeout % 1 * 1e6)))
+            self._readable = select.poll()
+            self._readable.register(self._sock.fileno(), select.POLLIN)
         except OSError as exc:
             self.close()
             raise errors.Unavailable(f"cannot connect to engram-store at unix://{path}: {exc}") from None
@@ -272,6 +295,7 @@ class UnixTransport:
 
     # --- results --------------------------------------------------------------
     def _result(self, rid: int) -> tuple[Frame, bytes]:
+        deadline = time.monotonic() + self.timeout
         with self._cond:
             while True:
                 if rid in self._results:
@@ -281,14 +305,15 @@ class UnixTransport:
                 if not self._reading:
                     self._reading = True
                     break
-                self._cond.wait()
+                if not self._cond.wait(deadline - time.monotonic()) and time.monotonic() >= deadline:
+                    raise self._deadline_exceeded()
         try:
             while True:
                 if self.spin_seconds:
                     shm.spin_until_readable(self._sock, self.spin_seconds)
-                frame = Frame.unpack(shm.recv_exact(self._sock, wire.FRAME.size))
+                frame = Frame.unpack(self._recv(wire.FRAME.size, deadline))
                 wire.check_header(frame, wire.MAX_DAEMON_PAYLOAD)
-                payload = shm.recv_exact(self._sock, frame.payload_bytes) if frame.payload_bytes else b""
+                payload = self._recv(frame.payload_bytes, deadline) if frame.payload_bytes else b""
                 if frame.request_id == rid:
                     return frame, payload
                 with self._cond:
@@ -301,6 +326,34 @@ class UnixTransport:
             with self._cond:
                 self._reading = False
                 self._cond.notify_all()
+
+    def _recv(self, size: int, deadline: float) -> bytes:
+        """Exactly ``size`` bytes, waiting for them until ``deadline`` at most."""
+        data = b""
+        while len(data) < size:
+            try:
+                got = self._sock.recv(size - len(data), socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._readable.poll(max(1, int(left * 1000 + 1))):
+                    if time.monotonic() >= deadline:
+                        raise self._deadline_exceeded() from None
+                continue
+            if not got:
+                raise ConnectionError(f"peer closed the connection after {len(data)} of {size} bytes")
+            data = got if not data else data + got
+        return data
+
+    def _deadline_exceeded(self) -> errors.DeadlineExceeded:
+        """Close the connection (late replies must not land in reused region space) and say why."""
+        why = (f"engram-store at unix://{self.path} did not answer within {self.timeout:g}s (timeout); "
+               "the connection is closed and the next call reconnects")
+        self._break(why)
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        return errors.DeadlineExceeded(why)
 
     def _break(self, why: str) -> None:
         with self._cond:
@@ -321,6 +374,25 @@ class UnixTransport:
         self.region = None
         region, self._region = self._region, None
         shm.release(region)
+
+
+def _connect(sock: socket.socket, path: str, deadline: float) -> socket.socket:
+    """``sock`` (or a fresh socket) connected to ``path``. Retries with backoff until ``deadline``
+    while the daemon's backlog is full (EAGAIN) or its socket has no listener (a restart);
+    a path with no socket at all fails at once (no daemon there)."""
+    pause = CONNECT_BACKOFF_SECONDS[0]
+    while True:
+        try:
+            sock.settimeout(max(1e-3, deadline - time.monotonic()))
+            sock.connect(path)
+            return sock
+        except (BlockingIOError, ConnectionRefusedError, InterruptedError):
+            if time.monotonic() + pause >= deadline:
+                raise
+        sock.close()
+        time.sleep(pause)
+        pause = min(2 * pause, CONNECT_BACKOFF_SECONDS[1])
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
 
 
 def _check_ids(row_ids: Any) -> np.ndarray:
