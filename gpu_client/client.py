@@ -200,8 +200,9 @@ class EngramClient:
 
     @property
     def arena(self):
-        """``ClientArena`` (read-only ``array``, ``layers``: ArenaLayer tuple, ``layer_rows(L)``,
-        ``gather_into(L, ids, out)``) when the daemon is resident and local, else None."""
+        """The daemon's resident arena mapped read-only (``engram_store.storage.arena_layout.ArenaView``:
+        ``layout``, ``blocks(L) -> (weights, scales)``, ``gather_into(L, ids, out)``) when the
+        daemon is resident and local, else None."""
         return self._with_transport(lambda t: t.arena)
 
     # --- facts ----------------------------------------------------------------------

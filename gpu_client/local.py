@@ -7,15 +7,14 @@ daemon client does, so the prefetcher, the tiny model and the benchmarks run
 unchanged against either.
 
 :class:`MemoryTables` loads a table set into one sealed read-only memfd laid out
-like the daemon's resident arena (row ``r`` of a layer at ``offset + r * row_bytes``),
-so the resident fast path can be exercised without a daemon.
+exactly like the daemon's resident arena (:mod:`engram_store.storage.arena_layout`:
+the engines' weights and scales blocks), so the resident fast path can be
+exercised without a daemon.
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import mmap
 import os
 from pathlib import Path
 from typing import Any
@@ -23,15 +22,13 @@ from typing import Any
 import numpy as np
 
 from engram_store.errors import InvalidRequest, RowOutOfRange, UnknownLayer
-from engram_store.layout import PAGE_BYTES
 from engram_store.spec import ModelSpec
-from engram_store.storage.arena import shared_gatherer
-from engram_store.storage.base import ArenaInfo, ArenaLayer, RowStore
+from engram_store.storage import syscalls
+from engram_store.storage.arena_layout import ArenaLayout, ArenaView
+from engram_store.storage.base import ArenaInfo, RowStore
 from engram_store.tableset import TableSet
 
 log = logging.getLogger(__name__)
-
-_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def check_lookup(layers: tuple[int, ...], rows_of, row_bytes: int, layer: int, row_ids: np.ndarray,
@@ -63,21 +60,16 @@ class MemoryTables:
     def __init__(self, spec: ModelSpec, layers: dict[int, np.ndarray]) -> None:
         self.spec = spec
         self._row_bytes = spec.row_bytes
-        entries, offset = [], 0
-        for layer, rows in layers.items():
-            entries.append(ArenaLayer(layer, offset, rows.shape[0], self._row_bytes))
-            offset += -(-rows.nbytes // PAGE_BYTES) * PAGE_BYTES
-        size = max(offset, PAGE_BYTES)
+        fmt = spec.row_format
+        layout = ArenaLayout.plan([(layer, rows.shape[0]) for layer, rows in layers.items()], fmt.dim, fmt.scale_count)
         self._fd = os.memfd_create("engram-local-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(self._fd, size)
-        for entry, rows in zip(entries, layers.values()):
-            os.pwrite(self._fd, memoryview(np.ascontiguousarray(rows)).cast("B"), entry.offset)
-        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, _SEALS)
-        self._map = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        whole = np.frombuffer(self._map, dtype=np.uint8)
-        self._tables = {e.layer: whole[e.offset: e.offset + e.rows * e.row_bytes].reshape(e.rows, e.row_bytes)
-                        for e in entries}
-        self._arena = ArenaInfo(self._fd, size, tuple(entries))
+        os.ftruncate(self._fd, layout.size)
+        for entry, rows in zip(layout.layers, layers.values()):
+            os.pwrite(self._fd, np.ascontiguousarray(rows[:, : fmt.dim]), entry.weight_offset)
+            os.pwrite(self._fd, np.ascontiguousarray(rows[:, fmt.dim:]), entry.scale_offset)
+        syscalls.seal_read_only(self._fd)
+        self._view = ArenaView.map_fd(self._fd, layout)
+        self._arena = ArenaInfo(self._fd, layout)
         self._requests = 0
         self._rows = 0
 
@@ -98,7 +90,7 @@ class MemoryTables:
     # --- RowStore -------------------------------------------------------------
     @property
     def layers(self) -> tuple[int, ...]:
-        return tuple(self._tables)
+        return tuple(a.layer for a in self._view.layers)
 
     @property
     def row_bytes(self) -> int:
@@ -109,13 +101,13 @@ class MemoryTables:
         return "resident"
 
     def rows(self, layer: int) -> int:
-        if layer not in self._tables:
-            raise UnknownLayer(f"layer {layer} is not served; layers are {list(self._tables)}")
-        return self._tables[layer].shape[0]
+        if layer not in self.layers:
+            raise UnknownLayer(f"layer {layer} is not served; layers are {list(self.layers)}")
+        return self._view.rows(layer)
 
     def lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> None:
         flat = check_lookup(self.layers, self.rows, self._row_bytes, layer, row_ids, out)
-        shared_gatherer().take(self._tables[layer], flat, out.reshape(-1, self._row_bytes))
+        self._view.gather_into(layer, flat, out)
         self._requests += 1
         self._rows += flat.size
 
@@ -134,23 +126,9 @@ class MemoryTables:
 
     def close(self) -> None:
         if self._fd >= 0:
-            self._tables.clear()
-            try:
-                self._map.close()
-            except BufferError:  # a caller still holds a view; the mapping goes with it
-                log.debug("arena mapping still referenced at close")
+            self._view.close()
             os.close(self._fd)
             self._fd = -1
-
-
-class LocalArena:
-    """A store's arena mapped read-only: ``array`` (flat uint8) and ``layers``, as ``EngramClient.arena``."""
-
-    def __init__(self, info: ArenaInfo) -> None:
-        self._map = mmap.mmap(info.fd, info.size, mmap.MAP_SHARED, mmap.PROT_READ)
-        self.array = np.frombuffer(self._map, dtype=np.uint8)
-        self.size = info.size
-        self.layers = info.layers
 
 
 class LocalClient:
@@ -163,7 +141,7 @@ class LocalClient:
             raise InvalidRequest("LocalClient needs the table set's ModelSpec: pass spec= or a store with .spec")
         self.store = store
         self.spec = spec
-        self._arena: LocalArena | None = None
+        self._arena: ArenaView | None = None
 
     @classmethod
     def open(cls, directory: str | os.PathLike, *, store: str = "memory", **tiered: Any) -> "LocalClient":
@@ -188,12 +166,12 @@ class LocalClient:
         return self.store.lookup(layer, row_ids)
 
     @property
-    def arena(self) -> "LocalArena | None":
+    def arena(self) -> ArenaView | None:
         """The store's resident arena mapped read-only (like ``EngramClient.arena``), else None."""
         if self._arena is None:
             info = self.store.arena()
             if info is not None:
-                self._arena = LocalArena(info)
+                self._arena = ArenaView.map_fd(info.fd, info.layout)
         return self._arena
 
     def info(self) -> dict[str, Any]:
@@ -205,6 +183,9 @@ class LocalClient:
         return self.store.stats()
 
     def close(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
         self.store.close()
 
     def __enter__(self) -> "LocalClient":

@@ -24,16 +24,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import mmap
 import warnings
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 
 from engram_store.errors import InvalidRequest, StorageError
 from engram_store.spec import ModelSpec
-from engram_store.storage.arena import shared_gatherer
-from engram_store.storage.base import ArenaInfo, ArenaLayer
+from engram_store.storage.arena_layout import ArenaView
+from engram_store.storage.base import ArenaInfo
 
 if TYPE_CHECKING:
     import torch
@@ -128,12 +126,12 @@ def readonly_tensor(buffer: Any) -> "torch.Tensor":
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
-def client_arena(client: Any) -> tuple[Any, tuple[ArenaLayer, ...]] | None:
-    """``(flat read-only uint8 buffer, layers)`` of the client's resident arena, or None.
+def client_arena(client: Any) -> ArenaView | None:
+    """The client's resident arena as an :class:`ArenaView`, or None.
 
-    Accepts ``EngramClient.arena`` / ``LocalClient.arena`` (an object with ``array``
-    and ``layers``) and a RowStore-style ``arena()`` method returning an
-    :class:`ArenaInfo` (whose fd is then mapped read-only here).
+    Accepts ``EngramClient.arena`` / ``LocalClient.arena`` (an ``ArenaView``) and a
+    RowStore-style ``arena()`` method returning an :class:`ArenaInfo` (whose fd is
+    then mapped read-only here).
     """
     try:
         arena = getattr(client, "arena", None)
@@ -146,69 +144,66 @@ def client_arena(client: Any) -> tuple[Any, tuple[ArenaLayer, ...]] | None:
         return None
     if isinstance(arena, ArenaInfo):
         try:
-            return mmap.mmap(arena.fd, arena.size, mmap.MAP_SHARED, mmap.PROT_READ), arena.layers
+            return ArenaView.map_fd(arena.fd, arena.layout)
         except (OSError, ValueError) as exc:
             log.warning("cannot map the resident arena (fd %d, %d bytes): %s", arena.fd, arena.size, exc)
             return None
-    array, layers = getattr(arena, "array", None), getattr(arena, "layers", None)
-    if array is None or layers is None:
-        log.warning("%s.arena has neither an fd nor an array; no resident fast path", type(client).__name__)
+    if not isinstance(arena, ArenaView):
+        log.warning("%s.arena is neither an ArenaView nor an ArenaInfo; no resident fast path", type(client).__name__)
         return None
-    return array, tuple(layers)
+    return arena
 
 
 class ArenaGather:
     """Gathers rows of the resident arena on ``device`` without asking the daemon.
 
-    ``buffer``: the whole arena, flat and read-only (an mmap or a uint8 ndarray);
-    ``layers``: where each layer's rows sit in it. Thread-safe for concurrent
-    gathers (they only read). ``close`` drops the views (and unregisters on CUDA).
+    ``view``: the arena mapped read-only (:class:`ArenaView`, the engines' layout:
+    per layer a weights block and a scales block). Rows come out as stored, payload
+    then scales. Thread-safe for concurrent gathers (they only read). ``close``
+    drops the views (and unregisters on CUDA).
     """
 
-    def __init__(self, buffer: Any, layers: tuple[ArenaLayer, ...], spec: ModelSpec, device: "torch.device") -> None:
+    def __init__(self, view: ArenaView, spec: ModelSpec, device: "torch.device") -> None:
         import torch
 
         self.device = torch.device(device)
         self.row_bytes = spec.row_bytes
-        self._buffer = buffer  # keeps the mapping alive
-        whole = readonly_tensor(buffer)
-        self._whole = whole
+        self._view = view  # keeps the mapping alive
+        fmt = spec.row_format
+        by_layer = {a.layer: a for a in view.layers}
+        for layer in spec.layers:
+            a = by_layer.get(layer)
+            if a is None:
+                raise InvalidRequest(f"arena lacks Engram layer {layer} (has {sorted(by_layer)})")
+            if (a.weight_bytes, a.scale_bytes, a.rows) != (fmt.dim, fmt.scale_count, spec.rows(layer)):
+                raise InvalidRequest(f"arena layer {layer}: {a.rows} rows of {a.weight_bytes}+{a.scale_bytes} bytes, "
+                                     f"spec {spec.name!r} expects {spec.rows(layer)} of {fmt.dim}+{fmt.scale_count}")
         self._registered = False
-        self._views: dict[int, Any] = {}  # per layer [rows, row_bytes]: CUDA tensor (UVA) or ndarray
-        for entry in layers:
-            if entry.layer not in spec.layers:
-                continue
-            if entry.row_bytes != spec.row_bytes or entry.rows != spec.rows(entry.layer):
-                raise InvalidRequest(f"arena layer {entry.layer}: {entry.rows} rows of {entry.row_bytes} bytes, "
-                                     f"spec {spec.name!r} expects {spec.rows(entry.layer)} of {spec.row_bytes}")
-            if entry.offset + entry.rows * entry.row_bytes > whole.numel():
-                raise InvalidRequest(f"arena layer {entry.layer} ends past the arena's {whole.numel()} bytes")
-        missing = set(spec.layers) - {e.layer for e in layers}
-        if missing:
-            raise InvalidRequest(f"arena lacks Engram layers {sorted(missing)}")
+        self._owns_registration = False
+        self._blocks: dict[int, tuple[Any, Any]] = {}  # per layer (weights, scales): CUDA tensors (UVA) or ndarrays
         if self.device.type == "cuda":
+            whole = readonly_tensor(view.array)
             registered = register_host_memory(whole.data_ptr(), whole.numel(), read_only=True)
             if registered is False:
                 raise StorageError("cudaHostRegister refused the arena; the UVA gather is unavailable")
-            self._registered = True
-            self._owns_registration = bool(registered)
-            base = host_memory_as_cuda(whole.data_ptr(), (whole.numel(),), self, self.device)
-        else:
-            base = np.frombuffer(buffer, dtype=np.uint8)
-        for entry in layers:
-            if entry.layer in spec.layers:
-                nbytes = entry.rows * entry.row_bytes
-                self._views[entry.layer] = base[entry.offset: entry.offset + nbytes].reshape(entry.rows, entry.row_bytes)
+            self._registered, self._owns_registration = True, bool(registered)
+            self._base_ptr = whole.data_ptr()
+            for layer in spec.layers:
+                a = by_layer[layer]
+                self._blocks[layer] = (
+                    host_memory_as_cuda(self._base_ptr + a.weight_offset, (a.rows, a.weight_bytes), self, self.device),
+                    host_memory_as_cuda(self._base_ptr + a.scale_offset, (a.rows, a.scale_bytes), self, self.device))
         self.path = "resident-uva" if self._registered else "resident-cpu"
+        self._layers = frozenset(spec.layers)
 
     @classmethod
     def for_client(cls, client: Any, spec: ModelSpec, device: "torch.device") -> "ArenaGather | None":
         """The fast path for ``client`` if its daemon is resident and the arena can be used, else None."""
-        arena = client_arena(client)
-        if arena is None:
+        view = client_arena(client)
+        if view is None:
             return None
         try:
-            return cls(arena[0], arena[1], spec, device)
+            return cls(view, spec, device)
         except (StorageError, InvalidRequest) as exc:
             log.warning("resident arena unusable, falling back to lookups: %s", exc)
             return None
@@ -219,17 +214,19 @@ class ArenaGather:
         Row ids are trusted (they come from the hashing of the same spec, whose
         table sizes were checked against the arena at construction).
         """
+        if layer not in self._layers:
+            raise InvalidRequest(f"layer {layer} is not an Engram layer of this spec; layers are {sorted(self._layers)}")
         if self._registered:
-            import torch
-
-            torch.index_select(self._views[layer], 0, row_ids, out=out)
+            weights, scales = self._blocks[layer]
+            wb = weights.shape[1]
+            out[:, :wb].copy_(weights.index_select(0, row_ids))
+            out[:, wb:].copy_(scales.index_select(0, row_ids))
         else:
-            shared_gatherer().take(self._views[layer], row_ids.numpy(), out.numpy())
+            self._view.gather_into(layer, row_ids.numpy(), out.numpy())
 
     def close(self) -> None:
-        self._views = {}
+        self._blocks = {}
         if self._registered and self._owns_registration:
-            unregister_host_memory(self._whole.data_ptr())
+            unregister_host_memory(self._base_ptr)
         self._registered = False
-        self._whole = None
-        self._buffer = None
+        self._view = None

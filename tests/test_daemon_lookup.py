@@ -91,7 +91,11 @@ def test_unix_views_region_and_arena(daemon, tables):
         arena = client.arena
         if daemon.ready["mode"] == "resident":
             assert {a.layer for a in arena.layers} == set(tables.layers)
-            np.testing.assert_array_equal(arena.layer_rows(3)[ids[0]], expected(tables, 3, ids[0]))
+            weights, scales = arena.blocks(3)  # the engines' layout: payloads, then scales
+            want = expected(tables, 3, ids[0])
+            np.testing.assert_array_equal(weights[ids[0]], want[:, :weights.shape[1]])
+            np.testing.assert_array_equal(scales[ids[0]], want[:, weights.shape[1]:])
+            assert arena.layout.to_dict() == {k: v for k, v in client.info()["arena"].items() if k != "huge_pages"}
             out = np.empty((24, tables.row_bytes), np.uint8)
             np.testing.assert_array_equal(arena.gather_into(3, ids[0], out), expected(tables, 3, ids[0]))
             many = np.random.default_rng(5).integers(0, tables.rows(3), 5000)  # large enough to split

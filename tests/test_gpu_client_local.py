@@ -80,7 +80,7 @@ def test_arena_is_sealed_read_only(client):
     assert seals & fcntl.F_SEAL_WRITE
     with pytest.raises(PermissionError):
         mmap.mmap(arena.fd, arena.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    assert all(e.offset % 4096 == 0 for e in arena.layers)
+    assert all(e.weight_offset % (2 << 20) == 0 and e.scale_offset % (2 << 20) == 0 for e in arena.layers)
 
 
 def test_arena_gather_matches_reference(client, tables):
@@ -100,7 +100,7 @@ def test_arena_of_another_spec_is_refused(client):
     other = SPEC.scaled(0.5)
     assert ArenaGather.for_client(client, other, torch.device("cpu")) is None
     with pytest.raises(InvalidRequest):
-        ArenaGather(client.arena.array, client.arena.layers, other, torch.device("cpu"))
+        ArenaGather(client.arena, other, torch.device("cpu"))
 
 
 def test_store_arena_fd_is_mapped(client, tables):

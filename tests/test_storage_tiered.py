@@ -158,11 +158,19 @@ def test_resident_arena_is_sealed_and_shareable(tables):
             mmap.mmap(info.fd, info.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         mm = mmap.mmap(info.fd, info.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         data = np.frombuffer(mm, dtype=np.uint8)
-        for a in info.layers:
-            assert a.offset % 4096 == 0 and a.row_bytes == store.row_bytes and a.rows == store.rows(a.layer)
+        fmt = FLASH.row_format
+        ends = []
+        for a in info.layers:  # the engines' layout: a weights block and a scales block, each 2 MiB aligned
+            assert a.weight_offset % (2 << 20) == 0 and a.scale_offset % (2 << 20) == 0
+            assert (a.weight_bytes, a.scale_bytes) == (fmt.dim, fmt.scale_count) and a.rows == store.rows(a.layer)
+            assert a.scale_offset >= a.weight_offset + a.rows * a.weight_bytes
+            ends.append((a.weight_offset, a.scale_offset + a.rows * a.scale_bytes))
             ids = np.array([0, 17, a.rows - 1])
-            mine = data[a.offset + ids[:, None] * a.row_bytes + np.arange(a.row_bytes)]
+            weights = data[a.weight_offset + ids[:, None] * a.weight_bytes + np.arange(a.weight_bytes)]
+            scales = data[a.scale_offset + ids[:, None] * a.scale_bytes + np.arange(a.scale_bytes)]
+            mine = np.concatenate([weights, scales], axis=1)
             check_rows(store, tables["flash"], FLASH, a.layer, ids, mine)
+        assert all(e0 <= s1 for (_, e0), (s1, _) in zip(ends, ends[1:])) and ends[-1][1] <= info.size  # no overlap
         del data, mine
         mm.close()
 

@@ -20,6 +20,7 @@ except ImportError:  # optional build; the Python reader serves the same request
 pytestmark = pytest.mark.skipif(_unixfast is None, reason="_unixfast not built (the Python reader covers the same requests)")
 
 ROW_BYTES = 24
+WEIGHT_BYTES = 16  # the engines' layout: 16 payload bytes, then 8 scale bytes per row
 LAYER_ROWS = {3: 1000, 7: 50}
 REGION_BYTES = 1 << 18
 MAX_ROWS = 4096
@@ -41,9 +42,16 @@ def tables():
     return {layer: rng.integers(0, 256, (rows, ROW_BYTES), dtype=np.uint8) for layer, rows in LAYER_ROWS.items()}
 
 
+def _split(tables):
+    """The arena's blocks of each reference table: (weights, scales)."""
+    return {layer: (np.ascontiguousarray(t[:, :WEIGHT_BYTES]), np.ascontiguousarray(t[:, WEIGHT_BYTES:]))
+            for layer, t in tables.items()}
+
+
 def _conn(pair, tables, region, busy_poll_ns=0, ids_rows=IDS_ROWS):
     ids = np.empty(ids_rows, np.int64)
-    return _unixfast.Conn(pair[0].fileno(), region, ids, tables, ROW_BYTES, 2, MAX_ROWS, busy_poll_ns), ids
+    return _unixfast.Conn(pair[0].fileno(), region, ids, _split(tables), ROW_BYTES, WEIGHT_BYTES, 2, MAX_ROWS,
+                          busy_poll_ns), ids
 
 
 def _lookup(rid, layer, count, ids_offset=0, out_offset=OUT, **fields) -> Frame:
@@ -173,10 +181,16 @@ def test_close_releases_the_buffers(pair, tables):
 def test_bad_arguments_are_refused(pair, tables):
     region = np.zeros(REGION_BYTES, np.uint8)
     with pytest.raises(ValueError, match="row_bytes"):
-        _unixfast.Conn(pair[0].fileno(), region, np.empty(8, np.int64), tables, 0, 2, MAX_ROWS, 0)
+        _unixfast.Conn(pair[0].fileno(), region, np.empty(8, np.int64), _split(tables), 0, 0, 2, MAX_ROWS, 0)
     with pytest.raises(TypeError):
-        _unixfast.Conn(pair[0].fileno(), region, np.empty(8, np.int64), [], ROW_BYTES, 2, MAX_ROWS, 0)
+        _unixfast.Conn(pair[0].fileno(), region, np.empty(8, np.int64), [], ROW_BYTES, WEIGHT_BYTES, 2, MAX_ROWS, 0)
     read_only = region.view()
     read_only.setflags(write=False)
     with pytest.raises((BufferError, ValueError)):
-        _unixfast.Conn(pair[0].fileno(), read_only, np.empty(8, np.int64), tables, ROW_BYTES, 2, MAX_ROWS, 0)
+        _unixfast.Conn(pair[0].fileno(), read_only, np.empty(8, np.int64), _split(tables), ROW_BYTES, WEIGHT_BYTES, 2,
+                       MAX_ROWS, 0)
+    with pytest.raises(TypeError, match="weights, scales"):  # a layer must come as its two blocks
+        _unixfast.Conn(pair[0].fileno(), region, np.empty(8, np.int64), tables, ROW_BYTES, WEIGHT_BYTES, 2, MAX_ROWS, 0)
+    short = {layer: (w, s[:-1]) for layer, (w, s) in _split(tables).items()}
+    with pytest.raises(ValueError, match="scales hold fewer rows"):
+        _unixfast.Conn(pair[0].fileno(), region, np.empty(8, np.int64), short, ROW_BYTES, WEIGHT_BYTES, 2, MAX_ROWS, 0)

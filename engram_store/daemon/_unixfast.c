@@ -1,10 +1,12 @@
 /* The daemon's native path for resident lookups over the Unix socket.
  *
- * Conn(fd, region, ids, layers, row_bytes, threads, max_rows, busy_poll_ns)
+ * Conn(fd, region, ids, layers, row_bytes, weight_bytes, threads, max_rows, busy_poll_ns)
  *     One client connection. `region` is the client's shared region (writable
  *     buffer), `ids` a writable int64 buffer the row ids are copied into before
  *     the gather (the client may rewrite its region at any time), `layers` a dict
- *     {layer: C-contiguous buffer of rows * row_bytes bytes} of the resident arena.
+ *     {layer: (weights, scales)} of the resident arena in the engines' layout:
+ *     C-contiguous buffers of rows * weight_bytes and rows * (row_bytes -
+ *     weight_bytes) bytes. A row is sent as its weights then its scales.
  *
  * Conn.next() -> tuple, without the GIL until it returns:
  *     reads the next frame header (busy-polling the socket for busy_poll_ns first,
@@ -68,7 +70,7 @@ static int64_t now_ns(void) {
 
 typedef struct {
     int32_t layer;
-    Py_buffer rows;
+    Py_buffer weights, scales;
 } layer_t;
 
 typedef struct {
@@ -78,7 +80,7 @@ typedef struct {
     Py_buffer region, ids;
     layer_t *layers;
     Py_ssize_t nlayers;
-    size_t row_bytes;
+    size_t row_bytes, weight_bytes;
     int threads;
     uint64_t max_rows;
     int64_t busy_poll_ns;
@@ -89,7 +91,10 @@ static void release(Conn *c) {
     c->open = 0;
     PyBuffer_Release(&c->region);
     PyBuffer_Release(&c->ids);
-    for (Py_ssize_t i = 0; i < c->nlayers; i++) PyBuffer_Release(&c->layers[i].rows);
+    for (Py_ssize_t i = 0; i < c->nlayers; i++) {
+        PyBuffer_Release(&c->layers[i].weights);
+        PyBuffer_Release(&c->layers[i].scales);
+    }
     PyMem_Free(c->layers);
     c->layers = NULL;
     c->nlayers = 0;
@@ -101,19 +106,22 @@ static void Conn_dealloc(Conn *c) {
 }
 
 static int Conn_init(Conn *c, PyObject *args, PyObject *kwds) {
-    static char *kw[] = {"fd", "region", "ids", "layers", "row_bytes", "threads", "max_rows", "busy_poll_ns", NULL};
+    static char *kw[] = {"fd", "region", "ids", "layers", "row_bytes", "weight_bytes", "threads", "max_rows",
+                         "busy_poll_ns", NULL};
     PyObject *o_region, *o_ids, *o_layers;
-    long long row_bytes, max_rows, busy_poll_ns;
+    long long row_bytes, weight_bytes, max_rows, busy_poll_ns;
     int fd, threads;
     if (c->open) {
         PyErr_SetString(PyExc_RuntimeError, "Conn is already initialized");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOO!LiLL", kw, &fd, &o_region, &o_ids, &PyDict_Type, &o_layers,
-                                     &row_bytes, &threads, &max_rows, &busy_poll_ns))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOO!LLiLL", kw, &fd, &o_region, &o_ids, &PyDict_Type, &o_layers,
+                                     &row_bytes, &weight_bytes, &threads, &max_rows, &busy_poll_ns))
         return -1;
-    if (row_bytes <= 0 || threads < 1 || max_rows < 0 || busy_poll_ns < 0) {
-        PyErr_SetString(PyExc_ValueError, "Conn: row_bytes and threads must be positive, max_rows and busy_poll_ns >= 0");
+    if (row_bytes <= 0 || weight_bytes <= 0 || weight_bytes > row_bytes || threads < 1 || max_rows < 0 ||
+        busy_poll_ns < 0) {
+        PyErr_SetString(PyExc_ValueError, "Conn: row_bytes, weight_bytes (<= row_bytes) and threads must be positive, "
+                                          "max_rows and busy_poll_ns >= 0");
         return -1;
     }
     if (PyObject_GetBuffer(o_region, &c->region, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return -1;
@@ -124,6 +132,7 @@ static int Conn_init(Conn *c, PyObject *args, PyObject *kwds) {
     c->open = 1; /* from here on release() undoes what is set up */
     c->fd = fd;
     c->row_bytes = (size_t)row_bytes;
+    c->weight_bytes = (size_t)weight_bytes;
     c->threads = threads;
     c->max_rows = (uint64_t)max_rows;
     c->busy_poll_ns = busy_poll_ns;
@@ -138,11 +147,31 @@ static int Conn_init(Conn *c, PyObject *args, PyObject *kwds) {
     while (PyDict_Next(o_layers, &pos, &key, &value)) {
         layer_t *l = &c->layers[c->nlayers];
         l->layer = (int32_t)PyLong_AsLong(key);
-        if (PyErr_Occurred() || PyObject_GetBuffer(value, &l->rows, PyBUF_C_CONTIGUOUS) < 0) {
+        if (PyErr_Occurred()) {
             release(c);
             return -1;
         }
-        c->nlayers++;
+        if (!PyTuple_Check(value) || PyTuple_GET_SIZE(value) != 2) {
+            PyErr_SetString(PyExc_TypeError, "Conn: each layer must be a (weights, scales) tuple of buffers");
+            release(c);
+            return -1;
+        }
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(value, 0), &l->weights, PyBUF_C_CONTIGUOUS) < 0) {
+            release(c);
+            return -1;
+        }
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(value, 1), &l->scales, PyBUF_C_CONTIGUOUS) < 0) {
+            PyBuffer_Release(&l->weights);
+            release(c);
+            return -1;
+        }
+        c->nlayers++; /* from here on release() frees both buffers of this layer */
+        const Py_ssize_t rows = l->weights.len / (Py_ssize_t)c->weight_bytes;
+        if (l->scales.len < rows * (Py_ssize_t)(c->row_bytes - c->weight_bytes)) {
+            PyErr_SetString(PyExc_ValueError, "Conn: a layer's scales hold fewer rows than its weights");
+            release(c);
+            return -1;
+        }
     }
     return 0;
 }
@@ -217,8 +246,9 @@ static int serve(Conn *c, const frame_t *f, double *seconds) {
     char *region = c->region.buf;
     int64_t *ids = c->ids.buf;
     memcpy(ids, region + f->ids_offset, n * 8);
-    if (gather_api->gather(l->rows.buf, l->rows.len / (Py_ssize_t)rb, rb, ids, (int64_t)n, region + f->out_offset,
-                           c->threads) >= 0)
+    const size_t wb = c->weight_bytes;
+    if (gather_api->gather_split(l->weights.buf, l->scales.buf, l->weights.len / (Py_ssize_t)wb, wb, rb - wb, ids,
+                                 (int64_t)n, region + f->out_offset, c->threads) >= 0)
         return 0; /* an id out of range: the caller answers with the error */
     frame_t reply = {.magic = MAGIC, .version = VERSION, .op = OP_RESULT, .layer = f->layer,
                      .request_id = f->request_id, .count = n};

@@ -1,57 +1,14 @@
-"""Client-side bookkeeping of shared memory: the region allocator and the mapped arena."""
+"""Client-side bookkeeping of the shared region: its allocator. (The mapped arena is
+``engram_store.storage.arena_layout.ArenaView``.)"""
 
 from __future__ import annotations
 
 import threading
 import time
 
-import numpy as np
-
 from .. import errors
-from ..storage.arena import shared_gatherer
-from ..storage.base import ArenaLayer
-from . import shm
 
 ALLOC_TIMEOUT = 30.0  # seconds a lookup waits for shared-region space before ResourceExhausted
-
-
-class ClientArena:
-    """The daemon's resident arena mapped read-only into this process (resident mode only)."""
-
-    def __init__(self, region, size: int, layers: tuple[ArenaLayer, ...]) -> None:
-        self._region = region
-        self.array = np.frombuffer(region, dtype=np.uint8)  # read-only: the mapping is PROT_READ
-        self.size = size
-        self.layers = layers
-        self._by_layer = {a.layer: a for a in layers}
-
-    def layer_rows(self, layer: int) -> np.ndarray:
-        """uint8 ``[rows, row_bytes]`` read-only view of one layer's rows."""
-        a = self._by_layer.get(layer)
-        if a is None:
-            raise errors.UnknownLayer(f"layer {layer} is not in the arena; layers are {sorted(self._by_layer)}")
-        return self.array[a.offset: a.offset + a.rows * a.row_bytes].reshape(a.rows, a.row_bytes)
-
-    def gather_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray, *, threads: int = 1) -> np.ndarray:
-        """Rows straight from the arena, no daemon round trip; ``threads`` copy a large
-        request (1 by default: the caller's compute needs the other cores)."""
-        rows = self.layer_rows(layer)
-        ids = np.asarray(row_ids).reshape(-1)
-        if ids.size and not np.issubdtype(ids.dtype, np.integer):
-            raise errors.InvalidRequest(f"row ids must be integers, got {ids.dtype}")
-        flat_out = out.reshape(-1, rows.shape[1])
-        if ids.size != flat_out.shape[0]:
-            raise errors.InvalidRequest(f"out holds {flat_out.shape[0]} rows, {ids.size} row ids given")
-        try:
-            shared_gatherer(max(1, threads)).take(rows, ids, flat_out)  # checks the bounds as it goes
-        except IndexError:
-            raise errors.RowOutOfRange(f"layer {layer}: row ids must be in [0, {rows.shape[0]}), "
-                                       f"got [{ids.min()}, {ids.max()}]") from None
-        return out
-
-    def close(self) -> None:
-        self.array = None  # type: ignore[assignment]
-        shm.release(self._region)
 
 
 class Extents:

@@ -52,7 +52,8 @@ def native_module() -> ModuleType | None:
 class NativePath:
     """What the native path serves, shared by every connection of one daemon."""
 
-    def __init__(self, module: ModuleType, store: Any, config: DaemonConfig, views: dict[int, np.ndarray]) -> None:
+    def __init__(self, module: ModuleType, store: Any, config: DaemonConfig,
+                 views: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
         self.module, self.store, self.config, self.views = module, store, config, views
         self.threads = int(store.gather_threads)
 
@@ -78,9 +79,10 @@ class NativeConn:
 
     def _open(self) -> Any:
         cfg = self.path.config
+        weight_bytes = next(iter(self.path.views.values()))[0].shape[1]
         return self.path.module.Conn(self._sock.fileno(), self._region, self.ids, self.path.views,
-                                     self.path.store.row_bytes, self.path.threads, cfg.max_request_rows,
-                                     cfg.busy_poll_us * 1000)
+                                     self.path.store.row_bytes, weight_bytes, self.path.threads,
+                                     cfg.max_request_rows, cfg.busy_poll_us * 1000)
 
     def next(self) -> tuple:
         """``(SERVED, layer, count, seconds)`` after answering a lookup (its ids are

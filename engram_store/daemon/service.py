@@ -110,10 +110,7 @@ class Daemon:
             "unix_native": self.unix is not None and self.unix.native is not None,
             "version": __version__,
             "protocol_version": wire.VERSION, "pid": os.getpid(),
-            "arena": None if arena is None else {
-                "size": arena.size,
-                "layers": [{"layer": a.layer, "offset": a.offset, "rows": a.rows, "row_bytes": a.row_bytes}
-                           for a in arena.layers]},
+            "arena": None if arena is None else arena.layout.to_dict() | {"huge_pages": arena.huge_pages},
         }
 
     def stats_snapshot(self) -> dict[str, float]:

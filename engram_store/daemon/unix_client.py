@@ -33,9 +33,10 @@ from typing import Any
 import numpy as np
 
 from .. import errors
-from ..storage.base import ArenaLayer
+from ..storage import syscalls
+from ..storage.arena_layout import ArenaLayout, ArenaView
 from . import shm, wire
-from .client_region import ClientArena, Extents
+from .client_region import Extents
 from .wire import Frame, Op, Status
 
 # Rows per LOOKUP frame. Splitting one request over several frames (and so over the
@@ -111,7 +112,7 @@ class UnixTransport:
         self.path, self.frame_rows, self.spin_seconds, self.timeout = path, frame_rows, spin_seconds, timeout
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._region = None
-        self.arena: ClientArena | None = None
+        self.arena: ArenaView | None = None
         try:
             deadline = time.monotonic() + connect_timeout
             self._sock = _connect(self._sock, path, deadline)
@@ -158,8 +159,7 @@ class UnixTransport:
             self.region = shm.as_array(self._region)
             arena = self.info_cached.get("arena")
             if frame.flags & wire.Flag.ARENA and len(fds) > 1 and arena:
-                layers = tuple(ArenaLayer(**a) for a in arena["layers"])
-                self.arena = ClientArena(shm.map_fd(fds[1], arena["size"], writable=False), arena["size"], layers)
+                self.arena = _map_arena(fds[1], arena)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -410,3 +410,16 @@ def _check_out(out: Any, shape: tuple[int, ...], row_bytes: int) -> np.ndarray:
     if not out.flags.c_contiguous or not out.flags.writeable:
         raise errors.InvalidRequest("out must be C-contiguous and writable")
     return out
+
+
+def _map_arena(fd: int, described: dict[str, Any]) -> ArenaView:
+    """Map the daemon's arena read-only, after checking that it is sealed against writes
+    and resizing (rows a client reads in place must never change under it) and that it
+    is as large as the layout the daemon described."""
+    layout = ArenaLayout.from_dict(described)
+    want = syscalls.F_SEAL_WRITE | syscalls.F_SEAL_SHRINK
+    if syscalls.seals(fd) & want != want:
+        raise wire.ProtocolError("the daemon's arena memfd is not sealed against writes and shrinking; refusing it")
+    if os.fstat(fd).st_size < layout.size:
+        raise wire.ProtocolError(f"the arena memfd has {os.fstat(fd).st_size} bytes, its layout {layout.size}")
+    return ArenaView.map_fd(fd, layout)

@@ -20,6 +20,10 @@ typedef struct {
                       int threads);
     /* A gather is coming: wake idle pool threads now (see prime()). */
     void (*prime)(void);
+    /* The same gather from a table kept in two blocks (engine layout): out row i is the
+       weight_bytes of weights[idx[i]] then the scale_bytes of scales[idx[i]]. */
+    int64_t (*gather_split)(const char *weights, const char *scales, int64_t rows, size_t weight_bytes,
+                            size_t scale_bytes, const int64_t *idx, int64_t n, char *out, int threads);
 } engram_gather_api;
 
 #endif

@@ -1,10 +1,11 @@
 """The DRAM tier: one memfd holding either the whole table set or a row cache.
 
 *Resident* mode (:class:`ResidentArena`): every layer is loaded once at start,
-dense (row ``r`` at ``offset + r * row_bytes``, each layer's offset 2 MiB
-aligned), by large sequential reads that repack the file's 4 KiB pages into
-dense rows. The memfd is then sealed (no write, shrink or grow) so that any
-process receiving it can map it read-only and gather rows by itself.
+in the engines' layout (:mod:`.arena_layout`: a block of all payloads, then a
+block of all scales, each 2 MiB aligned), by large sequential reads whose 4 KiB
+pages are split into the two blocks as they arrive. The memfd is then sealed
+(no write, shrink or grow) so that any process receiving it can map it
+read-only, gather rows by itself, or hand the blocks to an engine's kernel.
 
 *Cached* mode (:class:`RowCache`): a slot arena of ``n_slots`` rows, one int32
 row-to-slot array per layer (``slot + 1``, 0 when absent; allocated zeroed, so
@@ -29,10 +30,12 @@ from typing import Callable
 import numpy as np
 
 from ..layout import PAGE_BYTES
-from .base import ArenaInfo, ArenaLayer
+from ..spec import RowFormat
+from .arena_layout import ArenaLayout
+from .base import ArenaInfo
 from .nvme import LayerFile
 from .policy import make_policy
-from .syscalls import HUGE_PAGE, aligned_buffer, as_array, create_memfd, map_fd, round_up, seal_read_only
+from .syscalls import HUGE_PAGE, aligned_buffer, as_array, create_memfd, map_fd, round_up, seal_read_only, shmem_thp
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +95,20 @@ class Gatherer:
         for f in futures:
             f.result()
 
+    def take_split(self, weights: np.ndarray, scales: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
+        """``out[i] = weights[index[i]] ++ scales[index[i]]``: rows of a table kept in the
+        engines' two blocks (uint8 ``[rows, wb]`` and ``[rows, sb]``), ``out`` uint8
+        ``[n, wb + sb]``. Bounds checked before anything is copied (IndexError)."""
+        index = np.ascontiguousarray(index, dtype=np.int64)
+        if self._native is not None:
+            self._native.gather_split(weights, weights.shape[1], scales, scales.shape[1], index, out, self.threads)
+            return
+        if len(index) and (index.min() < 0 or index.max() >= len(weights)):
+            raise IndexError(f"gather: an index is outside [0, {len(weights)})")
+        wb = weights.shape[1]
+        out[:, :wb] = weights[index]
+        out[:, wb:] = scales[index]
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
@@ -110,43 +127,40 @@ def _numpy_take(src: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
     np.take(src, index, axis=0, out=out, mode="clip")
 
 
-def dense_bytes(rows: int, row_bytes: int) -> int:
-    """Bytes a layer takes in the resident arena (2 MiB aligned)."""
-    return round_up(rows * row_bytes, HUGE_PAGE)
+def resident_layout(layer_rows: list[tuple[int, int]], row_format: RowFormat) -> ArenaLayout:
+    """Where each ``(layer, rows)`` goes in the resident arena (the engines' layout)."""
+    return ArenaLayout.plan(layer_rows, row_format.dim, row_format.scale_count)
 
 
 class ResidentArena:
-    """The whole table set in a sealed memfd. Read-only after :meth:`build`."""
+    """The whole table set in a sealed memfd, in the engines' layout. Read-only after :meth:`build`."""
 
-    def __init__(self, memfd, mm, layers: dict[int, ArenaLayer]) -> None:
+    def __init__(self, memfd, mm, layout: ArenaLayout, huge_pages: str) -> None:
         self.memfd = memfd
         self._mm = mm
-        self.layers = layers
+        self.layout = layout
+        self.huge_pages = huge_pages
         data = as_array(mm)
-        self.views = {
-            layer: data[a.offset : a.offset + a.rows * a.row_bytes].reshape(a.rows, a.row_bytes) for layer, a in layers.items()
-        }
+        self.blocks = {a.layer: (data[a.weight_offset: a.weight_offset + a.rows * a.weight_bytes].reshape(a.rows, a.weight_bytes),
+                                 data[a.scale_offset: a.scale_offset + a.rows * a.scale_bytes].reshape(a.rows, a.scale_bytes))
+                       for a in layout.layers}
 
     @classmethod
-    def build(cls, files: list[LayerFile], bulk_read: BulkRead, *, huge: bool = True,
+    def build(cls, files: list[LayerFile], row_format: RowFormat, bulk_read: BulkRead, *, huge: bool = True,
               chunk_bytes: int = FILL_CHUNK_BYTES) -> "ResidentArena":
         """Allocate, fill from ``files`` (healthy layers only), seal, map read-only."""
-        placed: dict[int, ArenaLayer] = {}
-        offset = 0
-        for lf in files:
-            placed[lf.layer] = ArenaLayer(lf.layer, offset, lf.layout.rows, lf.layout.row_bytes)
-            offset += dense_bytes(lf.layout.rows, lf.layout.row_bytes)
-        size = max(offset, HUGE_PAGE)
+        layout = resident_layout([(lf.layer, lf.layout.rows) for lf in files], row_format)
+        size = layout.size
         memfd = create_memfd("engram-arena", size, huge=huge)
         t0 = time.perf_counter()
         mm = map_fd(memfd.fd, size, writable=True, huge=huge)
         try:
             data = as_array(mm)
-            for lf in files:
-                a = placed[lf.layer]
-                dest = data[a.offset : a.offset + a.rows * a.row_bytes].reshape(a.rows, a.row_bytes)
-                fill_dense(dest, lf, bulk_read, chunk_bytes)
-            del data, dest
+            for lf, a in zip(files, layout.layers):
+                weights = data[a.weight_offset: a.weight_offset + a.rows * a.weight_bytes].reshape(a.rows, a.weight_bytes)
+                scales = data[a.scale_offset: a.scale_offset + a.rows * a.scale_bytes].reshape(a.rows, a.scale_bytes)
+                fill_split(weights, scales, lf, bulk_read, chunk_bytes)
+            del data, weights, scales
         except BaseException:
             mm.close()
             memfd.close()
@@ -154,19 +168,22 @@ class ResidentArena:
         mm.close()  # sealing against writes needs every writable mapping gone
         seal_read_only(memfd.fd)
         seconds = time.perf_counter() - t0
-        log.info("resident arena: %d layers, %.1f MiB filled in %.2fs (%.0f MB/s), huge pages: %s",
-                 len(files), offset / 2**20, seconds, offset / max(seconds, 1e-9) / 1e6, memfd.hugetlb)
-        return cls(memfd, map_fd(memfd.fd, size, writable=False, huge=huge, populate=True), placed)
+        huge_pages = "hugetlb" if memfd.hugetlb else ("thp" if huge and shmem_thp() else "none")
+        log.info("resident arena: %d layers in the engines' layout, %.1f MiB filled in %.2fs (%.0f MB/s), "
+                 "huge pages: %s%s", len(files), size / 2**20, seconds, size / max(seconds, 1e-9) / 1e6, huge_pages,
+                 "" if huge_pages != "none" else " (reserve huge pages or set shmem THP to advise: GPU lookups "
+                 "over 4 KiB pages are much slower; see README)")
+        return cls(memfd, map_fd(memfd.fd, size, writable=False, huge=huge, populate=True), layout, huge_pages)
 
     def info(self) -> ArenaInfo:
-        return ArenaInfo(self.memfd.fd, self.memfd.size, tuple(self.layers[k] for k in sorted(self.layers)))
+        return ArenaInfo(self.memfd.fd, self.layout, self.huge_pages)
 
     @property
     def nbytes(self) -> int:
         return self.memfd.size
 
     def close(self) -> None:
-        self.views = {}
+        self.blocks = {}
         try:
             self._mm.close()
         except BufferError:
@@ -174,11 +191,12 @@ class ResidentArena:
         self.memfd.close()
 
 
-def fill_dense(dest: np.ndarray, lf: LayerFile, bulk_read: BulkRead, chunk_bytes: int) -> None:
+def fill_split(weights: np.ndarray, scales: np.ndarray, lf: LayerFile, bulk_read: BulkRead, chunk_bytes: int) -> None:
     """Read ``lf`` front to back in chunks (the next chunk is read while the current one
-    is repacked) and write its rows densely into ``dest`` (uint8 ``[rows, row_bytes]``)."""
+    is split) and write each row's payload into ``weights`` (uint8 ``[rows, wb]``) and its
+    scales into ``scales`` (uint8 ``[rows, sb]``)."""
     layout = lf.layout
-    rpp, rb = layout.rows_per_page, layout.row_bytes
+    rpp, rb, wb = layout.rows_per_page, layout.row_bytes, weights.shape[1]
     chunk_pages = max(1, chunk_bytes // PAGE_BYTES)
     spans = [(p, min(p + chunk_pages, layout.pages)) for p in range(0, layout.pages, chunk_pages)]
     if not spans:
@@ -199,12 +217,10 @@ def fill_dense(dest: np.ndarray, lf: LayerFile, bulk_read: BulkRead, chunk_bytes
                 pending = ex.submit(read, i + 1)
             r0, r1 = p0 * rpp, min(p1 * rpp, layout.rows)
             pages = as_array(buf, (p1 - p0) * PAGE_BYTES).reshape(p1 - p0, PAGE_BYTES)
-            full = (r1 - r0) // rpp
-            dest[r0 : r0 + full * rpp].reshape(full, rpp * rb)[...] = pages[:full, : rpp * rb]
-            tail = r1 - r0 - full * rpp
-            if tail:
-                dest[r0 + full * rpp : r1].reshape(tail * rb)[...] = pages[full, : tail * rb]
-            del pages
+            rows = pages[:, : rpp * rb].reshape((p1 - p0) * rpp, rb)[: r1 - r0]
+            weights[r0:r1] = rows[:, :wb]
+            scales[r0:r1] = rows[:, wb:]
+            del pages, rows
     for buf in buffers:
         buf.close()
 

@@ -12,16 +12,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from .arena_layout import ArenaLayer, ArenaLayout
 
-@dataclass(frozen=True)
-class ArenaLayer:
-    """Where one layer's rows sit in the resident arena: row r of the layer is at
-    bytes ``[offset + r * row_bytes, offset + (r + 1) * row_bytes)`` of the arena."""
-
-    layer: int
-    offset: int  # byte offset of row 0, 4 KiB aligned
-    rows: int
-    row_bytes: int
+__all__ = ["ArenaInfo", "ArenaLayer", "ArenaLayout", "RowStore"]
 
 
 @dataclass(frozen=True)
@@ -29,13 +22,24 @@ class ArenaInfo:
     """A read-only shareable arena (resident mode only).
 
     ``fd`` is a memfd sealed against writes, shrink and grow: a process that
-    receives it can map it ``PROT_READ`` only. The store owns the fd; callers
-    that pass it on (SCM_RIGHTS) must not close it.
+    receives it can map it ``PROT_READ`` only. ``layout`` says where each layer's
+    weights and scales sit (the engines' layout, see :mod:`.arena_layout`).
+    ``huge_pages`` says what backs it: ``"hugetlb"`` (reserved huge pages),
+    ``"thp"`` (transparent huge pages for shmem) or ``"none"`` (4 KiB pages).
+    The store owns the fd; callers that pass it on (SCM_RIGHTS) must not close it.
     """
 
     fd: int
-    size: int  # bytes to map
-    layers: tuple[ArenaLayer, ...]
+    layout: ArenaLayout
+    huge_pages: str = "none"
+
+    @property
+    def size(self) -> int:  # bytes to map
+        return self.layout.size
+
+    @property
+    def layers(self) -> tuple[ArenaLayer, ...]:
+        return self.layout.layers
 
 
 @runtime_checkable

@@ -116,6 +116,19 @@ def hugetlb_pages_free() -> int:
     return 0
 
 
+@functools.cache
+def shmem_thp() -> bool:
+    """Whether ``MADV_HUGEPAGE`` on a memfd mapping can give transparent huge pages:
+    ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` is advise, always, within_size
+    or force (probed once; False when unknown)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            chosen = f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return False
+    return chosen in ("always", "within_size", "advise", "force")
+
+
 @dataclass
 class Memfd:
     """An anonymous shared-memory file and how it was made."""

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import ConfigError, InvalidRequest, RowOutOfRange, StorageError, UnknownLayer
 from ..manifest import Manifest
-from .arena import LAYER_SHIFT, ROW_MASK, Gatherer, ResidentArena, RowCache, dense_bytes
+from .arena import LAYER_SHIFT, ROW_MASK, Gatherer, ResidentArena, RowCache, resident_layout
 from .base import ArenaInfo
 from .gds import make_bulk_reader
 from .nvme import DEFAULT_CHUNK_PAGES, DEFAULT_MAX_COALESCE_PAGES, DEFAULT_QUEUE_DEPTH, LayerFile, NvmeTier, PageReader
@@ -106,7 +106,7 @@ class TieredStore:
         nvme = NvmeTier(files, page_reader, max_coalesce_pages=max_coalesce_pages,
                         chunk_pages=min(DEFAULT_CHUNK_PAGES, max(256, table_pages // 64)))
         healthy = [lf for lf in files.values() if lf.file is not None]
-        dense = sum(dense_bytes(lf.layout.rows, lf.layout.row_bytes) for lf in healthy)
+        dense = resident_layout([(lf.layer, lf.layout.rows) for lf in healthy], manifest.spec.row_format).size
         row_bytes = manifest.spec.row_bytes
         resident = mode == "resident" or (mode == "auto" and dram_bytes >= dense)
         if mode == "resident" and dram_bytes < dense:
@@ -117,7 +117,7 @@ class TieredStore:
         try:
             if resident:
                 bulk, bulk_name = make_bulk_reader(page_reader, gds)
-                arena = ResidentArena.build(healthy, bulk, huge=huge_pages)
+                arena = ResidentArena.build(healthy, manifest.spec.row_format, bulk, huge=huge_pages)
             else:
                 per_slot = row_bytes + CACHE_BYTES_PER_SLOT + policy_bytes_per_slot(policy)
                 n_slots = dram_bytes // per_slot
@@ -191,7 +191,7 @@ class TieredStore:
             # the ids), and as little Python as possible runs after it, when the copy
             # has pushed the interpreter's working set out of the CPU caches.
             try:
-                self._gather.take(self._arena.views[lf.layer], flat, out2)
+                self._gather.take_split(*self._arena.blocks[lf.layer], flat, out2)
             except IndexError:
                 raise self._out_of_range(lf, flat) from None
             self._sampler.record(lf.layer, flat)
@@ -217,15 +217,15 @@ class TieredStore:
         return st
 
     # --- for callers that gather from the arena themselves -----------------
-    def resident_views(self) -> dict[int, np.ndarray]:
-        """Resident mode: each servable layer's rows in the sealed arena (read-only uint8
-        ``[rows, row_bytes]``); ``{}`` in cached mode. For a caller that gathers with its
-        own native code (the daemon's Unix fast path): it must stop using the views before
-        :meth:`close`, check every id against ``rows``, and report each lookup with
-        :meth:`record_resident_lookup`."""
+    def resident_views(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Resident mode: each servable layer's two blocks in the sealed arena, read-only
+        ``(weights uint8 [rows, dim], scales uint8 [rows, scale_count])``; ``{}`` in cached
+        mode. For a caller that gathers with its own native code (the daemon's Unix fast
+        path): it must stop using the views before :meth:`close`, check every id against
+        ``rows``, and report each lookup with :meth:`record_resident_lookup`."""
         if self._arena is None or self._closed:
             return {}
-        return {layer: self._arena.views[layer] for layer, lf in self._files.items() if lf.file is not None}
+        return {layer: self._arena.blocks[layer] for layer, lf in self._files.items() if lf.file is not None}
 
     @property
     def gather_threads(self) -> int:
@@ -353,6 +353,7 @@ class TieredStore:
         d["resident"] = int(self._arena is not None)
         d["layers_unavailable"] = len(self.layer_errors())
         d["arena_bytes"] = self._arena.nbytes if self._arena is not None else 0
+        d["arena_huge_pages"] = {"none": 0, "thp": 1, "hugetlb": 2}[self._arena.huge_pages] if self._arena else 0
         c = self._cache
         d["cache_bytes"] = c.nbytes if c is not None else 0
         d["cache_slots"] = c.n_slots if c is not None else 0
