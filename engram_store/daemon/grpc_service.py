@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from .. import __version__, errors
 from .._proto import engram_store_pb2 as pb
 from ..storage.base import RowStore
-from . import lookup_codec, wire
+from . import limits, lookup_codec, wire
 from .config import DaemonConfig, parse_hostport
 from .stats import TransportStats
 
@@ -64,6 +64,8 @@ class EngramStoreService:
         self.config, self.stats, self.pool = config, stats, pool
         self.info, self.stats_snapshot = info, stats_snapshot
         self.store: RowStore | None = None
+        self.replies = limits.GrpcReplies(config.grpc_max_inflight_bytes, config.grpc_chunk_bytes,
+                                          config.client_send_timeout_seconds)
         self.draining = False
 
     def attach(self, store: RowStore) -> None:
@@ -106,6 +108,7 @@ class EngramStoreService:
         await context.abort(CODE_OF.get(status, grpc.StatusCode.INTERNAL), str(exc))
 
     # --- RPCs -------------------------------------------------------------
+    @limits.bounded_replies
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> lookup_codec.EncodedReply:
         t0 = time.perf_counter()
         try:
@@ -121,6 +124,7 @@ class EngramStoreService:
         self.stats.record(ids.size, store.row_bytes, time.perf_counter() - t0)
         return lookup_codec.encode_reply(out, 0, ids.size, store.row_bytes, ids.size)
 
+    @limits.bounded_replies
     async def LookupStream(self, request: pb.LookupRequest,
                            context: grpc.aio.ServicerContext) -> AsyncIterator[lookup_codec.EncodedReply]:
         t0 = time.perf_counter()

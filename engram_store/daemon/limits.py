@@ -273,3 +273,70 @@ class RoundRobin:
                 return
             except RuntimeError:  # the pool is shut down: go on on this thread
                 continue
+
+
+# --- gRPC replies ------------------------------------------------------------------------
+class GrpcReplies:
+    """Bounds on gRPC lookup replies: the bytes all of them hold at once (``grpc_max_inflight_bytes``)
+    and how long one may wait for its reader (``client_send_timeout_seconds``). A call reserves
+    what it can hold (one reply, or the chunks a stream keeps ahead) until it is done; past the
+    budget it is refused with RESOURCE_EXHAUSTED. A call whose next message has not gone out
+    that long after the previous one is cancelled, which frees what it holds."""
+
+    STREAM_CHUNKS_HELD = 3  # LookupStream: the chunk being sent and two gathered ahead
+
+    def __init__(self, max_bytes: int, chunk_bytes: int, stall_seconds: float) -> None:
+        self.budget = ByteBudget(max_bytes, "grpc_max_inflight_bytes")
+        self.chunk_bytes, self.stall_seconds = chunk_bytes, stall_seconds
+
+    def reply_bytes(self, request: object, row_bytes: int, streaming: bool) -> int:
+        ids = getattr(request, "row_ids", b"")
+        rows = len(ids) // (4 if getattr(request, "dtype", 0) == 2 else 8)  # pb.INT32 == 2
+        held = rows * row_bytes
+        return min(held, self.STREAM_CHUNKS_HELD * self.chunk_bytes) if streaming else held
+
+
+def bounded_replies(method: Callable) -> Callable:
+    """Decorate a Lookup RPC method of a service that has ``replies`` (:class:`GrpcReplies`),
+    ``store`` and ``stats``: reserve its reply bytes, cancel it when its reader stalls."""
+    import asyncio
+    import functools
+    import inspect
+
+    import grpc
+
+    async def admit(service, request, context) -> tuple[int, Callable[[], None]]:
+        replies: GrpcReplies = service.replies
+        row_bytes = service.store.row_bytes if service.store is not None else 0
+        nbytes = replies.reply_bytes(request, row_bytes, inspect.isasyncgenfunction(method))
+        if not replies.budget.take(nbytes):
+            service.stats.record(0, 0, 0.0, "RESOURCE_EXHAUSTED")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, replies.budget.refusal(nbytes, "a gRPC reply"))
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        timer = [loop.call_later(replies.stall_seconds, task.cancel)]
+
+        def rearm() -> None:
+            timer[0].cancel()
+            timer[0] = loop.call_later(replies.stall_seconds, task.cancel)
+
+        def done(_: object) -> None:
+            timer[0].cancel()
+            replies.budget.give(nbytes)
+
+        context.add_done_callback(done)
+        return nbytes, rearm
+
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream(service, request, context):
+            _, rearm = await admit(service, request, context)
+            async for message in method(service, request, context):
+                yield message  # grpc sends it before asking for the next: a stalled reader stops here
+                rearm()
+        return stream
+
+    @functools.wraps(method)
+    async def unary(service, request, context):
+        await admit(service, request, context)
+        return await method(service, request, context)
+    return unary
