@@ -49,7 +49,7 @@ class Unavailable(EngramStoreError):
     """The daemon is starting, stopping or unreachable."""
 
 
-class DeadlineExceeded(EngramStoreError, TimeoutError):
+class DeadlineExceeded(EngramStoreError):
     """The daemon did not answer a call within its deadline (stopped, stalled or overloaded).
     Not an :class:`Unavailable`: retrying at once would wait as long again. The connection is
     closed (a late reply cannot land in memory given to another call); the next call reconnects."""

@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 MAX_INFLIGHT = 64  # lookups one client may have queued in the daemon
 MAX_QUEUED_REPLY_BYTES = 4 << 20  # replies one client has not read, beyond its socket buffer; more: dropped
 PIECE_BYTES = 4 << 20  # larger lookups are served in pieces of about this many row bytes, in turns
-ABORT_SECONDS = 0.5  # stop(): how long aborted connections get to end their running pieces
+ABORT_SECONDS = 0.5  # stop(): how long before drain_seconds ends it aborts connections still busy
 _NUMPY_DTYPE = {DType.INT64: DType.INT64.numpy, DType.INT32: DType.INT32.numpy}
 
 
@@ -197,10 +197,11 @@ class UnixServer:
         for conn in conns:
             conn.stop_reading()
         deadline = time.monotonic() + drain_seconds
-        late = [conn for conn in conns if not conn.finished.wait(max(0.0, deadline - time.monotonic()))]
+        give_up = deadline - min(ABORT_SECONDS, drain_seconds / 2)  # aborted connections end by the deadline
+        late = [conn for conn in conns if not conn.finished.wait(max(0.0, give_up - time.monotonic()))]
         for conn in late:  # out of time: their queued pieces end at once, their sockets close
-            conn.abort(f"the daemon is stopping and drain_seconds ({drain_seconds:g}s) passed")
-        busy = sum(not conn.finished.wait(max(0.0, deadline + ABORT_SECONDS - time.monotonic())) for conn in late)
+            conn.abort(f"the daemon is stopping and drain_seconds ({drain_seconds:g}s) ran out")
+        busy = sum(not conn.finished.wait(max(0.0, deadline - time.monotonic())) for conn in late)
         if self.sender is not None:
             self.sender.stop()
             self.sender = None

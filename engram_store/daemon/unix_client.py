@@ -117,7 +117,10 @@ class UnixTransport:
             deadline = time.monotonic() + connect_timeout
             self._sock = _connect(self._sock, path, deadline)
             self._sock.settimeout(max(1e-3, deadline - time.monotonic()))
-            self._sock.sendall(Frame(Op.HELLO, count=shm_bytes).pack())
+            try:
+                self._sock.sendall(Frame(Op.HELLO, count=shm_bytes).pack())
+            except BrokenPipeError:  # refused at once (a limit): its reason is still there to read
+                pass
             self._welcome()
             self._sock.settimeout(None)
             # Sends (small frames) give up too when a stopped daemon leaves the socket full.
