@@ -30,11 +30,14 @@ tables: $(TABLES)/manifest.json
 $(TABLES)/manifest.json: | $(STAMP)
 	$(BIN)/engram-store synth --model $(MODEL) --scale $(SCALE) --seed 0 --out $(TABLES)
 
+# gRPC clients authenticate with the token in $(RUN_DIR)/grpc.token (made once, mode 0600).
 run: $(STAMP) tables
 	mkdir -p $(RUN_DIR)
+	test -s $(RUN_DIR)/grpc.token || (umask 077 && $(BIN)/python -c "import secrets; print(secrets.token_hex(32))" \
+		> $(RUN_DIR)/grpc.token)
 	$(BIN)/engram-store serve --tables $(TABLES) --dram-bytes $(DRAM_BYTES) \
-		--socket $(RUN_DIR)/engram-store.sock --grpc 127.0.0.1:0 --metrics 127.0.0.1:0 \
-		--ready-file $(RUN_DIR)/ready.json
+		--socket $(RUN_DIR)/engram-store.sock --grpc 127.0.0.1:0 --grpc-token-file $(RUN_DIR)/grpc.token \
+		--metrics 127.0.0.1:0 --ready-file $(RUN_DIR)/ready.json
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -41,8 +41,24 @@ class RowOutOfRange(InvalidRequest):
     """A row id is negative or not below the layer's row count."""
 
 
+class InsufficientSpace(TableFormatError):
+    """The filesystem a table set is written to lacks the free space it needs (or ran out)."""
+
+
 class StorageError(EngramStoreError):
     """A tier could not serve rows (I/O error, truncated file)."""
+
+
+class LayerUnavailable(StorageError):
+    """A layer of the table set cannot be served (its file is missing or truncated)."""
+
+
+class IncompleteReply(StorageError):
+    """A daemon's reply does not cover the request exactly (a short, overlapping or misplaced chunk)."""
+
+
+class Unauthenticated(EngramStoreError):
+    """The daemon refused the client's credentials (missing or wrong token, no client certificate)."""
 
 
 class Unavailable(EngramStoreError):

@@ -11,7 +11,10 @@
 ``unix://PATH`` maps a per-client shared region (``shared_region``, where the
 daemon writes rows; register it with cudaHostRegister for DMA) and, when the
 daemon is resident, the whole table arena read-only (``arena``). ``grpc://HOST:PORT``
-(``grpcs://`` with ``tls_ca``) works from anywhere. Thread-safe. When the
+(``grpcs://`` with ``tls_ca``) works from anywhere; the daemon requires client
+authentication there: ``token_file=`` (or ``token=``, or the file named by
+``ENGRAM_STORE_GRPC_TOKEN_FILE``) and/or a client certificate (``tls_cert``,
+``tls_key``). Thread-safe. When the
 daemon restarts, the next call reconnects by itself (within ``reconnect_timeout``)
 and ``generation`` goes up: views, ``shared_region`` and ``arena`` taken
 before belong to the old connection and must be fetched again.
@@ -85,12 +88,15 @@ class EngramClient:
     """A connection to one engram-store daemon. Build it with :meth:`connect`."""
 
     def __init__(self, address: str, *, shm_bytes: int = 0, connect_timeout: float = 5.0,
-                 reconnect_timeout: float = 30.0, tls_ca: str | None = None, spin_us: int = 0) -> None:
+                 reconnect_timeout: float = 30.0, tls_ca: str | None = None, spin_us: int = 0,
+                 token: str | None = None, token_file: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
         if not address.startswith(_SCHEMES):
             raise errors.ConfigError(f"address {address!r}: expected unix:///path/to.sock, grpc://host:port or grpcs://host:port")
         self.address = address
         self.shm_bytes, self.connect_timeout = shm_bytes, connect_timeout
         self.reconnect_timeout, self.tls_ca, self.spin_us = reconnect_timeout, tls_ca, spin_us
+        self._auth = {"token": token, "token_file": token_file, "tls_cert": tls_cert, "tls_key": tls_key}
         self._lock = threading.Lock()
         self._transport: Any = None
         self._closed = False
@@ -98,13 +104,20 @@ class EngramClient:
 
     @classmethod
     def connect(cls, address: str, *, shm_bytes: int = 0, connect_timeout: float = 5.0,
-                reconnect_timeout: float = 30.0, tls_ca: str | None = None, spin_us: int = 0) -> "EngramClient":
+                reconnect_timeout: float = 30.0, tls_ca: str | None = None, spin_us: int = 0,
+                token: str | None = None, token_file: str | None = None, tls_cert: str | None = None,
+                tls_key: str | None = None) -> "EngramClient":
         """Connect now (raises Unavailable if the daemon is not there); later calls reconnect by themselves.
         ``shm_bytes``: size of the shared region to ask for (0 = the daemon's client_shm_bytes).
         ``spin_us`` (unix): busy-poll this long for a reply before sleeping; lower latency when
-        the client has a spare CPU (e.g. 2000 for decode-sized lookups), 0 to never spin."""
+        the client has a spare CPU (e.g. 2000 for decode-sized lookups), 0 to never spin.
+        gRPC only (ignored over unix://): ``token``/``token_file`` (default: the file named by
+        ``$ENGRAM_STORE_GRPC_TOKEN_FILE``), re-read on every reconnect; ``tls_cert``/``tls_key``,
+        a client certificate for a daemon with ``grpc_tls_client_ca``. A refused client gets
+        ``errors.Unauthenticated`` (never retried)."""
         client = cls(address, shm_bytes=shm_bytes, connect_timeout=connect_timeout,
-                     reconnect_timeout=reconnect_timeout, tls_ca=tls_ca, spin_us=spin_us)
+                     reconnect_timeout=reconnect_timeout, tls_ca=tls_ca, spin_us=spin_us, token=token,
+                     token_file=token_file, tls_cert=tls_cert, tls_key=tls_key)
         client._current()
         return client
 
@@ -120,7 +133,7 @@ class EngramClient:
         target = self.address.split("://", 1)[1]
         if self.address.startswith("grpcs://") and not self.tls_ca:
             raise errors.ConfigError("grpcs:// needs tls_ca (the PEM file of the daemon's CA)")
-        return GrpcTransport(target, tls_ca=self.tls_ca, connect_timeout=self.connect_timeout)
+        return GrpcTransport(target, tls_ca=self.tls_ca, connect_timeout=self.connect_timeout, **self._auth)
 
     def _current(self) -> Any:
         with self._lock:

@@ -3,12 +3,17 @@
 The daemon runs as a real process (``python -m engram_store.daemon serve``) on
 a temp socket and ``127.0.0.1:0``; ``DaemonProcess.start`` waits for the ready
 file it writes (never sleeps and hopes) and ``stop`` always runs in finally.
+gRPC needs client authentication: the daemon gets the token file
+``DaemonProcess.token_file`` (made in its workdir, kept across restarts there);
+pass ``token_file=d.token_file`` to ``EngramClient.connect`` and
+``metadata=d.grpc_metadata`` to raw stubs.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -34,6 +39,15 @@ def make_tables(directory: Path, seed: int = 7) -> TableSet:
     return TableSet.open(directory)
 
 
+def make_token_file(path: Path) -> Path:
+    """A gRPC token file (mode 0600) at ``path`` unless one is there already."""
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+    return path
+
+
 def daemon_command() -> list[str]:
     return [sys.executable, "-m", "engram_store.daemon"]
 
@@ -47,6 +61,7 @@ class DaemonProcess:
     dram_bytes: str = "1GiB"
     extra: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    grpc_token: bool = True  # False: no --grpc-token-file (e.g. mTLS only, via extra)
     proc: subprocess.Popen | None = None
     ready: dict = field(default_factory=dict)
 
@@ -67,14 +82,24 @@ class DaemonProcess:
         return f"grpc://{self.ready['grpc']}"
 
     @property
+    def token_file(self) -> str:
+        return str(self.workdir / "grpc.token")
+
+    @property
+    def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata that authenticates a raw gRPC stub."""
+        return (("authorization", f"Bearer {Path(self.token_file).read_text().strip()}"),)
+
+    @property
     def pid(self) -> int:
         return self.proc.pid
 
     def start(self) -> "DaemonProcess":
         self.ready_file.unlink(missing_ok=True)
+        auth = ["--grpc-token-file", str(make_token_file(Path(self.token_file)))] if self.grpc_token else []
         args = daemon_command() + [
             "serve", "--tables", str(self.tables), "--dram-bytes", self.dram_bytes, "--socket", self.socket_path,
-            "--grpc", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--ready-file", str(self.ready_file),
+            "--grpc", "127.0.0.1:0", *auth, "--metrics", "127.0.0.1:0", "--ready-file", str(self.ready_file),
             "--log-level", "WARNING", *self.extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_STORE_")} | self.env
         self.log = open(self.workdir / "daemon.log", "ab")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import socket
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, expected, make_tables
+from daemon_helpers import DaemonProcess, expected, make_tables, make_token_file
 
 from engram_store import errors
 from gpu_client.client import EngramClient
@@ -30,7 +31,7 @@ def test_client_survives_sigkill_and_restart(tables, tmp_path, transport):
     second = None
     try:
         address = first.unix if transport == "unix" else first.grpc
-        client = EngramClient.connect(address, reconnect_timeout=60)
+        client = EngramClient.connect(address, reconnect_timeout=60, token_file=first.token_file)
         ids = np.random.default_rng(0).integers(0, min(tables.rows(1), tables.rows(3)), size=(40, 24))
         np.testing.assert_array_equal(client.lookup(3, ids), expected(tables, 3, ids))
         generation = client.generation
@@ -88,7 +89,9 @@ def test_clients_see_unavailable_while_the_daemon_starts(tables, tmp_path):
     port = _free_port()
     daemon = DaemonProcess(tables.directory, tmp_path, extra=["--grpc", f"127.0.0.1:{port}"])
     ids = np.arange(0, tables.rows(1), 13)
-    early = [EngramClient(daemon.unix, reconnect_timeout=60), EngramClient(f"grpc://127.0.0.1:{port}", reconnect_timeout=60)]
+    make_token_file(Path(daemon.token_file))  # the early gRPC client reads it when it first connects
+    early = [EngramClient(daemon.unix, reconnect_timeout=60),
+             EngramClient(f"grpc://127.0.0.1:{port}", reconnect_timeout=60, token_file=daemon.token_file)]
     results: dict = {}
 
     def look(i: int, client: EngramClient) -> None:
@@ -108,7 +111,7 @@ def test_clients_see_unavailable_while_the_daemon_starts(tables, tmp_path):
         stub = pb_grpc.EngramStoreStub(channel)
         while not daemon.ready_file.exists() and starter.is_alive():
             try:
-                stub.Info(pb.InfoRequest(), timeout=5)
+                stub.Info(pb.InfoRequest(), timeout=5, metadata=daemon.grpc_metadata)
             except grpc.RpcError as exc:
                 codes.append(exc.code())
             if daemon.ready_file.exists():
@@ -121,7 +124,8 @@ def test_clients_see_unavailable_while_the_daemon_starts(tables, tmp_path):
         for i in range(len(early)):
             assert not isinstance(results.get(i), Exception), results.get(i)
             np.testing.assert_array_equal(results[i], expected(tables, 1, ids))
-        assert stub.Info(pb.InfoRequest(), timeout=30, wait_for_ready=True).row_bytes == tables.row_bytes
+        assert stub.Info(pb.InfoRequest(), timeout=30, wait_for_ready=True,
+                         metadata=daemon.grpc_metadata).row_bytes == tables.row_bytes
     finally:
         channel.close()
         for c in early:

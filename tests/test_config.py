@@ -19,7 +19,8 @@ def _write(tmp_path, text: str):
 def test_defaults_are_safe():
     cfg = load_config(environ={})
     assert cfg == DaemonConfig()
-    assert cfg.grpc.startswith("127.0.0.1:") and cfg.socket_mode == 0o660 and cfg.grpc_event_loop == "uvloop"
+    assert cfg.grpc == "" and cfg.socket_mode == 0o660 and cfg.grpc_event_loop == "uvloop"  # gRPC is opt-in
+    assert cfg.metrics.startswith("127.0.0.1:") and not cfg.metrics_allow_remote
 
 
 def test_precedence_cli_over_env_over_file(tmp_path):
@@ -37,7 +38,7 @@ def test_sizes(text, value):
     assert parse_size(text) == value
 
 
-@pytest.mark.parametrize("text", ["8 parsecs", "-1", "GiB", "", True, "1e9"])
+@pytest.mark.parametrize("text", ["8 parsecs", "-1", "GiB", "", True, "1e9", 8.5, 8.0, "8.5", "0.3KiB"])
 def test_bad_sizes(text):
     with pytest.raises(ConfigError, match="size"):
         parse_size(text, "dram_bytes")
@@ -62,6 +63,15 @@ def test_unknown_keys_are_named_everywhere(tmp_path):
     ("socket_mode", "0999", "socket_mode"),
     ("grpc", "localhost", "HOST:PORT"),
     ("grpc", "10.0.0.1:50051", "grpc_allow_remote"),
+    ("grpc", "127.0.0.1:50051", "grpc_token_file.*grpc_tls_client_ca"),  # no client authentication
+    ("metrics", "0.0.0.0:9464", "metrics_allow_remote"),
+    ("dram_bytes", "8", "dram_bytes.*at least"),
+    ("cache_policy", "fifo", "cache_policy.*'s3fifo'"),
+    ("nvme_queue_depth", "257", "nvme_queue_depth.*1..256"),
+    ("max_request_rows", str(1 << 40), "max_request_rows.*at most"),
+    ("grpc_chunk_bytes", "1GiB", "grpc_chunk_bytes"),
+    ("grpc_tls_client_ca", "/ca.pem", "grpc_tls_cert"),
+    ("socket", "/run/" + "s" * 120, "socket.*longer"),
     ("grpc_event_loop", "trio", "grpc_event_loop"),
     ("store_mode", "mostly", "store_mode"),
     ("log_level", "chatty", "log_level"),
@@ -72,6 +82,11 @@ def test_unknown_keys_are_named_everywhere(tmp_path):
 def test_bad_values_are_refused_with_the_key(key, value, words):
     with pytest.raises(ConfigError, match=words):
         load_config({key: value}, environ={})
+
+
+def test_toml_float_is_not_a_size(tmp_path):
+    with pytest.raises(ConfigError, match="dram_bytes.*TOML float"):
+        load_config(config_file=_write(tmp_path, "dram_bytes = 8.5\n"), environ={})
 
 
 def test_toml_types_are_checked(tmp_path):
@@ -85,9 +100,23 @@ def test_toml_types_are_checked(tmp_path):
         load_config(config_file=tmp_path / "missing.toml", environ={})
 
 
-def test_remote_grpc_needs_opt_in():
-    cfg = load_config({"grpc": "0.0.0.0:50051", "grpc_allow_remote": True}, environ={})
-    assert cfg.grpc == "0.0.0.0:50051"
+def test_remote_grpc_needs_opt_in_tls_and_client_auth():
+    remote = {"grpc": "0.0.0.0:50051", "grpc_allow_remote": True, "grpc_token_file": "/t"}
+    with pytest.raises(ConfigError, match="plaintext remote"):
+        load_config(remote, environ={})
+    tls = {"grpc_tls_cert": "/c.pem", "grpc_tls_key": "/k.pem"}
+    assert load_config(remote | tls, environ={}).grpc == "0.0.0.0:50051"
+    mtls = {"grpc": "0.0.0.0:50051", "grpc_allow_remote": True, "grpc_tls_client_ca": "/ca.pem"} | tls
+    assert load_config(mtls, environ={}).grpc_tls_client_ca == "/ca.pem"
+    assert load_config({"grpc": "127.0.0.1:0", "grpc_token_file": "/t"}, environ={}).grpc == "127.0.0.1:0"
+
+
+def test_queue_depth_range_is_the_stores():
+    from engram_store.daemon.config import MAX_NVME_QUEUE_DEPTH
+    from engram_store.storage.tiered import MAX_QUEUE_DEPTH
+
+    assert MAX_NVME_QUEUE_DEPTH == MAX_QUEUE_DEPTH
+    assert load_config({"nvme_queue_depth": "256"}, environ={}).nvme_queue_depth == 256
 
 
 def test_config_is_frozen():

@@ -49,7 +49,7 @@ def _settled_fd_count(daemon: DaemonProcess, want: int) -> int:
 def _check_serving(daemon: DaemonProcess, tables) -> None:
     ids = np.arange(0, tables.rows(1), 97)
     for address in (daemon.unix, daemon.grpc):
-        with EngramClient.connect(address, reconnect_timeout=0) as client:
+        with EngramClient.connect(address, reconnect_timeout=0, token_file=daemon.token_file) as client:
             np.testing.assert_array_equal(client.lookup(1, ids), expected(tables, 1, ids))
 
 
@@ -182,7 +182,7 @@ def _fuzz_lookups(path: str, rng: np.random.Generator, n: int) -> int:
     return answered
 
 
-def _fuzz_grpc(target: str, rng: np.random.Generator, n: int) -> None:
+def _fuzz_grpc(target: str, rng: np.random.Generator, n: int, metadata) -> None:
     from engram_store._proto import engram_store_pb2 as pb
 
     with grpc.insecure_channel(target) as channel:
@@ -192,14 +192,15 @@ def _fuzz_grpc(target: str, rng: np.random.Generator, n: int) -> None:
         for i in range(n):
             try:
                 if i % 2:
-                    raw(rng.integers(0, 256, size=int(rng.integers(0, 64)), dtype=np.uint8).tobytes(), timeout=30)
+                    raw(rng.integers(0, 256, size=int(rng.integers(0, 64)), dtype=np.uint8).tobytes(), timeout=30,
+                        metadata=metadata)
                 else:
                     ids = rng.integers(-5, 20000, size=int(rng.integers(0, 9))).astype("<i8").tobytes()
                     ids = ids[: int(rng.integers(0, 80))]  # often not a whole number of ids
                     request = pb.LookupRequest(layer=_pick(rng, [1, 2, 3]), row_ids=ids, dtype=int(rng.integers(0, 3)))
-                    good(request, timeout=30)
+                    good(request, timeout=30, metadata=metadata)
             except grpc.RpcError as exc:
-                assert exc.code() != grpc.StatusCode.UNAVAILABLE, exc
+                assert exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED), exc
     host, port = target.rsplit(":", 1)
     for _ in range(20):  # not HTTP/2 at all
         with socket.create_connection((host, int(port)), timeout=30) as s:
@@ -212,7 +213,7 @@ def test_fuzz_then_correct_lookups_and_no_fd_leak(daemon, tables, baseline):
     rng = np.random.default_rng(1234)
     _garbage_connections(daemon.socket_path, rng, 300)
     assert _fuzz_lookups(daemon.socket_path, rng, 3000) == 3000
-    _fuzz_grpc(daemon.ready["grpc"], rng, 1000)
+    _fuzz_grpc(daemon.ready["grpc"], rng, 1000, daemon.grpc_metadata)
     _check_serving(daemon, tables)
     assert daemon.proc.poll() is None
     assert _settled_fd_count(daemon, baseline) == baseline
@@ -225,7 +226,7 @@ def test_connect_disconnect_cycles_leak_nothing(daemon, tables, baseline):
             if i % 100 == 0:
                 client.lookup(3, np.arange(10))
     assert _settled_fd_count(daemon, baseline) == baseline
-    stats = EngramClient.connect(daemon.grpc).stats()
+    stats = EngramClient.connect(daemon.grpc, token_file=daemon.token_file).stats()
     assert stats["unix_connected_clients"] == 0
     assert _rss(daemon.pid) - rss_before < 64 << 20  # 1000 x 1 MiB regions would be 1 GB
 
@@ -282,12 +283,14 @@ def test_grpc_status_codes_mean_something(daemon, tables):
         stub = pb_grpc.EngramStoreStub(channel)
         for request, code, words in cases:
             with pytest.raises(grpc.RpcError) as info:
-                stub.Lookup(request, timeout=30)
+                stub.Lookup(request, timeout=30, metadata=daemon.grpc_metadata)
             assert info.value.code() == code and words in info.value.details(), (code, info.value.details())
         with pytest.raises(grpc.RpcError) as info:
-            list(stub.LookupStream(pb.LookupRequest(layer=1, row_ids=ids(0, tables.rows(1))), timeout=30))
+            list(stub.LookupStream(pb.LookupRequest(layer=1, row_ids=ids(0, tables.rows(1))), timeout=30,
+                                   metadata=daemon.grpc_metadata))
         assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
-        reply = stub.Lookup(pb.LookupRequest(layer=1, row_ids=ids(3, 1, dtype="<i4"), dtype=pb.INT32), timeout=30)
+        reply = stub.Lookup(pb.LookupRequest(layer=1, row_ids=ids(3, 1, dtype="<i4"), dtype=pb.INT32), timeout=30,
+                            metadata=daemon.grpc_metadata)
         assert reply.rows == expected(tables, 1, np.array([3, 1])).tobytes()
 
 

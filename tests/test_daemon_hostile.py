@@ -39,7 +39,7 @@ def daemon(request, tables, tmp_path_factory):
 def _honest_lookup(daemon: DaemonProcess, tables) -> None:
     ids = np.random.default_rng(5).integers(0, tables.rows(1), 500)
     for address in (daemon.unix, daemon.grpc):
-        with EngramClient.connect(address, reconnect_timeout=0) as client:
+        with EngramClient.connect(address, reconnect_timeout=0, token_file=daemon.token_file) as client:
             np.testing.assert_array_equal(client.lookup(1, ids), expected(tables, 1, ids))
 
 

@@ -51,7 +51,8 @@ def _ids(tables, layer, shape, seed):
 @pytest.mark.parametrize("transport", ["unix", "unix-spin", "grpc"])
 def test_lookup_is_byte_exact(daemon, tables, transport):
     address = daemon.grpc if transport == "grpc" else daemon.unix
-    with EngramClient.connect(address, spin_us=1000 if transport == "unix-spin" else 0) as client:
+    with EngramClient.connect(address, spin_us=1000 if transport == "unix-spin" else 0,
+                              token_file=daemon.token_file) as client:
         for layer in tables.layers:
             for shape in [(1,), (5, 24), (3, 4, 12), (3000,)]:
                 ids = _ids(tables, layer, shape, seed=layer * 100 + len(shape))
@@ -69,7 +70,7 @@ def test_lookup_is_byte_exact(daemon, tables, transport):
 def test_large_lookup_splits_and_streams(daemon, tables, transport):
     """More rows than one gRPC chunk and than a quarter of the shared region: chunked both ways."""
     address = daemon.unix if transport == "unix" else daemon.grpc
-    with EngramClient.connect(address, shm_bytes=1 << 20) as client:
+    with EngramClient.connect(address, shm_bytes=1 << 20, token_file=daemon.token_file) as client:
         ids = _ids(tables, 1, (70_000,), seed=5)  # 4.6 MB of rows: several gRPC chunks, > 1 MiB region
         out = np.full(ids.shape + (tables.row_bytes,), 0xAB, dtype=np.uint8)
         assert client.lookup_into(1, ids, out) is out
@@ -128,7 +129,7 @@ def test_reserved_buffer_is_filled_in_place(daemon, tables):
 
 def test_info_and_stats(daemon, tables):
     for address in (daemon.unix, daemon.grpc):
-        with EngramClient.connect(address) as client:
+        with EngramClient.connect(address, token_file=daemon.token_file) as client:
             info = client.info()
             assert info["layers"] == list(tables.layers)
             assert info["rows"] == {layer: tables.rows(layer) for layer in tables.layers}
@@ -159,7 +160,7 @@ def test_native_path_answers_lookups_and_grows_its_id_buffer(daemon, tables):
 @pytest.mark.parametrize("transport", ["unix", "grpc"])
 def test_errors_are_typed_and_carry_the_message(daemon, tables, transport):
     address = daemon.unix if transport == "unix" else daemon.grpc
-    with EngramClient.connect(address) as client:
+    with EngramClient.connect(address, token_file=daemon.token_file) as client:
         with pytest.raises(errors.UnknownLayer, match="layer 2"):
             client.lookup(2, np.arange(3))
         with pytest.raises(errors.RowOutOfRange):
@@ -177,7 +178,7 @@ def test_errors_are_typed_and_carry_the_message(daemon, tables, transport):
 def test_one_client_shared_by_threads(daemon, tables, transport):
     address = daemon.unix if transport == "unix" else daemon.grpc
     failures: list[str] = []
-    with EngramClient.connect(address, shm_bytes=1 << 20) as client:
+    with EngramClient.connect(address, shm_bytes=1 << 20, token_file=daemon.token_file) as client:
         def work(seed: int) -> None:
             rng = np.random.default_rng(seed)
             for i in range(25):
@@ -199,12 +200,12 @@ def test_one_client_shared_by_threads(daemon, tables, transport):
     assert not failures and not any(t.is_alive() for t in threads)
 
 
-def _client_process(address: str, tables_dir: str, seed: int, queue) -> None:
+def _client_process(address: str, token_file: str, tables_dir: str, seed: int, queue) -> None:
     from engram_store.tableset import TableSet
 
     tables = TableSet.open(tables_dir)
     try:
-        with EngramClient.connect(address) as client:
+        with EngramClient.connect(address, token_file=token_file) as client:
             rng = np.random.default_rng(seed)
             for i in range(30):
                 layer = tables.layers[i % 2]
@@ -223,7 +224,7 @@ def test_four_client_processes_at_once(daemon, tables, transport):
     address = daemon.unix if transport == "unix" else daemon.grpc
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_client_process, args=(address, str(tables.directory), s, queue)) for s in range(4)]
+    procs = [ctx.Process(target=_client_process, args=(address, daemon.token_file, str(tables.directory), s, queue)) for s in range(4)]
     try:
         for p in procs:
             p.start()
@@ -256,8 +257,8 @@ def test_metrics_endpoint_and_cli(daemon, tables):
     out = subprocess.run(cmd + ["stats", f"http://{daemon.ready['metrics']}"], capture_output=True, text=True,
                          timeout=60, cwd=REPO)
     assert out.returncode == 0 and "engram_store_hit_ratio" in out.stdout, out.stderr
-    out = subprocess.run(cmd + ["lookup", daemon.grpc, "--layer", "3", "--rows", "0,5"], capture_output=True,
-                         text=True, timeout=60, cwd=REPO)
+    out = subprocess.run(cmd + ["lookup", daemon.grpc, "--token-file", daemon.token_file, "--layer", "3", "--rows",
+                                "0,5"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0, out.stderr
     want = expected(tables, 3, np.array([0, 5]))
     assert out.stdout.split() == ["layer", "3", "row", "0:", want[0].tobytes().hex(),
@@ -285,6 +286,7 @@ def test_sigterm_drains_and_exits_zero(tables, tmp_path):
 
 
 def test_grpc_health_is_serving(daemon):
+    """The health service answers without the token (probes have none)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(daemon.ready["grpc"]) as channel:

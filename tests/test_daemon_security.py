@@ -29,7 +29,7 @@ def test_socket_mode_group_and_size_caps(tables, tmp_path):
         st = os.stat(d.socket_path)
         assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640 and st.st_gid == os.getgid()
         for address in (d.unix, d.grpc):
-            with EngramClient.connect(address, reconnect_timeout=0) as client:
+            with EngramClient.connect(address, reconnect_timeout=0, token_file=d.token_file) as client:
                 with pytest.raises(errors.ResourceExhausted, match="1000"):
                     client.lookup(1, np.zeros(1001, np.int64))
                 np.testing.assert_array_equal(client.lookup(1, np.arange(1000)), expected(tables, 1, np.arange(1000)))
@@ -50,11 +50,11 @@ def test_grpc_over_tls(tables, tmp_path):
                    check=True, capture_output=True, timeout=120)
     with DaemonProcess(tables.directory, tmp_path, extra=["--grpc-tls-cert", str(cert), "--grpc-tls-key", str(key)]) as d:
         target = d.ready["grpc"]
-        with EngramClient.connect(f"grpcs://{target}", tls_ca=str(cert)) as client:
+        with EngramClient.connect(f"grpcs://{target}", tls_ca=str(cert), token_file=d.token_file) as client:
             ids = np.arange(50)
             np.testing.assert_array_equal(client.lookup(3, ids), expected(tables, 3, ids))
         with pytest.raises(errors.Unavailable):  # plaintext against a TLS port never gets an answer
-            EngramClient.connect(f"grpc://{target}", connect_timeout=3)
+            EngramClient.connect(f"grpc://{target}", connect_timeout=3, token_file=d.token_file)
 
 
 def test_corrupt_tables_are_refused_at_start(tables, tmp_path):
@@ -65,7 +65,7 @@ def test_corrupt_tables_are_refused_at_start(tables, tmp_path):
     data[100] ^= 0xFF
     layer_file.write_bytes(bytes(data))
     result = subprocess.run([sys.executable, "-m", "engram_store.daemon", "serve", "--tables", str(bad), "--socket",
-                             str(tmp_path / "s.sock"), "--grpc", "127.0.0.1:0", "--metrics", ""],
+                             str(tmp_path / "s.sock"), "--grpc", "", "--metrics", ""],
                             capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 2 and "corrupt chunk" in result.stderr, result.stderr
     assert not (tmp_path / "s.sock").exists()

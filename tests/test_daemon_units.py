@@ -96,13 +96,18 @@ def test_latency_histogram_buckets():
     assert t.snapshot()["unix_rows"] == 10 + 10 and t.snapshot()["unix_errors_not_found"] == 1
 
 
-def test_grpc_is_unavailable_until_the_store_is_attached():
+def test_grpc_is_unavailable_until_the_store_is_attached(tmp_path):
     from engram_store._proto import engram_store_pb2 as pb
     from engram_store._proto import engram_store_pb2_grpc as pb_grpc
     from engram_store.daemon.grpc_service import EngramStoreService, GrpcServer
 
+    token = tmp_path / "grpc.token"
+    token.write_text("t" * 32)
+    token.chmod(0o600)
+    metadata = (("authorization", "Bearer " + "t" * 32),)
+
     async def scenario() -> list[grpc.StatusCode]:
-        config = load_config({"grpc": "127.0.0.1:0", "metrics": ""}, environ={})
+        config = load_config({"grpc": "127.0.0.1:0", "grpc_token_file": str(token), "metrics": ""}, environ={})
         with ThreadPoolExecutor(1) as pool:
             service = EngramStoreService(config, TransportStats("grpc"), pool, dict, dict)
             server = GrpcServer(service, config)
@@ -111,8 +116,9 @@ def test_grpc_is_unavailable_until_the_store_is_attached():
             try:
                 async with grpc.aio.insecure_channel(address) as channel:
                     stub = pb_grpc.EngramStoreStub(channel)
-                    for call in (stub.Lookup(pb.LookupRequest(layer=1, row_ids=np.zeros(2, "<i8").tobytes())),
-                                 stub.Info(pb.InfoRequest())):
+                    for call in (stub.Lookup(pb.LookupRequest(layer=1, row_ids=np.zeros(2, "<i8").tobytes()),
+                                             metadata=metadata),
+                                 stub.Info(pb.InfoRequest(), metadata=metadata)):
                         try:
                             await call
                         except grpc.aio.AioRpcError as exc:

@@ -69,7 +69,7 @@ def test_steps_too_big_for_the_region_go_through_the_thread(daemon, tables):
 
 
 def test_grpc_client_uses_the_thread(daemon, tables):
-    with EngramClient.connect(daemon.grpc) as client:
+    with EngramClient.connect(daemon.grpc, token_file=daemon.token_file) as client:
         with EngramPrefetcher(client, max_tokens=64) as pf:
             assert pf.path == "staged" and not pf._async
             churn(pf, tables[1], seed=3, max_len=20)

@@ -21,7 +21,10 @@ _HELP = {
     "tables": "table-set directory to serve",
     "dram_bytes": "DRAM tier budget, e.g. 8GiB; tables that fit are served resident",
     "socket": "Unix socket path ('' disables)",
-    "grpc": "gRPC HOST:PORT, port 0 picks a free one ('' disables)",
+    "grpc": "gRPC HOST:PORT, port 0 picks a free one ('' disables, the default); needs --grpc-token-file "
+            "or --grpc-tls-client-ca",
+    "grpc_token_file": "file holding the token gRPC clients must send (mode 0640, the socket's group)",
+    "grpc_tls_client_ca": "PEM CA bundle; gRPC clients must present a certificate it signed (mTLS)",
     "metrics": "Prometheus HOST:PORT, port 0 picks a free one ('' disables)",
     "ready_file": "write this JSON file (real addresses) once serving",
 }
@@ -42,15 +45,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=cmd_serve)
 
     stats = subparsers.add_parser("stats", help="print a running daemon's counters")
-    stats.add_argument("address", help="unix:///path.sock, grpc://host:port or http://host:port (metrics)")
+    stats.add_argument("address", help="unix:///path.sock, grpc[s]://host:port or http://host:port (metrics)")
+    _add_client_auth(stats)
     stats.set_defaults(func=cmd_stats)
 
     lookup = subparsers.add_parser("lookup", help="fetch rows from a running daemon (debugging)")
-    lookup.add_argument("address", help="unix:///path.sock or grpc://host:port")
+    lookup.add_argument("address", help="unix:///path.sock or grpc[s]://host:port")
+    _add_client_auth(lookup)
     lookup.add_argument("--layer", type=int, required=True, help="Engram layer id")
     lookup.add_argument("--rows", required=True, help="comma-separated row ids, e.g. 0,17,42")
     lookup.add_argument("--bytes", type=int, default=0, help="print only the first N bytes of each row (0 = all)")
     lookup.set_defaults(func=cmd_lookup)
+
+
+def _add_client_auth(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("gRPC authentication (ignored for unix://)")
+    group.add_argument("--token-file", metavar="FILE", default=None,
+                       help="file holding the daemon's gRPC token (default: $ENGRAM_STORE_GRPC_TOKEN_FILE)")
+    group.add_argument("--tls-ca", metavar="PEM", default=None, help="CA of the daemon's certificate (grpcs://)")
+    group.add_argument("--tls-cert", metavar="PEM", default=None, help="client certificate (mTLS)")
+    group.add_argument("--tls-key", metavar="PEM", default=None, help="private key of --tls-cert")
+
+
+def _connect(args: argparse.Namespace):
+    from gpu_client.client import EngramClient
+
+    return EngramClient.connect(args.address, reconnect_timeout=0, token_file=args.token_file, tls_ca=args.tls_ca,
+                                tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -73,9 +94,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
                   for line in text.splitlines() if line and not line.startswith("#")}
     else:
-        from gpu_client.client import EngramClient
-
-        with EngramClient.connect(args.address, reconnect_timeout=0) as client:
+        with _connect(args) as client:
             values = client.stats()
     width = max((len(k) for k in values), default=0)
     for key in sorted(values):
@@ -87,13 +106,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def cmd_lookup(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from gpu_client.client import EngramClient
-
     try:
         rows = np.array([int(x) for x in args.rows.split(",") if x.strip()], dtype=np.int64)
     except ValueError:
         raise errors.InvalidRequest(f"--rows {args.rows!r}: expected comma-separated integers") from None
-    with EngramClient.connect(args.address, reconnect_timeout=0) as client:
+    with _connect(args) as client:
         out = client.lookup(args.layer, rows)
     for rid, row in zip(rows, out, strict=True):
         shown = row[: args.bytes] if args.bytes else row

@@ -2,13 +2,21 @@
 
 Row ids go as one raw int64 buffer; rows come back in one message when they
 fit ``chunk_bytes`` (the daemon's grpc_chunk_bytes, learnt from Info) and as a
-stream of chunks otherwise, each copied into the caller's buffer as it lands.
+stream of chunks otherwise, each copied into the caller's buffer as it lands
+(:func:`copy_chunks`: the chunks must cover the request exactly, in order, or
+the lookup raises :class:`~engram_store.errors.IncompleteReply`).
+
+Authentication: a token (``token``, ``token_file`` or the file named by
+``ENGRAM_STORE_GRPC_TOKEN_FILE``) goes with every call as ``authorization:
+Bearer <token>`` metadata; ``tls_cert``/``tls_key`` present a client
+certificate to a daemon that requires one (``grpc_tls_client_ca``).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import os
+from typing import Any, Iterable
 
 import grpc
 import numpy as np
@@ -20,6 +28,7 @@ from . import lookup_codec, wire
 from .unix_client import _check_ids, _check_out
 
 MAX_MESSAGE_BYTES = 256 << 20  # explicit client limits; the daemon sends at most one chunk per message
+TOKEN_FILE_ENV = "ENGRAM_STORE_GRPC_TOKEN_FILE"  # the daemon's config key of the same name, read by clients too
 
 _STATUS_OF_CODE: dict[grpc.StatusCode, wire.Status] = {
     grpc.StatusCode.INVALID_ARGUMENT: wire.Status.INVALID_ARGUMENT,
@@ -35,26 +44,78 @@ _STATUS_OF_CODE: dict[grpc.StatusCode, wire.Status] = {
 
 def error_of(exc: grpc.RpcError) -> errors.EngramStoreError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    status = _STATUS_OF_CODE.get(code, wire.Status.INTERNAL)
     details = exc.details() if hasattr(exc, "details") else str(exc)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return errors.Unauthenticated(f"{details} (gRPC {code.name})")
+    status = _STATUS_OF_CODE.get(code, wire.Status.INTERNAL)
     return wire.error_of(status, f"{details} (gRPC {code.name})")
 
 
+def load_token(token: str | None = None, token_file: str | None = None,
+               environ: dict[str, str] | os._Environ | None = None) -> str | None:
+    """The token to send: ``token``, else the content of ``token_file``, else of the file
+    ``$ENGRAM_STORE_GRPC_TOKEN_FILE`` names; None when none is given."""
+    if token:
+        return token.strip()
+    path = token_file or (os.environ if environ is None else environ).get(TOKEN_FILE_ENV, "")
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            text = f.read(4097).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise errors.ConfigError(f"gRPC token file {path}: cannot read a token from it ({exc})") from None
+    if not text:
+        raise errors.ConfigError(f"gRPC token file {path} is empty")
+    return text
+
+
+def copy_chunks(chunks: Iterable[lookup_codec.LookupChunk], flat: np.ndarray, rows: int, row_bytes: int) -> None:
+    """Copy reply chunks into ``flat`` (``rows * row_bytes`` uint8). They must follow one
+    another from row 0 and end at ``rows`` (as the daemon sends them): a short stream, a gap,
+    an overlap or a chunk of another size raises IncompleteReply, so uninitialized bytes of
+    ``flat`` are never returned as rows."""
+    done = 0
+    for c in chunks:
+        if (c.row_bytes != row_bytes or c.total_rows != rows or c.first_row != done
+                or len(c.rows) != c.row_count * row_bytes or done + c.row_count > rows):
+            raise errors.IncompleteReply(
+                f"gRPC reply chunk does not continue the answer: rows {c.first_row}..{c.first_row + c.row_count} "
+                f"({len(c.rows)} bytes of {c.row_bytes}-byte rows, total {c.total_rows}) after rows 0..{done} of "
+                f"{rows} ({row_bytes}-byte rows)")
+        flat[done * row_bytes: (done + c.row_count) * row_bytes] = np.frombuffer(c.rows, dtype=np.uint8)
+        done += c.row_count
+    if done != rows:
+        raise errors.IncompleteReply(f"gRPC reply ended after rows 0..{done} of {rows}: it was cut short")
+
+
 class GrpcTransport:
-    """A channel to ``target`` (``host:port``); TLS when ``tls_ca`` (a PEM file) is given."""
+    """A channel to ``target`` (``host:port``); TLS when ``tls_ca`` (a PEM file) is given, with
+    the client certificate ``tls_cert``/``tls_key`` when given; the token of :func:`load_token`."""
 
     kind = "grpc"
     arena = None
     region = None
 
-    def __init__(self, target: str, *, tls_ca: str | None = None, connect_timeout: float = 5.0,
-                 call_timeout: float | None = 60.0) -> None:
+    def __init__(self, target: str, *, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, token: str | None = None, token_file: str | None = None,
+                 connect_timeout: float = 5.0, call_timeout: float | None = 60.0) -> None:
         self.target, self.call_timeout = target, call_timeout
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+        secret = load_token(token, token_file)
+        self._metadata = (("authorization", f"Bearer {secret}"),) if secret else None
+        if bool(tls_cert) != bool(tls_key):
+            raise errors.ConfigError("a client certificate needs both tls_cert and tls_key (PEM files)")
+        if tls_cert and not tls_ca:
+            raise errors.ConfigError("tls_cert needs TLS: give tls_ca (the PEM file of the daemon's CA) and grpcs://")
         if tls_ca:
-            with open(tls_ca, "rb") as f:
-                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+            pem = {}
+            for name, path in (("root_certificates", tls_ca), ("certificate_chain", tls_cert), ("private_key", tls_key)):
+                if path:
+                    with open(path, "rb") as f:
+                        pem[name] = f.read()
+            creds = grpc.ssl_channel_credentials(**pem)
             self._channel = grpc.secure_channel(target, creds, options=options)
         else:
             self._channel = grpc.insecure_channel(target, options=options)
@@ -69,10 +130,13 @@ class GrpcTransport:
                                                          response_deserializer=lookup_codec.decode_reply)
         self._broken = ""
         try:
-            reply = self._stub.Info(pb.InfoRequest(), timeout=connect_timeout)
+            reply = self._stub.Info(pb.InfoRequest(), timeout=connect_timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             self._channel.close()
-            raise errors.Unavailable(f"cannot reach engram-store at grpc://{target}: {error_of(exc)}") from None
+            err = error_of(exc)
+            if isinstance(err, errors.Unauthenticated):  # retrying cannot help
+                raise errors.Unauthenticated(f"engram-store at grpc://{target} refused this client: {err}") from None
+            raise errors.Unavailable(f"cannot reach engram-store at grpc://{target}: {err}") from None
         self.info_cached = _info_dict(reply)
         self.row_bytes = reply.row_bytes
         self.chunk_bytes = reply.chunk_bytes
@@ -93,28 +157,30 @@ class GrpcTransport:
                                    dtype=pb.INT64)
         rb = self.row_bytes
         try:
-            replies = [self._lookup(request, timeout=self.call_timeout)] if ids.size * rb <= self.chunk_bytes \
-                else self._lookup_stream(request, timeout=self.call_timeout)
-            for reply in replies:
-                start = reply.first_row * rb
-                if reply.row_bytes != rb or start + len(reply.rows) > flat.size:
-                    raise errors.StorageError(f"gRPC reply does not fit the request: rows from {reply.first_row}, "
-                                              f"{len(reply.rows)} bytes of {reply.row_bytes}-byte rows")
-                flat[start: start + len(reply.rows)] = np.frombuffer(reply.rows, dtype=np.uint8)
+            if ids.size * rb <= self.chunk_bytes:
+                replies = [self._lookup(request, timeout=self.call_timeout, metadata=self._metadata)]
+            else:
+                replies = self._lookup_stream(request, timeout=self.call_timeout, metadata=self._metadata)
+            try:
+                copy_chunks(replies, flat, ids.size, rb)
+            except errors.IncompleteReply:
+                if hasattr(replies, "cancel"):  # stop a stream that went wrong
+                    replies.cancel()
+                raise
         except grpc.RpcError as exc:
             self._raise(exc)
         return out
 
     def info(self) -> dict[str, Any]:
         try:
-            return _info_dict(self._stub.Info(pb.InfoRequest(), timeout=self.call_timeout))
+            return _info_dict(self._stub.Info(pb.InfoRequest(), timeout=self.call_timeout, metadata=self._metadata))
         except grpc.RpcError as exc:
             self._raise(exc)
             raise  # unreachable
 
     def stats(self) -> dict[str, float]:
         try:
-            return dict(self._stub.Stats(pb.StatsRequest(), timeout=self.call_timeout).values)
+            return dict(self._stub.Stats(pb.StatsRequest(), timeout=self.call_timeout, metadata=self._metadata).values)
         except grpc.RpcError as exc:
             self._raise(exc)
             raise  # unreachable

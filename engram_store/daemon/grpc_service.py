@@ -5,11 +5,19 @@ or as a stream of messages of at most ``grpc_chunk_bytes`` row bytes (the
 next chunk is gathered while the current one is sent). Gathers run on the
 daemon's worker pool so the event loop never blocks. Errors map onto status
 codes that mean something (see :data:`CODE_OF`).
+
+Every EngramStore RPC authenticates its caller first (the health service stays
+open): with ``grpc_token_file`` the call must carry ``authorization: Bearer
+<token>`` metadata (compared in constant time), with ``grpc_tls_client_ca`` the
+TLS handshake already required a client certificate that CA signed. Anything
+else is UNAUTHENTICATED. A request that does not parse is INVALID_ARGUMENT and
+a call the client cancels ends quietly: each is one log line, never a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -18,13 +26,14 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from .. import __version__, errors
 from .._proto import engram_store_pb2 as pb
 from ..storage.base import RowStore
 from . import limits, lookup_codec, wire
-from .config import DaemonConfig, parse_hostport
+from .config import DaemonConfig, parse_hostport, read_token
 from .stats import TransportStats
 
 log = logging.getLogger(__name__)
@@ -52,6 +61,45 @@ def message_limits(config: DaemonConfig) -> list[tuple[str, int]]:
     ]
 
 
+class TokenCheck:
+    """``authorization: Bearer <token>`` call metadata against the daemon's token, in constant time."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def refusal(self, metadata: Any) -> str:
+        """"" when the metadata carries the token, else why not (for the client's error)."""
+        for key, value in metadata or ():
+            if key == "authorization":
+                given = value if isinstance(value, bytes) else str(value).encode("utf-8", "replace")
+                if hmac.compare_digest(given, self._expected):
+                    return ""
+                return "wrong token in the 'authorization' metadata"
+        return ("no 'authorization' metadata; send 'authorization: Bearer <token>' with the token of the daemon's "
+                "grpc_token_file (EngramClient.connect(..., token_file=PATH) or ENGRAM_STORE_GRPC_TOKEN_FILE)")
+
+
+class _Malformed:
+    """What the request deserializer returns for bytes that are not the request message."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """A deserializer that hands bad bytes to the handler (one INVALID_ARGUMENT) instead of
+    raising inside gRPC (which logs a traceback and answers INTERNAL)."""
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return _Malformed(str(exc) or "not a protobuf message")
+
+    return deserialize
+
+
 class EngramStoreService:
     """Serves ``store`` once :meth:`attach` is called; UNAVAILABLE before and while draining.
 
@@ -66,10 +114,30 @@ class EngramStoreService:
         self.store: RowStore | None = None
         self.replies = limits.GrpcReplies(config.grpc_max_inflight_bytes, config.grpc_chunk_bytes,
                                           config.client_send_timeout_seconds)
+        self.broken_layers: dict[int, str] = {}
         self.draining = False
+        self.token_check: TokenCheck | None = None  # set by GrpcServer when grpc_token_file is configured
+        self._refusals_logged = 0
 
     def attach(self, store: RowStore) -> None:
+        layer_errors = getattr(store, "layer_errors", None)
+        self.broken_layers = dict(layer_errors()) if layer_errors is not None else {}
         self.store = store
+
+    async def admit(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """Abort the call unless its caller is authenticated and its request parsed."""
+        why = self.token_check.refusal(context.invocation_metadata()) if self.token_check is not None else ""
+        if why:
+            self.stats.record(0, 0, 0.0, "UNAUTHENTICATED")
+            self._refusals_logged += 1
+            if self._refusals_logged <= 10:  # a client retrying in a loop must not flood the log
+                log.warning("gRPC call from %s refused: %s%s", context.peer(), why.split(";")[0],
+                            "; further refusals are counted, not logged" if self._refusals_logged == 10 else "")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"engram-store: {why}")
+        if isinstance(request, _Malformed):
+            self.stats.record(0, 0, 0.0, "INVALID_ARGUMENT")
+            log.info("gRPC request from %s does not parse: %s", context.peer(), request.why)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request does not parse: {request.why}")
 
     # --- helpers ----------------------------------------------------------
     def _serving(self) -> RowStore:
@@ -83,6 +151,8 @@ class EngramStoreService:
         store = self._serving()
         if request.layer not in store.layers:
             raise errors.UnknownLayer(f"layer {request.layer} is not served; layers are {list(store.layers)}")
+        if request.layer in self.broken_layers:
+            raise errors.LayerUnavailable(f"layer {request.layer} is unavailable: {self.broken_layers[request.layer]}")
         dtype = _DTYPES.get(request.dtype)
         if dtype is None:
             raise errors.InvalidRequest(f"row id dtype {request.dtype} unknown; use INT64 or INT32")
@@ -99,6 +169,12 @@ class EngramStoreService:
         out = np.empty((ids.size, store.row_bytes), dtype=np.uint8)
         await asyncio.get_running_loop().run_in_executor(self.pool, store.lookup_into, layer, ids, out)
         return out
+
+    def _cancelled(self, rpc: str, t0: float) -> None:
+        # Nothing of the call's context here: grpc may have freed the call already (its peer()
+        # then crashes the process).
+        self.stats.record(0, 0, time.perf_counter() - t0, "CANCELLED")
+        log.info("gRPC %s cancelled by the client after %.3fs", rpc, time.perf_counter() - t0)
 
     async def _fail(self, context: grpc.aio.ServicerContext, exc: BaseException, t0: float) -> None:
         status = wire.status_of(exc)
@@ -118,6 +194,9 @@ class EngramStoreService:
                     f"{ids.size} rows are {ids.size * store.row_bytes} bytes, above one message "
                     f"({self.config.grpc_chunk_bytes} bytes, grpc_chunk_bytes); use LookupStream")
             out = await self._gather(store, request.layer, ids)
+        except asyncio.CancelledError:
+            self._cancelled("Lookup", t0)
+            raise
         except Exception as exc:
             await self._fail(context, exc, t0)
             raise  # unreachable: abort raises
@@ -141,12 +220,16 @@ class EngramStoreService:
                     pending.append(asyncio.ensure_future(self._gather(store, request.layer, ids[nxt: nxt + step])))
                 pending[i] = None  # drop the finished buffer
                 yield lookup_codec.encode_reply(out, start, len(out), store.row_bytes, ids.size)
+        except (asyncio.CancelledError, GeneratorExit):  # the client cancelled, went away or ran out of time
+            self._cancelled("LookupStream", t0)
+            raise
         except Exception as exc:
+            await self._fail(context, exc, t0)
+            return
+        finally:  # also when the client's cancel closes this generator at a yield
             for fut in pending:
                 if fut is not None:
                     fut.cancel()
-            await self._fail(context, exc, t0)
-            return
         self.stats.record(ids.size, store.row_bytes, time.perf_counter() - t0)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
@@ -182,11 +265,48 @@ def add_service(service: EngramStoreService, server: grpc.aio.Server) -> None:
     for m in desc.methods:
         out_type = getattr(pb, m.output_type.name)
         serialize = lookup_codec.serialize_reply if out_type is pb.LookupReply else out_type.SerializeToString
+        method = getattr(service, m.name)
         handlers[m.name] = kinds[m.client_streaming, m.server_streaming](
-            getattr(service, m.name), request_deserializer=getattr(pb, m.input_type.name).FromString,
+            (_admitted_stream if m.server_streaming else _admitted_unary)(service, method),
+            request_deserializer=_lenient(getattr(pb, m.input_type.name).FromString),
             response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
     server.add_registered_method_handlers(desc.full_name, handlers)
+
+
+class _ClientGoneFilter(logging.Filter):
+    """grpc's core logs an ERROR with a traceback when a reply message cannot be sent because
+    the client cancelled the call an instant before (ExecuteBatchError); for a daemon that is
+    a client going away, not an error: make it one INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "ExecuteBatchError" not in record.getMessage():
+            return True
+        method = record.getMessage().rpartition("[")[2].rstrip("]")
+        record.msg, record.args, record.exc_info, record.exc_text = (
+            "gRPC %s: the client went away while its reply was being sent", (method,), None, None)
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        return log.isEnabledFor(logging.INFO)
+
+
+_GRPC_CORE_LOG = logging.getLogger("grpc._cython.cygrpc")
+
+
+def _admitted_unary(service: EngramStoreService, method: Callable) -> Callable:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await service.admit(request, context)
+        return await method(request, context)
+
+    return call
+
+
+def _admitted_stream(service: EngramStoreService, method: Callable) -> Callable:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await service.admit(request, context)
+        async for reply in method(request, context):
+            yield reply
+
+    return call
 
 
 class GrpcServer:
@@ -195,6 +315,7 @@ class GrpcServer:
     def __init__(self, service: EngramStoreService, config: DaemonConfig) -> None:
         self.service, self.config = service, config
         self.health = health.aio.HealthServicer()
+        self._quiet = _ClientGoneFilter()
         self._server: grpc.aio.Server | None = None
         self.address = ""
 
@@ -204,20 +325,33 @@ class GrpcServer:
         add_service(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         host, _ = parse_hostport(self.config.grpc, "grpc")
-        if self.config.grpc_tls_cert:
-            with open(self.config.grpc_tls_key, "rb") as k, open(self.config.grpc_tls_cert, "rb") as c:
-                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+        cfg = self.config
+        if cfg.grpc_token_file:
+            self.service.token_check = TokenCheck(read_token(cfg.grpc_token_file))
+        if cfg.grpc_tls_cert:
+            with open(cfg.grpc_tls_key, "rb") as k, open(cfg.grpc_tls_cert, "rb") as c:
+                pair = (k.read(), c.read())
+            client_ca = None
+            if cfg.grpc_tls_client_ca:
+                with open(cfg.grpc_tls_client_ca, "rb") as f:
+                    client_ca = f.read()
+            creds = grpc.ssl_server_credentials([pair], root_certificates=client_ca,
+                                                require_client_auth=client_ca is not None)
             port = server.add_secure_port(self.config.grpc, creds)
         else:
             port = server.add_insecure_port(self.config.grpc)
         if port == 0:
             raise errors.ConfigError(f"grpc: cannot listen on {self.config.grpc} (address in use or not local)")
         await server.start()
+        _GRPC_CORE_LOG.addFilter(self._quiet)
         self._server = server
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("gRPC listening on %s%s", self.address, " (TLS)" if self.config.grpc_tls_cert else "")
+        auth = [name for name, on in (("token", cfg.grpc_token_file), ("client certificates", cfg.grpc_tls_client_ca))
+                if on]
+        log.info("gRPC listening on %s%s; clients authenticate by %s", self.address,
+                 " (TLS)" if cfg.grpc_tls_cert else "", " and ".join(auth))
         return self.address
 
     async def stop(self, grace: float) -> None:
@@ -227,3 +361,4 @@ class GrpcServer:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+            _GRPC_CORE_LOG.removeFilter(self._quiet)

@@ -1,9 +1,15 @@
 """The ``serve`` lifecycle: open and verify tables, fill DRAM, open listeners, announce, drain.
 
-Start-up order: (1) verify the table set's checksums, (2) open the store (which
-fills the DRAM tier), (3) open the Unix socket, gRPC and metrics listeners,
-(4) write the ready file (JSON with the real addresses) and send systemd
-``READY=1``. SIGTERM/SIGINT: ``STOPPING=1``, stop accepting, let in-flight
+Start-up order: (0) check every config value against the host
+(:func:`~engram_store.daemon.config.preflight`: manifest, socket directory and
+group, TLS and token files, warm-up profile, free ports), so a mistake stops
+the daemon in a moment rather than after a checksum pass or a DRAM fill,
+(1) verify the table set's checksums, (2) open the store (which fills the DRAM
+tier), (3) open the Unix socket, gRPC and metrics listeners, (4) write the
+ready file (JSON with the real addresses) and send systemd ``READY=1``.
+A layer the store cannot serve (file missing or truncated, with ``verify`` off)
+is left out of ``info()`` (listed under ``layers_unavailable``); its lookups
+fail with a StorageError naming it. SIGTERM/SIGINT: ``STOPPING=1``, stop accepting, let in-flight
 lookups finish (``drain_seconds`` at most), close the store, exit 0.
 """
 
@@ -25,7 +31,7 @@ from ..storage.base import RowStore
 from ..tableset import TableSet
 from ..writer import write_file_atomic
 from . import wire
-from .config import DaemonConfig
+from .config import DaemonConfig, preflight
 from .stats import DaemonStats, combined_snapshot
 
 log = logging.getLogger(__name__)
@@ -103,8 +109,11 @@ class Daemon:
         if store is None:
             raise errors.Unavailable("engram-store is starting")
         arena = store.arena()
+        broken = self.unavailable_layers()
+        layers = [layer for layer in store.layers if layer not in broken]
         return {
-            "layers": list(store.layers), "rows": {str(layer): store.rows(layer) for layer in store.layers},
+            "layers": layers, "rows": {str(layer): store.rows(layer) for layer in layers},
+            "layers_unavailable": {str(layer): why for layer, why in broken.items()},
             "row_bytes": store.row_bytes, "mode": store.mode, "spec": self.spec,
             "max_request_rows": self.config.max_request_rows, "workers": self.config.worker_count,
             "unix_native": self.unix is not None and self.unix.native is not None,
@@ -112,6 +121,11 @@ class Daemon:
             "protocol_version": wire.VERSION, "pid": os.getpid(),
             "arena": None if arena is None else arena.layout.to_dict() | {"huge_pages": arena.huge_pages},
         }
+
+    def unavailable_layers(self) -> dict[int, str]:
+        """Layers of the table set the store cannot serve, with the reason."""
+        layer_errors = getattr(self.store, "layer_errors", None)
+        return dict(layer_errors()) if layer_errors is not None else {}
 
     def stats_snapshot(self) -> dict[str, float]:
         store_stats = self.store.stats() if self.store is not None else {}
@@ -124,6 +138,7 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         _remove(self.config.ready_file)
+        await loop.run_in_executor(None, preflight, self.config)  # nothing to shut down yet if it fails
         raise_fd_limit()
         try:
             await loop.run_in_executor(None, self._open)
