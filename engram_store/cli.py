@@ -37,7 +37,7 @@ def _cmd_synth(args) -> int:
 
     spec = get_spec(args.model, args.scale)
     bar = Progress(f"synth {spec.name}", output_bytes(spec), enabled=args.progress)
-    manifest = write_synthetic(args.out, spec, args.seed, overwrite=args.force, progress=bar)
+    manifest = write_synthetic(args.out, spec, args.seed, overwrite=args.force, progress=bar, group=args.group)
     bar.close()
     print(json.dumps({"out": str(args.out), "layers": {e.layer: e.rows for e in manifest.layers},
                       "bytes": bar.done, "seconds": round(bar.elapsed, 3), "mb_per_s": round(bar.rate_mb_s(), 1)}))
@@ -51,7 +51,7 @@ def _cmd_import(args) -> int:
 
     spec = get_spec(args.model)
     bar = Progress(f"import {spec.name}", output_bytes(spec), enabled=args.progress)
-    manifest = import_checkpoint(args.ckpt, args.out, spec, overwrite=args.force, progress=bar)
+    manifest = import_checkpoint(args.ckpt, args.out, spec, overwrite=args.force, progress=bar, group=args.group)
     bar.close()
     print(json.dumps({"out": str(args.out), "layers": {e.layer: e.rows for e in manifest.layers},
                       "bytes": bar.done, "seconds": round(bar.elapsed, 3), "mb_per_s": round(bar.rate_mb_s(), 1)}))
@@ -95,6 +95,10 @@ def _cmd_hash(args) -> int:
     return 0
 
 
+_GROUP_HELP = ("group that may read the table set (the daemon's, e.g. engram-store; default: yours); "
+               "it is published with mode 0750 (directory) and 0640 (files)")
+
+
 def register(sub) -> None:
     from .spec import MODELS
 
@@ -105,6 +109,7 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     p.add_argument("--force", action="store_true", help="replace an existing table set")
+    p.add_argument("--group", default=None, help=_GROUP_HELP)
     p.add_argument("--progress", action="store_true", default=None, help="show progress even when not on a terminal")
     p.set_defaults(func=_cmd_synth)
 
@@ -114,6 +119,7 @@ def register(sub) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--model", default="deepseek-v4.1-flash", choices=sorted(MODELS))
     p.add_argument("--force", action="store_true", help="replace an existing table set")
+    p.add_argument("--group", default=None, help=_GROUP_HELP)
     p.add_argument("--progress", action="store_true", default=None, help="show progress even when not on a terminal")
     p.set_defaults(func=_cmd_import)
 

@@ -126,13 +126,15 @@ def _layer_blocks(weight: TensorRef, scale: TensorRef, block_rows: int,
 
 
 def import_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, spec: ModelSpec, *, overwrite: bool = False,
-                      progress: Progress | None = None, block_rows: int = 1 << 18) -> Manifest:
-    """Import every Engram layer of ``spec`` from ``ckpt`` into a table set at ``out``."""
+                      progress: Progress | None = None, block_rows: int = 1 << 18, group: str | None = None) -> Manifest:
+    """Import every Engram layer of ``spec`` from ``ckpt`` into a table set at ``out``, readable
+    by ``group`` (default: the writer's group)."""
     ckpt = Path(ckpt)
     layers = plan(ckpt, spec)
     rpp = 4096 // spec.row_bytes
     block_rows = max(rpp, block_rows // rpp * rpp)
-    with TableSetWriter(out, spec, source={"kind": "checkpoint", "path": str(ckpt.resolve())}, overwrite=overwrite) as w, \
+    with TableSetWriter(out, spec, source={"kind": "checkpoint", "path": str(ckpt.resolve())}, overwrite=overwrite,
+                        group=group) as w, \
             ThreadPoolExecutor(1, thread_name_prefix="import-read") as pool:
         for layer, (weight, scale) in layers.items():
             log.info("importing layer %d: %d rows from %s", layer, weight.shape[0], weight.file.name)

@@ -56,9 +56,10 @@ def synth_blocks(spec: ModelSpec, seed: int, layer: int, block_rows: int) -> Ite
 
 
 def write_synthetic(out: str | Path, spec: ModelSpec, seed: int = 0, *, overwrite: bool = False,
-                    progress: Progress | None = None, block_rows: int = 1 << 17) -> Manifest:
-    """Write the synthetic table set of ``spec`` and ``seed`` to ``out`` (atomically)."""
-    with TableSetWriter(out, spec, source={"kind": "synthetic", "seed": seed}, overwrite=overwrite) as w:
+                    progress: Progress | None = None, block_rows: int = 1 << 17, group: str | None = None) -> Manifest:
+    """Write the synthetic table set of ``spec`` and ``seed`` to ``out`` (atomically), readable
+    by ``group`` (default: the writer's group; see :mod:`engram_store.writer`)."""
+    with TableSetWriter(out, spec, source={"kind": "synthetic", "seed": seed}, overwrite=overwrite, group=group) as w:
         for layer in spec.layers:
             w.write_layer(layer, synth_blocks(spec, seed, layer, block_rows), progress)
         return w.commit()

@@ -6,10 +6,20 @@ out in pages, checksums every 64 MiB chunk, and publishes the directory only
 in :meth:`TableSetWriter.commit`. Leaving the ``with`` block without commit
 (an exception, Ctrl-C) removes the temp directory; a killed process leaves
 only a ``.tmp-*`` directory that holds no manifest and never opens.
+
+Free space is checked before the first byte is written (the whole table set
+must fit, as the old one stays until the rename), and running out anyway
+(ENOSPC, EDQUOT) is one :class:`~engram_store.errors.InsufficientSpace` naming
+the path and the bytes needed. A published table set is readable by its group:
+directory :data:`DIR_MODE` (0750), files :data:`FILE_MODE` (0640), whatever the
+umask; ``group`` gives it to the daemon's group (e.g. ``engram-store``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import grp
 import logging
 import os
 import shutil
@@ -17,11 +27,11 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .errors import TableFormatError
+from .errors import InsufficientSpace, TableFormatError
 from .layout import PageLayout
 from .manifest import CHUNK_BYTES, MANIFEST, LayerEntry, Manifest, layer_file_name
 from .spec import ModelSpec
@@ -29,6 +39,16 @@ from .spec import ModelSpec
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int], None]  # called with bytes written since the last call
+DIR_MODE = 0o750  # a published table-set directory: the owner writes, its group reads
+FILE_MODE = 0o640  # its files
+MANIFEST_ALLOWANCE = 1 << 20  # room kept for the manifest and directory entries
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem holding ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -79,20 +99,41 @@ class _ChunkCrc:
 class TableSetWriter:
     """Context manager producing one table set directory at ``out``."""
 
-    def __init__(self, out: str | os.PathLike, spec: ModelSpec, *, source: dict | None = None, overwrite: bool = False) -> None:
+    def __init__(self, out: str | os.PathLike, spec: ModelSpec, *, source: dict | None = None, overwrite: bool = False,
+                 group: str | None = None) -> None:
         self.out = Path(out)
         self.spec = spec
         self.source = source or {}
         self.overwrite = overwrite
+        self.gid = -1 if group is None else _group_id(group)
         self.entries: list[LayerEntry] = []
         self.tmp: Path | None = None
+        self.needed = sum(PageLayout(spec.rows(layer), spec.row_bytes).file_bytes for layer in spec.layers) \
+            + MANIFEST_ALLOWANCE
 
     def __enter__(self) -> "TableSetWriter":
         if self.out.exists() and not self.overwrite:
             raise TableFormatError(f"{self.out} already exists; remove it or pass --force")
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        with self._space(self.out.parent):
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+        free = free_bytes(self.out.parent)
+        if free < self.needed:
+            raise InsufficientSpace(f"{self.out.parent}: the table set needs {self.needed} bytes, {free} are free; "
+                                    "free some space or write it elsewhere")
+        with self._space(self.out.parent):
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
         return self
+
+    @contextlib.contextmanager
+    def _space(self, path: Path) -> Iterator[None]:
+        """Turn running out of space while writing ``path`` into one InsufficientSpace."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno not in _NO_SPACE:
+                raise
+            raise InsufficientSpace(f"{path}: no space left on the device ({os.strerror(exc.errno)}); the table set "
+                                    f"needs {self.needed} bytes, {free_bytes(path.parent)} are free now") from None
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.tmp is not None and self.tmp.exists():
@@ -108,7 +149,7 @@ class TableSetWriter:
         crc = _ChunkCrc(CHUNK_BYTES)
         written_rows = 0
         t0 = time.perf_counter()
-        with open(self.tmp / name, "wb", buffering=0) as f:
+        with self._space(self.tmp / name), open(self.tmp / name, "wb", buffering=0) as f:
             for block in blocks:
                 parts = [block] if isinstance(block, np.ndarray) else list(block)
                 n = parts[0].shape[0]
@@ -138,7 +179,11 @@ class TableSetWriter:
         if missing:
             raise TableFormatError(f"cannot publish {self.out}: layers {sorted(missing)} were not written")
         manifest = Manifest(self.spec, tuple(sorted(self.entries, key=lambda e: e.layer)), source=self.source)
-        write_file_atomic(self.tmp / MANIFEST, manifest.to_json().encode())
+        with self._space(self.tmp / MANIFEST):
+            write_file_atomic(self.tmp / MANIFEST, manifest.to_json().encode())
+        for path in (*self.tmp.iterdir(), self.tmp):  # readable by the group, whatever the umask
+            os.chown(path, -1, self.gid)
+            os.chmod(path, DIR_MODE if path.is_dir() else FILE_MODE)
         fsync_dir(self.tmp)
         if self.out.exists():
             old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
@@ -150,3 +195,11 @@ class TableSetWriter:
         fsync_dir(self.out.parent)
         self.tmp = None
         return manifest
+
+
+def _group_id(group: str) -> int:
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise TableFormatError(f"group {group!r} does not exist on this host (give the daemon's group, "
+                               "e.g. engram-store)") from None
