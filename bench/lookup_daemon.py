@@ -14,6 +14,11 @@ prefill (196,608 rows) sizes, uniform row ids, resident (DRAM) tables:
               connect (``client.arena.gather_into``, as many threads as ``inproc``), no round trip
   grpc        daemon over gRPC on 127.0.0.1 (lookup_into)
 
+Noisy neighbour (``--no-noisy`` skips it): one honest client's decode lookups
+(unix-view, one by one) alone, then while 2 other client processes loop
+1M-row lookups, same run, against the native Unix path and the Python path
+(``--no-unix-native``, where large lookups are served in pieces in turn).
+
 Client processes live through the whole run; each round runs every backend in turn
 (rotating the order) so load from other processes on the host hits all alike.
 Rows/s and the ratio against ``inproc`` (same client count and size, same round)
@@ -218,17 +223,78 @@ def measure(pool: ClientPool, backends: list[str], sizes: list[int], clients: li
 
 
 # --- the daemon ----------------------------------------------------------------------
-def start_daemon(tables: str, workdir: Path, dram_bytes: int, mode: str = "resident") -> tuple[subprocess.Popen, dict]:
+def start_daemon(tables: str, workdir: Path, dram_bytes: int, mode: str = "resident",
+                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, dict]:
     ready = workdir / "ready.json"
     cmd = [sys.executable, "-m", "engram_store.daemon", "serve", "--tables", tables, "--dram-bytes", str(dram_bytes),
            "--store-mode", mode, "--no-verify", "--socket", str(workdir / "engram.sock"), "--grpc", "127.0.0.1:0",
-           "--metrics", "", "--ready-file", str(ready), "--log-level", "WARNING", "--max-client-shm-bytes", "1GiB"]
+           "--metrics", "", "--ready-file", str(ready), "--log-level", "WARNING", "--max-client-shm-bytes", "1GiB",
+           *extra]
     proc = subprocess.Popen(cmd)
     while not ready.exists():  # the daemon writes it once every listener is open
         if proc.poll() is not None:
             raise RuntimeError(f"daemon exited with {proc.returncode}")
         time.sleep(0.05)
     return proc, json.loads(ready.read_text())
+
+
+# --- noisy neighbour -------------------------------------------------------------------
+NOISY_CLIENTS = 2
+
+
+def _noisy_loop(address: str, layer: int, layer_rows: int, rows: int, shm_bytes: int, started, stop) -> None:
+    """A client process that loops ``rows``-row lookups until ``stop`` is set."""
+    from gpu_client.client import EngramClient
+
+    ids = np.random.default_rng(99).integers(0, layer_rows, rows)
+    with EngramClient.connect(address, shm_bytes=shm_bytes) as client:
+        started.set()
+        while not stop.is_set():
+            with client.lookup_view(layer, ids):
+                pass
+
+
+def noisy_neighbour(address: str, layer_rows: dict, row_bytes: int, size: int, noisy_rows: int, requests: int) -> dict:
+    """Honest decode p50/p99 (ms) alone, then beside NOISY_CLIENTS processes looping ``noisy_rows``-row lookups."""
+    from gpu_client.client import EngramClient
+
+    layer = sorted(layer_rows)[0]
+    rng = np.random.default_rng(5)
+    reqs = [(layer, rng.integers(0, layer_rows[layer], size)) for _ in range(requests)]
+    noisy_shm = max(64 << 20, 2 * noisy_rows * (8 + row_bytes))  # one lookup's ids and rows, with room
+
+    def timed(client) -> np.ndarray:
+        lat = np.empty(len(reqs))
+        for i, (lay, ids) in enumerate(reqs):
+            t0 = time.perf_counter()
+            with client.lookup_view(lay, ids):
+                pass
+            lat[i] = time.perf_counter() - t0
+        return lat
+
+    spawn = mp.get_context("spawn")
+    stop = spawn.Event()
+    with EngramClient.connect(address, shm_bytes=64 << 20) as client:
+        timed(client)  # warm-up
+        alone = timed(client)
+        started = [spawn.Event() for _ in range(NOISY_CLIENTS)]
+        procs = [spawn.Process(target=_noisy_loop, args=(address, layer, layer_rows[layer], noisy_rows, noisy_shm, e, stop),
+                               daemon=True) for e in started]
+        for p in procs:
+            p.start()
+        try:
+            for e in started:
+                e.wait(120)
+            time.sleep(0.2)  # let their first lookups start
+            noisy = timed(client)
+        finally:
+            stop.set()
+            for p in procs:
+                p.join(60)
+    pct = lambda a, q: float(np.percentile(a, q) * 1e3)  # noqa: E731
+    return {"size": size, "noisy_rows": noisy_rows, "noisy_clients": NOISY_CLIENTS, "requests": requests,
+            "alone_p50_ms": pct(alone, 50), "alone_p99_ms": pct(alone, 99),
+            "noisy_p50_ms": pct(noisy, 50), "noisy_p99_ms": pct(noisy, 99)}
 
 
 def daemon_backend_factory(transport: str, backend_cls):
@@ -285,9 +351,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds over all backends; medians reported (default %(default)s)")
     ap.add_argument("--quick", action="store_true", help="tiny tables, few requests: a smoke run")
     ap.add_argument("--json", metavar="PATH", help="write results as JSON to PATH ('-' for stdout)")
+    ap.add_argument("--no-noisy", dest="noisy", action="store_false",
+                    help="skip the noisy-neighbour case (honest decode p50/p99 alone vs beside 2 clients looping 1M-row lookups)")
+    ap.add_argument("--noisy-rows", type=int, default=1 << 20, help="rows per noisy lookup (default %(default)s)")
     args = ap.parse_args(argv)
+    noisy_requests = 1500
     if args.quick:
         args.scale, args.requests, args.rounds = min(args.scale, 0.0002), [20, 2], 1
+        args.noisy_rows, noisy_requests = min(args.noisy_rows, 1 << 16), 50
     sizes = [SIZES[s] for s in args.sizes.split(",")]
     clients = [int(c) for c in args.clients.split(",")]
     backends = args.backends.split(",")
@@ -308,6 +379,23 @@ def main(argv: list[str] | None = None) -> int:
             addresses = {b: ready["unix"] for b in DAEMON_BACKENDS} | {"grpc": f"grpc://{ready['grpc']}"}
         pool = ClientPool(tables, addresses, dram_bytes, layer_rows, clients)
         rows = measure(pool, backends, sizes, clients, args)
+        noisy = []
+        if args.noisy:
+            for path, extra in (("native", ("--grpc", "")), ("python", ("--grpc", "", "--no-unix-native"))):
+                if path == "native" and proc is not None:
+                    address = ready["unix"]
+                else:
+                    other = workdir / f"noisy-{path}"
+                    other.mkdir()
+                    nproc, nready = start_daemon(tables, other, dram_bytes, extra=extra)
+                    address = nready["unix"]
+                try:
+                    noisy.append({"unix_path": path} | noisy_neighbour(address, layer_rows, row_bytes, SIZES["decode"],
+                                                                        args.noisy_rows, noisy_requests))
+                finally:
+                    if not (path == "native" and proc is not None):
+                        nproc.terminate()
+                        nproc.wait(60)
     finally:
         if pool is not None:
             pool.close()
@@ -316,12 +404,19 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(60)
         shutil.rmtree(workdir, ignore_errors=True)
     report = {"table_rows": layer_rows, "row_bytes": row_bytes, "cpus": os.cpu_count(), "rounds": args.rounds,
-              "load_average": os.getloadavg(), "results": rows}
+              "load_average": os.getloadavg(), "results": rows, "noisy_neighbour": noisy}
     print(f"{'backend':<10} {'clients':>7} {'rows/req':>9} {'Mrows/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'vs inproc':>9}")
     for r in rows:
         ratio = f"{r['vs_inproc']:.2f}x" if r["vs_inproc"] is not None else "-"
         print(f"{r['backend']:<10} {r['clients']:>7} {r['size']:>9} {r['rows_per_s'] / 1e6:>8.2f} "
               f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {ratio:>9}")
+    if noisy:
+        print(f"\nnoisy neighbour: honest {SIZES['decode']}-row decode lookups (unix-view) alone, then beside "
+              f"{NOISY_CLIENTS} clients looping {args.noisy_rows}-row lookups")
+        print(f"{'unix path':<10} {'alone p50':>9} {'alone p99':>9} {'noisy p50':>9} {'noisy p99':>9}  (ms)")
+        for r in noisy:
+            print(f"{r['unix_path']:<10} {r['alone_p50_ms']:>9.3f} {r['alone_p99_ms']:>9.3f} "
+                  f"{r['noisy_p50_ms']:>9.3f} {r['noisy_p99_ms']:>9.3f}")
     if args.json:
         text = json.dumps(report, indent=1)
         if args.json == "-":
