@@ -25,6 +25,8 @@ _STORE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("nvme_bytes_read", "engram_store_nvme_read_bytes", "counter", "Bytes read from the NVMe tier"),
     ("nvme_read_seconds", "engram_store_nvme_read_seconds", "counter", "Time spent in NVMe reads"),
     ("arena_bytes", "engram_store_arena_bytes", "gauge", "Bytes of the resident arena"),
+    ("arena_huge_pages", "engram_store_arena_huge_pages", "gauge",
+     "Pages backing the resident arena: 0 4 KiB pages, 1 transparent huge pages, 2 reserved huge pages (hugetlb)"),
     ("cache_slots", "engram_store_cache_slots", "gauge", "Row slots of the DRAM cache"),
     ("cache_slots_used", "engram_store_cache_slots_used", "gauge", "Row slots of the DRAM cache holding a row"),
     ("dram_bytes", "engram_store_dram_bytes", "gauge", "Bytes of DRAM the store holds"),
