@@ -11,9 +11,14 @@ TABLES ?= data/tables-$(MODEL)-$(SCALE)
 DRAM_BYTES ?= 1GiB
 RUN_DIR ?= data/run
 PYTEST_ARGS ?=
+# The vLLM plugin's tests run vLLM's own Engram code: vLLM 0.33.0 without its dependency tree (it pins a
+# CUDA torch) plus the few packages its Engram module imports. VLLM=0 skips them (they then report skipped).
+VLLM ?= 1
+VLLM_REQ ?= vllm==0.33.0
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.vllm-installed
 
 .PHONY: run test venv tables bench clean
 
@@ -23,6 +28,11 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(if $(TORCH_REQ),$(BIN)/pip install --quiet "$(TORCH_REQ)")
 	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+$(VLLM_STAMP): tests/vllm-requirements.txt | $(STAMP)
+	$(BIN)/pip install --quiet --no-deps "$(VLLM_REQ)"
+	$(BIN)/pip install --quiet --no-deps -r tests/vllm-requirements.txt
 	touch $@
 
 tables: $(TABLES)/manifest.json
@@ -39,7 +49,7 @@ run: $(STAMP) tables
 		--socket $(RUN_DIR)/engram-store.sock --grpc 127.0.0.1:0 --grpc-token-file $(RUN_DIR)/grpc.token \
 		--metrics 127.0.0.1:0 --ready-file $(RUN_DIR)/ready.json
 
-test: $(STAMP)
+test: $(STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)

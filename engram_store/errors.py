@@ -73,3 +73,12 @@ class DeadlineExceeded(EngramStoreError):
 
 class ResourceExhausted(EngramStoreError):
     """A request exceeds a configured limit (request size, clients)."""
+
+
+class ModelMismatch(ConfigError):
+    """An engine's model config does not match the daemon's tables (layers, rows, head sizes, row format)."""
+
+
+class EngineUnsupported(ConfigError):
+    """An engine plugin cannot run on this engine: another version, a name it patches is
+    missing, or an engine feature that cannot work over the daemon's read-only arena."""

@@ -1,0 +1,6 @@
+"""Engine integrations: the daemon's tables inside inference engines.
+
+``tables``: :class:`~engram_store.integrations.tables.EngramStoreTables`, the
+arena mapped as the CPU tensors engines' kernels read. ``vllm``: the vLLM
+general plugin. Nothing here imports an engine until its plugin runs.
+"""

@@ -1,0 +1,318 @@
+"""What the vLLM plugin changes in vLLM, and the checks before it changes anything.
+
+Each patch replaces one named function; every name is looked up first, and a
+vLLM without one of them (another version) is refused as a whole, before any
+patch is applied. Patches go to the defining module and to every loaded module
+that imported the name (``from x import f`` binds a copy of the reference).
+
+The patches (vLLM 0.33):
+
+* ``Engram._create_embedding``: checks vLLM's ``EngramLayout`` of the model
+  config against the daemon's tables (layer ids, rows, head sizes, dim, scale
+  block) and tells the embedding which Engram layer it serves.
+* ``ParallelEngramEmbedding._allocate_weights``: this TP rank's row range
+  ``[vocab_start_idx, vocab_end_idx)`` as read-only views of the arena (pinned
+  for the GPU with ``cudaHostRegister``'s read-only flag), and a weight loader
+  that ignores the checkpoint's Engram tensors. vLLM's own ``_storage``,
+  ``lookup`` and Triton kernel then run unchanged over the arena.
+* ``can_share_engram_tables``: with DP > 1 every rank maps the whole table
+  (there is nothing to shard: the arena is one copy per host already).
+* ``weight_utils.should_skip_weight`` skips the Engram tensors before they are
+  read; the default safetensors iterator is forced to its lazy strategy, and
+  loaders that read whole files (eager, prefetch, multi-thread,
+  fastsafetensors, instanttensor) are refused, as they would read 189 GiB.
+* Paths that write into parameters (``--load-format dummy``, weight reset,
+  in-place reload) are refused for a model holding arena views: the mapping is
+  read-only and a write would fault.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib
+import logging
+import sys
+import threading
+from typing import Any, Callable
+
+from ...errors import EngineUnsupported
+from ..tables import EngramStoreTables
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_VERSIONS = ("0.33.",)  # vLLM releases whose Engram code these patches were written against
+ENGRAM = "vllm.models.deepseek_v41.common.engram"
+WEIGHT_UTILS = "vllm.model_executor.model_loader.weight_utils"
+DEFAULT_LOADER = "vllm.model_executor.model_loader.default_loader"
+DUMMY_LOADER = "vllm.model_executor.model_loader.dummy_loader"
+WEIGHT_CHECKSUM = "vllm.model_executor.model_loader.weight_checksum"
+RELOAD = "vllm.model_executor.model_loader.reload.inplace"
+SCALE_BLOCK = 32  # ParallelEngramEmbedding's block_size: values per E8M0 scale
+
+_layer: contextvars.ContextVar[int | None] = contextvars.ContextVar("engram_store_layer", default=None)
+_state_lock = threading.Lock()
+_installed: dict[str, Any] = {}  # address and the originals, once installed
+
+
+def install(address: str) -> None:
+    """Check vLLM and patch it to read Engram tables from the daemon at ``address``."""
+    with _state_lock:
+        if _installed:
+            if _installed["address"] != address:
+                raise EngineUnsupported(f"engram-store plugin already active for {_installed['address']}, "
+                                        f"asked again for {address}")
+            return
+        import vllm
+
+        version = str(getattr(vllm, "__version__", "unknown"))
+        if not version.startswith(SUPPORTED_VERSIONS):
+            raise EngineUnsupported(f"engram-store's vLLM plugin supports vLLM {' '.join(v + 'x' for v in SUPPORTED_VERSIONS)}"
+                                    f", this is vLLM {version}; unset ENGRAM_STORE_ADDR to run vLLM without "
+                                    "engram-store, or install a matching engram-store")
+        targets = _targets()
+        originals = {key: getattr(mod, name) for key, (mod, name, _) in targets.items()}
+        for key, (mod, name, make) in targets.items():
+            _rebind(mod, name, originals[key], make(originals[key]))
+        _installed.update(address=address, originals=originals, version=version)
+    log.warning("engram-store plugin ACTIVE: vLLM %s reads DeepSeek-V4.1 Engram tables from the engram-store daemon at "
+                "%s (arena mapped on first use; checkpoint Engram tensors are not read)", version, address)
+
+
+def installed_address() -> str | None:
+    return _installed.get("address")
+
+
+def tables() -> EngramStoreTables:
+    """The daemon's arena in this process (mapped on first use, once)."""
+    address = _installed.get("address")
+    if address is None:
+        raise EngineUnsupported("the engram-store vLLM plugin is not installed in this process")
+    return EngramStoreTables.shared(address)
+
+
+# --- what is patched --------------------------------------------------------------------
+def _targets() -> dict[str, tuple[Any, str, Callable[[Any], Any]]]:
+    """Every patched name: key -> (owner object, attribute, make(original) -> replacement).
+    Raises EngineUnsupported naming the first one missing."""
+    engram = _module(ENGRAM)
+    weight_utils = _module(WEIGHT_UTILS)
+    default_loader = _module(DEFAULT_LOADER)
+    dummy_loader = _module(DUMMY_LOADER)
+    weight_checksum = _module(WEIGHT_CHECKSUM)
+    reload = _module(RELOAD)
+    embedding, engram_cls = _attr(engram, "ParallelEngramEmbedding"), _attr(engram, "Engram")
+    loader_cls = _attr(default_loader, "DefaultModelLoader")
+    targets = {
+        "create_embedding": (engram_cls, "_create_embedding", _create_embedding),
+        "allocate_weights": (embedding, "_allocate_weights", _allocate_weights),
+        "can_share": (engram, "can_share_engram_tables", _can_share),
+        "should_skip_weight": (weight_utils, "should_skip_weight", _should_skip_weight),
+        "safetensors_iterator": (weight_utils, "safetensors_weights_iterator", _lazy_safetensors),
+        "track_weights_loading": (loader_cls, "track_weights_loading", _track_weights_loading),
+        "dummy_weight": (weight_utils, "initialize_single_dummy_weight", _refuse_dummy),
+        "zero_weights": (weight_checksum, "zero_weights", _refuse_zero),
+        "reload_weights": (reload, "reload_weights", _refuse_reload),
+    }
+    for name in ("multi_thread_safetensors_weights_iterator", "fastsafetensors_weights_iterator",
+                 "instanttensor_weights_iterator"):
+        targets[name] = (weight_utils, name, _refuse_whole_file_loader(name))
+    for key, (owner, name, _) in targets.items():
+        _attr(owner, name)
+    _attr(embedding, "_storage")  # what reads the views: unchanged, but it must be there
+    _attr(weight_utils, "_ENGRAM_WEIGHT_RE")
+    for name in ("vocab_start_idx", "part_num_embeddings"):  # read by _allocate_weights (set in __init__)
+        if name not in (_source(embedding.__init__) or name):
+            raise EngineUnsupported(f"vLLM's ParallelEngramEmbedding.__init__ no longer sets {name}")
+    del dummy_loader  # imported so that its by-name binding of initialize_single_dummy_weight is rebound
+    return targets
+
+
+def _module(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:
+        raise EngineUnsupported(f"engram-store's vLLM plugin needs {name}, which does not import here: "
+                                f"{type(exc).__name__}: {exc}") from exc
+
+
+def _attr(owner: Any, name: str) -> Any:
+    value = getattr(owner, name, None)
+    if value is None:
+        where = getattr(owner, "__name__", repr(owner))
+        raise EngineUnsupported(f"engram-store's vLLM plugin patches {where}.{name}, which this vLLM does not have")
+    return value
+
+
+def _source(fn: Any) -> str | None:
+    import inspect
+
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+
+
+def _rebind(owner: Any, name: str, original: Any, replacement: Any) -> None:
+    """Set ``owner.name`` and every loaded module's by-name import of the same object."""
+    setattr(owner, name, replacement)
+    if isinstance(owner, type):
+        return
+    for mod in list(sys.modules.values()):
+        if mod is not owner and getattr(mod, "__name__", "").startswith("vllm") \
+                and getattr(mod, name, None) is original:
+            setattr(mod, name, replacement)
+
+
+def _is_arena_tensor(t: Any) -> bool:
+    """Whether ``t`` aliases a mapped engram-store arena of this process."""
+    address = _installed.get("address")
+    if address is None or getattr(t, "device", None) is None or t.device.type != "cpu":
+        return False
+    from ..tables import _shared
+
+    if not _shared.cache_info().currsize:  # nothing mapped yet: nothing can alias it
+        return False
+    view = tables().view
+    base = view.array.ctypes.data
+    return base <= t.data_ptr() < base + view.size
+
+
+def arena_parameters(model: Any) -> list[str]:
+    """Names of ``model``'s parameters that are views of the daemon's arena."""
+    return [name for name, p in model.named_parameters() if _is_arena_tensor(p)]
+
+
+# --- the replacements -----------------------------------------------------------------
+def _create_embedding(original):
+    def create_embedding(self, layout, layer_hash_index):
+        t = tables()
+        t.check_model(layer_ids=layout.layer_ids, rows=layout.num_embeddings,
+                      head_sizes=[[s for order in per_layer for s in order] for per_layer in layout.primes],
+                      dim=layout.head_dim, scale_block=SCALE_BLOCK, source="vLLM's EngramLayout of the model config")
+        token = _layer.set(int(layout.layer_ids[layer_hash_index]))
+        try:
+            return original(self, layout, layer_hash_index)
+        finally:
+            _layer.reset(token)
+
+    return create_embedding
+
+
+def _skip_engram_rows(param, loaded_weight) -> None:
+    """The weight loader of arena views: the rows are the daemon's, nothing is copied."""
+
+
+def _allocate_weights(original):
+    def allocate_weights(self):
+        import torch
+
+        if torch.get_default_device().type == "meta":
+            return original(self)  # shapes only (e.g. a dry run): nothing to map
+        layer = _layer.get()
+        if layer is None:
+            raise EngineUnsupported("a ParallelEngramEmbedding was built outside Engram._create_embedding: "
+                                    "engram-store cannot tell which Engram layer it serves")
+        if not self.cpu_offload or getattr(self, "peer_rows", 0):
+            raise EngineUnsupported("engram-store serves Engram tables from host memory: keep vLLM's "
+                                    "engram_config.cpu_offload = true (the default)")
+        if self.block_size != SCALE_BLOCK:
+            raise EngineUnsupported(f"Engram scale block {self.block_size}: engram-store's tables use {SCALE_BLOCK}")
+        t = tables()
+        weight, scales = t.views(layer, self.vocab_start_idx, self.vocab_end_idx)
+        if weight.shape[0] != self.part_num_embeddings or weight.shape[1] != self.dim:
+            raise EngineUnsupported(f"Engram layer {layer}: vLLM wants {self.part_num_embeddings} rows of {self.dim} "
+                                    f"on this rank, the arena slice has {tuple(weight.shape)}")
+        if torch.cuda.is_available():
+            if not t.register_cuda() or not weight.is_pinned():
+                raise EngineUnsupported("cudaHostRegister refused the engram-store arena: vLLM would copy the whole "
+                                        "table into private pinned memory; check the memlock limit (ulimit -l)")
+        self._weight_loader = _skip_engram_rows  # read after this returns; the checkpoint's rows are not needed
+        log.info("engram-store: Engram layer %d rows [%d, %d) mapped from the daemon's arena (zero copy)",
+                 layer, self.vocab_start_idx, self.vocab_end_idx)
+        return weight, scales
+
+    return allocate_weights
+
+
+def _can_share(original):
+    def can_share_engram_tables(layout, block_size: int = 32) -> bool:
+        from vllm.distributed import get_engram_dp_size
+
+        return get_engram_dp_size() > 1  # a DP group maps the one arena whole; never shard the heads
+
+    return can_share_engram_tables
+
+
+def _should_skip_weight(original):
+    engram_weight = _attr(_module(WEIGHT_UTILS), "_ENGRAM_WEIGHT_RE")  # vLLM's own pattern of Engram tensor names
+
+    def should_skip_weight(weight_name, local_expert_ids):
+        return engram_weight.search(weight_name) is not None or original(weight_name, local_expert_ids)
+
+    return should_skip_weight
+
+
+def _lazy_safetensors(original):
+    def safetensors_weights_iterator(hf_weights_files, use_tqdm_on_load, safetensors_load_strategy=None,
+                                     *args, **kwargs):
+        if safetensors_load_strategy not in (None, "lazy"):
+            raise EngineUnsupported(f"--safetensors-load-strategy {safetensors_load_strategy} reads whole checkpoint "
+                                    "files, Engram tables included (189 GiB), which engram-store serves instead; "
+                                    "use the default (lazy) strategy")
+        # "lazy" also turns off the automatic prefetch of checkpoints on NFS/Lustre, which reads whole files.
+        return original(hf_weights_files, use_tqdm_on_load, "lazy", *args, **kwargs)
+
+    return safetensors_weights_iterator
+
+
+def _refuse_whole_file_loader(name: str):
+    def make(original):
+        def refuse(*args, **kwargs):
+            raise EngineUnsupported(f"{name} reads whole checkpoint files, Engram tables included (189 GiB), which "
+                                    "engram-store serves instead; use the default safetensors loader")
+
+        return refuse
+
+    return make
+
+
+def _track_weights_loading(original):
+    def track_weights_loading(self, model, loaded_weights, *args, **kwargs):
+        if loaded_weights is not None:
+            loaded_weights = set(loaded_weights) | set(arena_parameters(model))
+        return original(self, model, loaded_weights, *args, **kwargs)
+
+    return track_weights_loading
+
+
+def _refusal(what: str) -> EngineUnsupported:
+    return EngineUnsupported(f"{what} would write into the Engram tables, which are the engram-store daemon's "
+                             "read-only arena; it is not available while the engram-store plugin is active "
+                             "(unset ENGRAM_STORE_ADDR to use it)")
+
+
+def _refuse_dummy(original):
+    def initialize_single_dummy_weight(param, *args, **kwargs):
+        if _is_arena_tensor(param):
+            raise _refusal("--load-format dummy")
+        return original(param, *args, **kwargs)
+
+    return initialize_single_dummy_weight
+
+
+def _refuse_zero(original):
+    def zero_weights(model, *args, **kwargs):
+        if arena_parameters(model):
+            raise _refusal("resetting the weights")
+        return original(model, *args, **kwargs)
+
+    return zero_weights
+
+
+def _refuse_reload(original):
+    def reload_weights(vllm_config, model, *args, **kwargs):
+        if arena_parameters(model):
+            raise _refusal("reloading the weights in place")
+        return original(vllm_config, model, *args, **kwargs)
+
+    return reload_weights

@@ -1,0 +1,120 @@
+"""The vLLM plugin against vLLM 0.33's own code (installed with ``--no-deps`` by ``make test``),
+on CPU with Triton's interpreter, against a real daemon. Each scenario of
+``tests/vllm_engine.py`` runs in a fresh process; bytes are compared there with
+``TableSet.read_rows`` and values with ``gpu_client.dequantize``."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from daemon_helpers import REPO, DaemonProcess
+
+from engram_store.spec import get_spec
+from engram_store.synth import write_synthetic
+from engram_store.tableset import TableSet
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (make test installs vllm==0.33.0 --no-deps)")
+
+SPEC = get_spec("deepseek-v4.1-flash", 0.0002)  # V4.1's geometry (24 heads, 264-byte rows), ~40 MB of tables
+SCENARIO_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("vllm") / "tables"
+    write_synthetic(directory, SPEC, seed=5)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def daemon(tables, tmp_path_factory):
+    d = DaemonProcess(tables, tmp_path_factory.mktemp("vllm-daemon"))
+    try:
+        yield d.start()
+    finally:
+        d.stop()
+
+
+def scenario(name: str, *args: str, address: str, wait: bool = True):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ENGRAM_STORE_", "VLLM_"))}
+    env |= {"ENGRAM_STORE_ADDR": address, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+            "VLLM_PLUGINS": "engram_store", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, str(REPO / "tests" / "vllm_engine.py"), name, *map(str, args)]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    result = subprocess.run(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                            timeout=SCENARIO_TIMEOUT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result.stdout + result.stderr
+
+
+def test_plugin_patches_and_vllm_reads_the_arena(daemon, tables):
+    out = scenario("lookup", tables, address=daemon.unix)
+    assert "patched exactly" in out
+    assert out.count("TableSet.read_rows") == 4  # TP=1, TP=2 rank 0 and 1, the raw kernel
+    assert "engram-store plugin ACTIVE" in out  # the one unmistakable line
+
+
+def test_write_paths_are_refused(daemon, tables):
+    assert "are refused with the plugin's message" in scenario("write-paths", tables, address=daemon.unix)
+
+
+def test_model_config_is_checked_against_the_daemon(daemon, tables):
+    out = scenario("mismatch", tables, address=daemon.unix)
+    assert "EngramLayout of the V4.1 config equals" in out and "mismatch named" in out
+
+
+def test_checkpoint_engram_tensors_are_never_read(daemon, tables, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({"model.layers.0.attn.wq_a.weight": torch.ones(8, 8)}, str(ckpt / "model-00001-of-00002.safetensors"))
+    rows = 100_000  # 26 MB of Engram tensors: far beyond what readahead around the header could bring in
+    rng = np.random.default_rng(0)
+    save_file({f"model.layers.{layer}.engram.embed.{part}": torch.from_numpy(
+        rng.integers(0, 120, (rows, width), dtype=np.uint8)).view(dtype)
+        for layer in SPEC.layers for part, width, dtype in (("weight", 256, torch.float8_e4m3fn),
+                                                            ("scale", 8, torch.float8_e8m0fnu))},
+        str(ckpt / "model-00002-of-00002-engram.safetensors"))
+    out = scenario("loader", tables, ckpt, address=daemon.unix)
+    assert "no Engram tensor" in out and "never read" in out and "eager loading refused" in out
+
+
+def test_engine_views_survive_a_daemon_restart(tables, tmp_path):
+    """An engine holding views keeps correct rows across a daemon restart; a new engine
+    maps the new daemon's arena (other tables at the same socket, so the two differ)."""
+    other = tmp_path / "other"
+    write_synthetic(other, SPEC, seed=6)
+    assert not np.array_equal(TableSet.open(tables).read_rows(1, np.arange(10)),
+                              TableSet.open(other).read_rows(1, np.arange(10)))
+    d = DaemonProcess(tables, tmp_path / "w")
+    (tmp_path / "w").mkdir()
+    try:
+        d.start()
+        engine = scenario("hold", tables, address=d.unix, wait=False)
+        try:
+            line = engine.stdout.readline()
+            while line and not line.startswith("OK views correct before"):
+                line = engine.stdout.readline()
+            assert line, engine.communicate(timeout=60)[0][-4000:]
+            d.terminate()
+            d.tables = other
+            d.start()
+            rest, _ = engine.communicate("go\n", timeout=SCENARIO_TIMEOUT)
+            assert engine.returncode == 0 and "OK views correct after the daemon restarted" in rest, rest[-4000:]
+        finally:
+            if engine.poll() is None:
+                engine.kill()
+        assert "OK views correct after" in scenario("hold", other, address=d.unix)
+    finally:
+        d.stop()
