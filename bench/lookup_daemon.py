@@ -32,6 +32,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -48,8 +49,8 @@ SPIN_US = 2000  # unix-spin: EngramClient.connect(spin_us=...)
 
 
 # --- one client process ------------------------------------------------------------
-def _make_lookup(backend: str, tables: str, address: str, dram_bytes: int):
-    """(lookup(layer, ids, out), close) for one client process."""
+def _make_lookup(backend: str, tables: str, address: str, dram_bytes: int, token_file: str = ""):
+    """(lookup(layer, ids, out), close) for one client process; ``token_file`` authenticates gRPC."""
     if backend == "inproc":
         from engram_store.storage.tiered import TieredStore
 
@@ -70,7 +71,8 @@ def _make_lookup(backend: str, tables: str, address: str, dram_bytes: int):
         return torch_lookup, ts.close
     from gpu_client.client import EngramClient
 
-    client = EngramClient.connect(address, shm_bytes=256 << 20, spin_us=SPIN_US if backend == "unix-spin" else 0)
+    client = EngramClient.connect(address, shm_bytes=256 << 20, spin_us=SPIN_US if backend == "unix-spin" else 0,
+                                  token_file=token_file or None)
     if backend == "unix-pipe":
         def pipe_lookup(layer, ids, out):  # a lone request; client_worker drives _pipelined
             client.lookup_into(layer, ids, out)
@@ -97,7 +99,7 @@ def _make_lookup(backend: str, tables: str, address: str, dram_bytes: int):
 
 
 def client_worker(index: int, conn, tables: str, addresses: dict, dram_bytes: int, layer_rows: dict,
-                  barriers: dict) -> None:
+                  barriers: dict, token_file: str = "") -> None:
     """A long-lived client process: opens each backend on first use, runs timed batches on command.
     Command: (backend, clients, size, warm, timed, seed) -> reply (start, end, latencies, error)."""
     impls: dict = {}
@@ -107,7 +109,7 @@ def client_worker(index: int, conn, tables: str, addresses: dict, dram_bytes: in
         backend, clients, size, warm, timed, seed = cmd
         try:
             if backend not in impls:
-                impls[backend] = _make_lookup(backend, tables, addresses.get(backend, ""), dram_bytes)
+                impls[backend] = _make_lookup(backend, tables, addresses.get(backend, ""), dram_bytes, token_file)
             lookup = impls[backend][0]
             rng = np.random.default_rng(seed * 100 + index)
             reqs = [(layers[i % len(layers)], rng.integers(0, layer_rows[layers[i % len(layers)]], size))
@@ -166,14 +168,15 @@ def _row_bytes(tables: str) -> int:
 class ClientPool:
     """max(clients) worker processes; a point runs on the first ``clients`` of them at once."""
 
-    def __init__(self, tables: str, addresses: dict, dram_bytes: int, layer_rows: dict, counts: list[int]):
+    def __init__(self, tables: str, addresses: dict, dram_bytes: int, layer_rows: dict, counts: list[int],
+                 token_file: str = ""):
         spawn = mp.get_context("spawn")
         self.barriers = {c: spawn.Barrier(c) for c in counts}
         self.conns, self.procs = [], []
         for i in range(max(counts)):
             parent, child = spawn.Pipe()
             proc = spawn.Process(target=client_worker, args=(i, child, tables, addresses, dram_bytes, layer_rows,
-                                                             self.barriers), daemon=True)
+                                                             self.barriers, token_file), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -223,12 +226,24 @@ def measure(pool: ClientPool, backends: list[str], sizes: list[int], clients: li
 
 
 # --- the daemon ----------------------------------------------------------------------
+def make_token_file(workdir: Path) -> Path:
+    """The gRPC token file of the bench's daemons (mode 0600: the daemon refuses one others may read)."""
+    path = workdir / "grpc.token"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+    return path
+
+
 def start_daemon(tables: str, workdir: Path, dram_bytes: int, mode: str = "resident",
                  extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, dict]:
+    """A daemon serving the Unix socket and gRPC on 127.0.0.1:0, which authenticates clients
+    with ``make_token_file(workdir)`` (give gRPC clients ``token_file=``)."""
     ready = workdir / "ready.json"
     cmd = [sys.executable, "-m", "engram_store.daemon", "serve", "--tables", tables, "--dram-bytes", str(dram_bytes),
            "--store-mode", mode, "--no-verify", "--socket", str(workdir / "engram.sock"), "--grpc", "127.0.0.1:0",
-           "--metrics", "", "--ready-file", str(ready), "--log-level", "WARNING", "--max-client-shm-bytes", "1GiB",
+           "--grpc-token-file", str(make_token_file(workdir)), "--metrics", "", "--ready-file", str(ready), "--log-level", "WARNING", "--max-client-shm-bytes", "1GiB",
            *extra]
     proc = subprocess.Popen(cmd)
     while not ready.exists():  # the daemon writes it once every listener is open
@@ -308,7 +323,7 @@ def daemon_backend_factory(transport: str, backend_cls):
         from gpu_client.client import EngramClient
 
         client = EngramClient.connect(ready["unix"] if transport == "unix" else f"grpc://{ready['grpc']}",
-                                      shm_bytes=256 << 20)
+                                      shm_bytes=256 << 20, token_file=str(make_token_file(workdir)))
 
         def close() -> None:
             client.close()
@@ -377,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         if set(backends) & set(DAEMON_BACKENDS):
             proc, ready = start_daemon(tables, workdir, dram_bytes)
             addresses = {b: ready["unix"] for b in DAEMON_BACKENDS} | {"grpc": f"grpc://{ready['grpc']}"}
-        pool = ClientPool(tables, addresses, dram_bytes, layer_rows, clients)
+        pool = ClientPool(tables, addresses, dram_bytes, layer_rows, clients, str(make_token_file(workdir)))
         rows = measure(pool, backends, sizes, clients, args)
         noisy = []
         if args.noisy:

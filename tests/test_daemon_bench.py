@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from daemon_helpers import make_token_file
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -18,9 +16,9 @@ def test_bench_help_and_quick_run(tmp_path):
     out = subprocess.run([sys.executable, bench, "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "--quick" in out.stdout
     report = tmp_path / "r.json"
-    # The bench's daemon serves gRPC, which needs client authentication: the daemon reads
-    # ENGRAM_STORE_GRPC_TOKEN_FILE as its grpc_token_file key, the bench's clients as their token.
-    env = os.environ | {"ENGRAM_STORE_GRPC_TOKEN_FILE": str(make_token_file(tmp_path / "grpc.token"))}
+    # Standalone: the bench makes its own gRPC token file (gRPC needs client authentication),
+    # so nothing of ENGRAM_STORE_* (e.g. a token file) may come from the caller's environment.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_STORE_")}
     out = subprocess.run([sys.executable, bench, "--quick", "--sizes", "decode", "--clients", "1",
                           "--backends", "inproc,unix-view,unix-arena,grpc", "--json", str(report)],
                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
