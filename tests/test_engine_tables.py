@@ -1,0 +1,96 @@
+"""EngramStoreTables, the engines' view of a daemon's arena: zero-copy tensors at the layout's
+offsets, byte-exact against the reference reader, read-only, refused where it cannot work."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from daemon_helpers import DaemonProcess, make_tables
+
+from engram_store import errors
+from engram_store.integrations.tables import EngramStoreTables
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    return make_tables(tmp_path_factory.mktemp("tables") / "tiny", seed=13)
+
+
+@pytest.fixture(scope="module")
+def resident(tables, tmp_path_factory):
+    d = DaemonProcess(tables.directory, tmp_path_factory.mktemp("resident"))
+    try:
+        yield d.start()
+    finally:
+        d.stop()
+
+
+def test_views_are_the_arena_rows_of_a_range(resident, tables):
+    t = EngramStoreTables.connect(resident.unix)
+    fmt = t.spec.row_format
+    assert t.layers == tables.layers and t.huge_pages in ("none", "thp", "hugetlb")
+    base = t.view.array.ctypes.data
+    for layer in tables.layers:
+        rows = tables.rows(layer)
+        for lo, hi in ((0, rows), (rows // 3, rows // 3 * 2), (rows - 1, rows), (5, 5)):
+            weight, scales = t.views(layer, lo, hi)
+            assert weight.dtype == torch.float8_e4m3fn and weight.shape == (hi - lo, fmt.dim)
+            assert scales.dtype == torch.uint8 and scales.shape == (hi - lo, fmt.scale_count)
+            assert weight.is_contiguous() and scales.is_contiguous()
+            a = t.view.layout.layer(layer)
+            if hi > lo:  # an empty tensor has no address
+                assert weight.data_ptr() == base + a.weight_offset + lo * fmt.dim  # zero copy, at the layout's offset
+                assert scales.data_ptr() == base + a.scale_offset + lo * fmt.scale_count
+            want = tables.read_rows(layer, np.arange(lo, hi))
+            got = np.concatenate([weight.view(torch.uint8).numpy(), scales.numpy()], axis=1)
+            np.testing.assert_array_equal(got, want)
+        with pytest.raises(errors.UnknownLayer):
+            t.views(layer, 0, rows + 1)
+    with pytest.raises(errors.UnknownLayer):
+        t.views(2)
+    with pytest.raises(ValueError):  # the mapping is read-only: a write through numpy is refused
+        t.view.array[0] = 1
+
+
+def test_model_check_names_the_field_and_both_values(resident, tables):
+    t = EngramStoreTables.connect(resident.unix)
+    spec = t.spec
+    good = dict(layer_ids=spec.layers, rows=[spec.rows(layer) for layer in spec.layers],
+                head_sizes=[spec.primes(layer).reshape(-1) for layer in spec.layers],
+                dim=spec.row_format.dim, scale_block=spec.row_format.scale_block)
+    t.check_model(**good)
+    for field, value, named in (("layer_ids", (1, 4), "layer ids"), ("dim", 128, "head dim"),
+                                ("scale_block", 16, "scale block"),
+                                ("rows", [spec.rows(1), spec.rows(3) - 1], f"rows of Engram layer 3")):
+        with pytest.raises(errors.ModelMismatch, match=named) as exc:
+            t.check_model(**(good | {field: value}))
+        assert str(value if not isinstance(value, list) else value[-1]) in str(exc.value)
+    sizes = [list(s) for s in good["head_sizes"]]
+    sizes[0][0] += 2
+    with pytest.raises(errors.ModelMismatch, match="hash head sizes of Engram layer 1"):
+        t.check_model(**(good | {"head_sizes": sizes}))
+
+
+def test_cached_daemon_and_grpc_are_refused_with_the_reason(tables, tmp_path):
+    with DaemonProcess(tables.directory, tmp_path, dram_bytes="256KiB") as d:
+        with pytest.raises(errors.StorageError, match="cached.*resident arena"):
+            EngramStoreTables.connect(d.unix)
+        with pytest.raises(errors.ConfigError, match="Unix socket"):
+            EngramStoreTables.connect(d.grpc)
+    with pytest.raises(errors.Unavailable):
+        EngramStoreTables.connect(f"unix://{tmp_path}/nobody.sock", connect_timeout=0.5)
+
+
+def test_mapping_outlives_the_daemon(tables, tmp_path):
+    """An engine's views stay valid when the daemon goes away (its memfd lives in the mapping)."""
+    d = DaemonProcess(tables.directory, tmp_path)
+    try:
+        d.start()
+        t = EngramStoreTables.connect(d.unix)
+        weight, scales = t.views(3)
+        d.kill()
+        want = tables.read_rows(3, np.arange(tables.rows(3)))
+        np.testing.assert_array_equal(np.concatenate([weight.view(torch.uint8).numpy(), scales.numpy()], 1), want)
+    finally:
+        d.stop()
