@@ -13,6 +13,10 @@ Checks (CUDA / without CUDA):
                 and prefill 8192 sized requests)
   kvikio        kvikio read GB/s of a layer file into device memory and / skipped
                 whether cuFile (GDS) or compat (POSIX) mode was used
+  vllm-kernel   vLLM's own _engram_lookup_kernel over the daemon's arena / skipped (tests/test_vllm_plugin.py
+                registered read-only (EngramStoreTables.register_cuda):    runs it on CPU under Triton's
+                rows byte-exact vs TableSet.read_rows, GB/s; skipped      interpreter)
+                with the reason when vLLM does not import
   e2e           bench/e2e.py --quick overheads (b, c vs a)               / same, tiny model on CPU
 
     python bench/device_check.py              # CUDA if present, else the CPU-checkable parts
@@ -184,6 +188,49 @@ def check_kvikio(ts: TableSet, device) -> list[dict]:
                 f"{nbytes >> 20} MiB layer file (page cache warm); mode {mode}, compat_mode={compat}")]
 
 
+def check_vllm_kernel(spec, ts: TableSet, address: str, device) -> list[dict]:
+    """vLLM's kernel reading the daemon's arena over UVA, as the vLLM plugin makes it do."""
+    if device.type != "cuda":
+        return [row("vllm-kernel", None, "", "no CUDA device (tests/test_vllm_plugin.py runs it on CPU, interpreted)")]
+    try:
+        from vllm.models.deepseek_v41.common import engram as vllm_engram
+        from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
+    except Exception as exc:
+        return [row("vllm-kernel", None, "", f"vLLM does not import here ({type(exc).__name__}: {exc})")]
+    from engram_store.integrations.tables import EngramStoreTables
+
+    tables = EngramStoreTables.connect(address)
+    if not tables.register_cuda():
+        return [row("vllm-kernel", False, "", "cudaHostRegister refused the arena")]
+    out_rows = []
+    layer = spec.layers[-1]
+    fmt, heads = spec.row_format, spec.rows_per_token
+    weight, scales = tables.views(layer)
+    if not (weight.is_pinned() and scales.is_pinned()):
+        return [row("vllm-kernel", False, "", "arena views are not pinned after registration")]
+    w_dev, s_dev = get_accelerator_view_from_cpu_tensor(weight), get_accelerator_view_from_cpu_tensor(scales)
+    zero_copy = w_dev.data_ptr() == weight.data_ptr() or w_dev.untyped_storage().data_ptr() == weight.data_ptr()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for label, tokens in (("decode-256", 256), ("prefill-8192", 8192)):
+        ids = torch.from_numpy(np.random.default_rng(3).integers(0, spec.rows(layer), (tokens, heads))).to(device)
+        out = torch.empty((tokens, heads, fmt.row_bytes), dtype=torch.uint8, device=device)
+        grid = min(-(-ids.numel() // 16), sms)
+
+        def launch():
+            vllm_engram._engram_lookup_kernel[(grid,)](
+                w_dev, s_dev, ids, ids, out, 0, spec.rows(layer), ids.numel(), *ids.stride(), HEAD_START=0,
+                LOCAL_HEADS=heads, TOTAL_HEADS=heads, DIM=fmt.dim, QUANT_BLOCK=fmt.scale_block, BLOCK_R=16,
+                GRID=grid, SORTED=False, PACKED=True, OUT_STRIDE=out.stride(0), PEER_ROWS=0)
+
+        per = _timeit(launch, device)
+        got = out.cpu().numpy()
+        want = ts.read_rows(layer, ids.cpu().numpy().reshape(-1)).reshape(got.shape)
+        out_rows.append(row(f"vllm-kernel {label}", bool(np.array_equal(got, want)) and zero_copy,
+                            f"{ids.numel() * fmt.row_bytes / per / 1e9:.2f} GB/s",
+                            f"{ids.numel()} rows, {per * 1e6:.0f} us, UVA view zero-copy: {zero_copy}"))
+    return out_rows
+
+
 def check_e2e(device, cpu_only: bool) -> list[dict]:
     argv = ["--quick", "--device", str(device)] + (["--hidden", "64", "--mlp", "128", "--heads", "4"] if cpu_only else [])
     doc = e2e.measure(e2e.parse_args(argv))
@@ -227,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += check_h2d(daemon, device)
             rows += check_gather(spec, daemon, device)
             rows += check_kvikio(ts, device)
+            rows += check_vllm_kernel(spec, ts, resident.ready["unix"], device)
             for c in (local, daemon, cold):
                 c.close()
         ts.close()
