@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ class Manifest:
     page_bytes: int = PAGE_BYTES
     chunk_bytes: int = CHUNK_BYTES
     source: dict[str, Any] = field(default_factory=dict)  # how it was made (synth seed, checkpoint)
+    token_map: dict[str, Any] | None = None  # the compressed token map's files and checksums (engram_store.tokens)
 
     def layer(self, layer: int) -> LayerEntry:
         for entry in self.layers:
@@ -65,6 +66,7 @@ class Manifest:
                 "chunk_bytes": self.chunk_bytes,
                 "spec": self.spec.to_dict(),
                 "source": self.source,
+                "token_map": self.token_map,
                 "layers": [asdict(e) | {"chunk_crc32": list(e.chunk_crc32)} for e in self.layers],
             },
             indent=1,
@@ -101,6 +103,10 @@ class Manifest:
                 raise TableFormatError(f"{path}: layer {e.layer} file name {e.file!r} must be a plain name")
             if e.layout.file_bytes != e.file_bytes:
                 raise TableFormatError(f"{path}: layer {e.layer} declares {e.file_bytes} bytes, layout needs {e.layout.file_bytes}")
+        if raw.get("token_map") is not None:
+            if not isinstance(raw["token_map"], dict):
+                raise TableFormatError(f"{path}: token_map must be an object, got {raw['token_map']!r}")
+            manifest = replace(manifest, token_map=raw["token_map"])
         return manifest
 
 

@@ -108,6 +108,7 @@ class TableSetWriter:
         self.gid = -1 if group is None else _group_id(group)
         self.entries: list[LayerEntry] = []
         self.tmp: Path | None = None
+        self.token_map: dict | None = None  # manifest entry of files written by add_file (engram_store.tokens)
         self.needed = sum(PageLayout(spec.rows(layer), spec.row_bytes).file_bytes for layer in spec.layers) \
             + MANIFEST_ALLOWANCE
 
@@ -172,13 +173,23 @@ class TableSetWriter:
         self.entries.append(entry)
         return entry
 
+    def add_file(self, name: str, data: bytes) -> None:
+        """Write one more file (the token map, a tokenizer) into the set, published with it."""
+        assert self.tmp is not None, "use TableSetWriter as a context manager"
+        if "/" in name or name.startswith(".") or name == MANIFEST:
+            raise TableFormatError(f"extra file name {name!r} must be a plain name other than {MANIFEST}")
+        self.needed += len(data)
+        with self._space(self.tmp / name):
+            write_file_atomic(self.tmp / name, data)
+
     def commit(self) -> Manifest:
         """Write the manifest and publish the directory by rename."""
         assert self.tmp is not None
         missing = set(self.spec.layers) - {e.layer for e in self.entries}
         if missing:
             raise TableFormatError(f"cannot publish {self.out}: layers {sorted(missing)} were not written")
-        manifest = Manifest(self.spec, tuple(sorted(self.entries, key=lambda e: e.layer)), source=self.source)
+        manifest = Manifest(self.spec, tuple(sorted(self.entries, key=lambda e: e.layer)), source=self.source,
+                            token_map=self.token_map)
         with self._space(self.tmp / MANIFEST):
             write_file_atomic(self.tmp / MANIFEST, manifest.to_json().encode())
         for path in (*self.tmp.iterdir(), self.tmp):  # readable by the group, whatever the umask
