@@ -45,6 +45,11 @@
 #define MIN_SPLIT_ROWS 2048 /* smaller gathers run on the caller's thread */
 #define MAX_WORKERS 15
 #define PREFETCH_AHEAD 12
+/* Split tables (the resident arena): two streams of misses per row, so prefetch further
+   ahead, the small scale rows furthest (measured on 1.5M-8M-row tables: 16/32 copied
+   6,144-196,608 rows 10-20% faster than 12/12). */
+#define PREFETCH_AHEAD_SPLIT 16
+#define PREFETCH_AHEAD_SCALES 32
 #define IDLE_SPIN_NS 50000  /* how long an idle worker spins before it sleeps */
 
 typedef struct {
@@ -104,11 +109,11 @@ static void copy_rows(const job_t *j, int64_t lo, int64_t hi) {
     const int64_t *idx = j->idx;
     const size_t rb = j->row_bytes, rb2 = j->row_bytes2, out_rb = rb + rb2;
     const char *src2 = j->src2;
+    const int64_t ahead = src2 != NULL ? PREFETCH_AHEAD_SPLIT : PREFETCH_AHEAD;
     for (int64_t i = lo; i < hi; i++) {
-        if (i + PREFETCH_AHEAD < hi) {
-            prefetch_row(j->src + (size_t)idx[i + PREFETCH_AHEAD] * rb, rb);
-            if (src2 != NULL) prefetch_row(src2 + (size_t)idx[i + PREFETCH_AHEAD] * rb2, rb2);
-        }
+        if (i + ahead < hi) prefetch_row(j->src + (size_t)idx[i + ahead] * rb, rb);
+        if (src2 != NULL && i + PREFETCH_AHEAD_SCALES < hi)
+            prefetch_row(src2 + (size_t)idx[i + PREFETCH_AHEAD_SCALES] * rb2, rb2);
         char *dst = j->out + (size_t)i * out_rb;
         if (rb == 256) /* the V4.1 payload: a constant size lets the compiler inline the copy */
             memcpy(dst, j->src + (size_t)idx[i] * 256, 256);
