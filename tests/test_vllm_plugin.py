@@ -59,7 +59,7 @@ def scenario(name: str, *args: str, address: str, wait: bool = True):
 def test_plugin_patches_and_vllm_reads_the_arena(daemon, tables):
     out = scenario("lookup", tables, address=daemon.unix)
     assert "patched exactly" in out
-    assert out.count("TableSet.read_rows") == 4  # TP=1, TP=2 rank 0 and 1, the raw kernel
+    assert out.count("TableSet.read_rows") == 6  # TP=1, TP=2 ranks 0 and 1, TP=8 ranks 0 and 7, the raw kernel
     assert "engram-store plugin ACTIVE" in out  # the one unmistakable line
 
 

@@ -155,8 +155,8 @@ def scenario_lookup(tables_dir: str) -> None:
     base = tables.view.array.ctypes.data
     batches = token_batch(spec, seed=1)
     init_distributed()
-    for tp_size in (1, 2):
-        for tp_rank in range(tp_size):
+    for tp_size, ranks in ((1, (0,)), (2, (0, 1)), (8, (0, 7))):  # TP=8: 3 of the 24 heads per rank
+        for tp_rank in ranks:
             E = shim(tp_size, tp_rank)
             layout = E.EngramLayout(model_config(spec))
             for index, layer in enumerate(spec.layers):
