@@ -81,6 +81,11 @@ class DaemonCollector:
         yield GaugeMetricFamily("engram_store_hit_ratio", "Share of rows served from DRAM", value=hit_ratio(store))
         yield CounterMetricFamily("engram_store_protocol_errors", "Unix connections closed for garbage frames",
                                   value=self.stats.protocol_errors)
+        dropped = CounterMetricFamily("engram_store_dropped_clients", "Unix clients refused or dropped by a bound, "
+                                      "by reason (see DaemonStats.dropped_clients)", labels=["reason"])
+        for reason, count in sorted(self.stats.drops().items()):
+            dropped.add_metric([reason], count)
+        yield dropped
         for key, name, kind, doc in _STORE_METRICS:
             if isinstance(store.get(key), (int, float)):
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily

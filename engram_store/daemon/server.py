@@ -26,16 +26,24 @@ pool (the native path sends on the reader's thread).
 
 A connection's region stays mapped until its last in-flight lookup is done,
 so a client that dies mid-request costs nothing but the lookup itself.
+
+At the fd limit (accept() or the region's memfd fails with EMFILE/ENFILE) a
+client is told so: the daemon keeps one spare fd, closes it to accept the
+client, sends a RESOURCE_EXHAUSTED WELCOME naming the limit and reopens it;
+the condition is logged once a minute at most, and counted (``fd_limit``).
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import functools
 import grp
 import json
 import logging
 import os
+import resource
+import select
 import selectors
 import socket
 import stat
@@ -60,6 +68,9 @@ MAX_INFLIGHT = 64  # lookups one client may have queued in the daemon
 MAX_QUEUED_REPLY_BYTES = 4 << 20  # replies one client has not read, beyond its socket buffer; more: dropped
 PIECE_BYTES = 4 << 20  # larger lookups are served in pieces of about this many row bytes, in turns
 ABORT_SECONDS = 0.5  # stop(): how long before drain_seconds ends it aborts connections still busy
+FD_LIMIT_LOG_SECONDS = 60.0  # at the fd limit: one warning per this many seconds at most
+FD_LIMIT_BACKOFF_SECONDS = 0.05  # no spare fd to tell clients with: pause before accepting again
+_FD_LIMIT_ERRNOS = (errno.EMFILE, errno.ENFILE)
 _NUMPY_DTYPE = {DType.INT64: DType.INT64.numpy, DType.INT32: DType.INT32.numpy}
 
 
@@ -87,6 +98,9 @@ class UnixServer:
         self.piece_rows = max(1024, PIECE_BYTES // store.row_bytes)
         self.sender: limits.Sender | None = None
         self._uids: collections.Counter[int] = collections.Counter()
+        self._spare_fd = -1  # closed to accept a client at the fd limit, only to tell it so
+        self._fd_limit_logged_at = -FD_LIMIT_LOG_SECONDS
+        self._fd_limit_unlogged = 0  # refusals since the last warning
 
     def start(self) -> str:
         if os.path.exists(self.path) and not os.path.isdir(self.path):
@@ -107,6 +121,7 @@ class UnixServer:
             sock.close()
             raise
         self._sock = sock
+        self._spare_fd = _open_spare()
         self.sender = limits.Sender(self.config.client_send_timeout_seconds)
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._thread = threading.Thread(target=self._accept_loop, name="engram-unix-accept", daemon=True)
@@ -134,11 +149,49 @@ class UnixServer:
                     try:
                         client, _ = listener.accept()
                     except OSError as exc:
-                        log.warning("accept failed: %s", exc)
+                        if exc.errno in _FD_LIMIT_ERRNOS:
+                            self._refuse_at_fd_limit(listener, exc)
+                        else:
+                            log.warning("accept failed: %s", exc)
                         continue
                     self._admit(client)
         finally:
             sel.close()
+
+    def fd_limit_refusal(self, exc: OSError) -> str:
+        """Count a client refused for want of file descriptors, warn (once a minute at most)
+        and return what to tell it."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self.stats.drop("fd_limit")
+        self._fd_limit_unlogged += 1
+        now = time.monotonic()
+        if now - self._fd_limit_logged_at >= FD_LIMIT_LOG_SECONDS:
+            log.warning("out of file descriptors (%s; RLIMIT_NOFILE %d, %d connections): refused %d unix client(s) "
+                        "since the last warning; raise LimitNOFILE or lower max_clients", exc.strerror, soft,
+                        len(self._conns), self._fd_limit_unlogged)
+            self._fd_limit_logged_at, self._fd_limit_unlogged = now, 0
+        return (f"daemon is out of file descriptors ({exc.strerror}; its limit RLIMIT_NOFILE is {soft} open files, "
+                f"with {len(self._conns)} clients connected); try later")
+
+    def _refuse_at_fd_limit(self, listener: socket.socket, exc: OSError) -> None:
+        """accept() failed with EMFILE/ENFILE: give up the spare fd to accept one client and
+        tell it why, then take the spare back. Without a spare, pause (the listener stays
+        readable: accepting again at once would spin)."""
+        if self._spare_fd >= 0:
+            os.close(self._spare_fd)
+            self._spare_fd = -1
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                client = None
+            if client is not None:
+                _refuse(client, self.fd_limit_refusal(exc))
+            self._spare_fd = _open_spare()
+            if client is not None:
+                return
+        else:
+            self.fd_limit_refusal(exc)
+        select.select([self._wake_r], [], [], FD_LIMIT_BACKOFF_SECONDS)  # stop() still wakes it
 
     def _admit(self, client: socket.socket) -> None:
         cfg = self.config
@@ -156,12 +209,7 @@ class UnixServer:
                 self._uids[uid] += 1
         if refuse:
             self.stats.drop("refused")
-            try:  # a new socket's buffer is empty: this never blocks
-                client.send(Frame(Op.WELCOME, status=Status.RESOURCE_EXHAUSTED).pack(refuse.encode()),
-                            socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
-            except OSError:
-                pass
-            client.close()
+            _refuse(client, refuse)
             return
         self.stats.unix.client_delta(+1)
         threading.Thread(target=conn.run, name="engram-unix-conn", daemon=True).start()
@@ -211,10 +259,10 @@ class UnixServer:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
-        for fd in (self._wake_r, self._wake_w):
+        for fd in (self._wake_r, self._wake_w, self._spare_fd):
             if fd >= 0:
                 os.close(fd)
-        self._wake_r = self._wake_w = -1
+        self._wake_r = self._wake_w = self._spare_fd = -1
         return busy
 
 
@@ -355,7 +403,14 @@ class _Connection:
             self.send(Frame(Op.WELCOME, status=Status.RESOURCE_EXHAUSTED).pack(msg.encode()))
             raise ConnectionError(msg)
         self.region_bytes = size
-        fd, self.region = shm.create_region(size)
+        try:
+            fd, self.region = shm.create_region(size)
+        except OSError as exc:
+            if exc.errno not in _FD_LIMIT_ERRNOS:
+                raise
+            msg = self.server.fd_limit_refusal(exc)
+            self.send(Frame(Op.WELCOME, status=Status.RESOURCE_EXHAUSTED).pack(msg.encode()))
+            raise ConnectionError(msg) from None
         try:
             self.array = shm.as_array(self.region)
             arena = self.server.store.arena()
@@ -533,6 +588,24 @@ class _Pieces:
 
 class _HandshakeTimeout(TimeoutError):
     """The peer's HELLO was not complete by the connection's handshake deadline."""
+
+
+def _refuse(client: socket.socket, why: str) -> None:
+    """Tell a client that was never admitted why (RESOURCE_EXHAUSTED WELCOME), then close it."""
+    try:  # a new socket's buffer is empty: this never blocks
+        client.send(Frame(Op.WELCOME, status=Status.RESOURCE_EXHAUSTED).pack(why.encode()),
+                    socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+    except OSError:
+        pass
+    client.close()
+
+
+def _open_spare() -> int:
+    """A spare fd (``/dev/null``) to give up at the fd limit; -1 when none can be had."""
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
 
 
 def _send_quietly(sock: socket.socket, data: bytes) -> None:

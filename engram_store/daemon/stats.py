@@ -75,7 +75,8 @@ class DaemonStats:
     grpc: TransportStats = field(default_factory=lambda: TransportStats("grpc"))
     protocol_errors: int = 0  # connections closed for garbage frames
     # Unix clients refused or dropped by a bound, by reason: refused (max_clients, max_clients_per_uid),
-    # region_budget, handshake_timeout, idle, slow_reader (unread replies past their bound or too long)
+    # region_budget, handshake_timeout, idle, slow_reader (unread replies past their bound or too long),
+    # fd_limit (accept() failed: the daemon is out of file descriptors)
     dropped_clients: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -87,13 +88,17 @@ class DaemonStats:
         with self._lock:
             self.dropped_clients[reason] = self.dropped_clients.get(reason, 0) + 1
 
+    def drops(self) -> dict[str, int]:
+        """Clients refused or dropped so far, by reason (a copy)."""
+        with self._lock:
+            return dict(self.dropped_clients)
+
     def transports(self) -> tuple[TransportStats, TransportStats]:
         return self.unix, self.grpc
 
     def snapshot(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {"protocol_errors": self.protocol_errors}
-        with self._lock:
-            out.update({f"unix_dropped_clients_{reason}": n for reason, n in self.dropped_clients.items()})
+        out.update({f"unix_dropped_clients_{reason}": n for reason, n in self.drops().items()})
         for t in self.transports():
             out.update(t.snapshot())
         return out
