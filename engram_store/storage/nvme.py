@@ -13,10 +13,17 @@ ring of ``queue_depth`` slots and each row is copied out as soon as its read
 completes, so a request never holds all its pages in memory; with the
 fallback, pages are read in chunks of ``chunk_pages`` into a pooled staging
 buffer and the rows gathered with one numpy fancy index per chunk.
+
+Every page read is checked against its crc32c (``LayerFile.crcs``, from the
+layer's checksum file): natively, as each read completes and before a row is
+copied out of it; in the fallback, once per chunk. Pages that fail come back
+in ``ReadStats.bad_pages`` (their rows in ``out`` are not to be used); the
+caller decides what that means for the request (see ``TieredStore``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -30,6 +37,7 @@ import numpy as np
 
 from ..errors import StorageError
 from ..layout import PAGE_BYTES, PageLayout
+from .checksums import bad_pages as check_pages
 from .syscalls import OpenedFile, aligned_buffer, as_array
 
 log = logging.getLogger(__name__)
@@ -39,6 +47,7 @@ DEFAULT_CHUNK_PAGES = 8192  # 32 MiB of pages per read batch
 DEFAULT_MAX_COALESCE_PAGES = 16
 POOLED_BUFFERS = 4
 MAX_NATIVE_QD = 256  # the native reader clamps queue depth here
+MAX_CHECKED_PAGES = 64  # the native reader checks extents of at most this many pages
 
 
 @functools.cache
@@ -82,14 +91,25 @@ class PageReader:
         return self._read_threads(fd, buf, file_offsets, lengths, buf_offsets, qd)
 
     def read_rows(self, fd: int, out: np.ndarray, row_bytes: int, file_offsets: np.ndarray, lengths: np.ndarray,
-                  first_row: np.ndarray, row_offsets: np.ndarray, scratch, queue_depth: int | None = None) -> int:
+                  first_row: np.ndarray, row_offsets: np.ndarray, scratch, queue_depth: int | None = None,
+                  page_crcs: np.ndarray | None = None) -> tuple[int, np.ndarray]:
         """Native reader only: read extents into ``scratch`` slots and copy rows
-        ``first_row[i]:first_row[i+1]`` of ``out`` from extent i at ``row_offsets``."""
+        ``first_row[i]:first_row[i+1]`` of ``out`` from extent i at ``row_offsets``.
+        With ``page_crcs`` (uint32, expected crc32c per page of the file) every page is
+        checked first and the rows of a page that fails are not copied. Returns (bytes
+        read, int64 page numbers that failed)."""
         if self._native is None:
             raise ValueError("read_rows needs the native reader (engram_store.storage._pread)")
         i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
-        return self._native.read_rows(fd, out, row_bytes, i64(file_offsets), i64(lengths), i64(first_row),
-                                      i64(row_offsets), scratch, queue_depth or self.queue_depth)
+        lengths = i64(lengths)
+        if page_crcs is None:
+            got, _ = self._native.read_rows(fd, out, row_bytes, i64(file_offsets), lengths, i64(first_row),
+                                            i64(row_offsets), scratch, queue_depth or self.queue_depth)
+            return got, np.empty(0, dtype=np.int64)
+        bad = np.empty(int(lengths.sum()) // PAGE_BYTES, dtype=np.int64)
+        got, n_bad = self._native.read_rows(fd, out, row_bytes, i64(file_offsets), lengths, i64(first_row),
+                                            i64(row_offsets), scratch, queue_depth or self.queue_depth, page_crcs, bad)
+        return got, bad[:n_bad]
 
     def _read_threads(self, fd, buf, file_offsets, lengths, buf_offsets, qd) -> int:
         n = len(file_offsets)
@@ -130,6 +150,7 @@ class ReadStats:
     reads: int = 0  # read calls after coalescing
     bytes: int = 0
     seconds: float = 0.0
+    bad_pages: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, dtype=np.int64))  # failed crc32c
 
 
 class BufferPool:
@@ -166,6 +187,7 @@ class LayerFile:
     layout: PageLayout
     file: OpenedFile | None  # None when the layer cannot be served
     error: str | None = None
+    crcs: np.ndarray | None = None  # expected crc32c of every page (uint32); None: pages are not checked
 
 
 def extents(pages: np.ndarray, max_pages: int) -> tuple[np.ndarray, np.ndarray]:
@@ -198,7 +220,7 @@ class NvmeTier:
                  max_coalesce_pages: int = DEFAULT_MAX_COALESCE_PAGES, chunk_pages: int = DEFAULT_CHUNK_PAGES) -> None:
         self.files = files
         self.reader = reader
-        self.max_coalesce_pages = max(1, max_coalesce_pages)
+        self.max_coalesce_pages = min(max(1, max_coalesce_pages), MAX_CHECKED_PAGES)
         self.chunk_pages = max(self.max_coalesce_pages, chunk_pages)
         if reader.backend == "native":
             self.buffers = BufferPool(min(reader.queue_depth, MAX_NATIVE_QD) * self.max_coalesce_pages * PAGE_BYTES)
@@ -248,13 +270,15 @@ class NvmeTier:
         row_off = (page_index - begin[read_of_row]) * PAGE_BYTES + slot * lf.layout.row_bytes
         scratch = self.buffers.get()
         try:
-            got = self.reader.read_rows(lf.file.fd, out, lf.layout.row_bytes, pages[begin] * PAGE_BYTES,
-                                        npages * PAGE_BYTES, first_row, row_off, scratch)
+            got, bad = self.reader.read_rows(lf.file.fd, out, lf.layout.row_bytes, pages[begin] * PAGE_BYTES,
+                                             npages * PAGE_BYTES, first_row, row_off, scratch, page_crcs=lf.crcs)
         finally:
             self.buffers.put(scratch)
         stats.pages += len(pages)
         stats.reads += len(begin)
         stats.bytes += got
+        if len(bad):
+            stats.bad_pages = np.concatenate([stats.bad_pages, bad])
 
     def _read_chunk(self, lf: LayerFile, pages: np.ndarray, page_pos: np.ndarray, slot: np.ndarray,
                     out: np.ndarray, stats: ReadStats) -> None:
@@ -263,6 +287,10 @@ class NvmeTier:
         buf = self.buffers.get()
         try:
             got = self.reader.read(lf.file.fd, buf, pages[begin] * PAGE_BYTES, npages * PAGE_BYTES, begin * PAGE_BYTES)
+            if lf.crcs is not None:
+                bad = pages[check_pages(buf, lf.crcs[pages])]
+                if len(bad):
+                    stats.bad_pages = np.concatenate([stats.bad_pages, bad])
             layout = lf.layout
             body = as_array(buf, n * PAGE_BYTES).reshape(n, PAGE_BYTES)[:, : layout.rows_per_page * layout.row_bytes]
             out[...] = body.reshape(n, layout.rows_per_page, layout.row_bytes)[page_pos, slot]
