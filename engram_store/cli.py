@@ -77,8 +77,12 @@ def _cmd_verify(args) -> int:
     bad = ts.verify(args.layer)
     for corruption in bad:
         print(f"CORRUPT {corruption}", file=sys.stderr)
-    if not bad:
-        print(f"ok: {len(ts.layers)} layers, {ts.total_bytes()} bytes verified")
+    layers = len(ts.layers) if args.layer is None else 1
+    if bad:
+        print(f"{len(bad)} corrupt page(s) in {len({c.layer for c in bad})} layer(s); a daemon refuses their rows "
+              "and serves the rest: re-import or re-synth the table set", file=sys.stderr)
+    else:
+        print(f"ok: {layers} layers, every 4 KiB page matches its crc32c")
     return 1 if bad else 0
 
 
@@ -127,7 +131,7 @@ def register(sub) -> None:
     p.add_argument("dir")
     p.set_defaults(func=_cmd_info)
 
-    p = sub.add_parser("verify", help="check every chunk checksum; exit 1 naming layer and chunk on corruption")
+    p = sub.add_parser("verify", help="check every page's crc32c; exit 1 naming layer, page and offset of each bad one")
     p.add_argument("dir")
     p.add_argument("--layer", type=int, default=None, help="verify only this layer")
     p.set_defaults(func=_cmd_verify)

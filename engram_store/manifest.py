@@ -4,28 +4,70 @@ A table set is a directory::
 
     manifest.json        this file's content (written last, atomically)
     layer_001.bin ...    one data file per Engram layer, laid out by PageLayout
+    layer_001.crc ...    its page checksums: a PageCrcHeader, then the crc32c of
+                         every 4 KiB page of the data file (uint32 little-endian)
 
-``manifest.json`` appears only when every data file is complete and fsynced,
-and the directory itself is published by rename, so an interrupted import or
-synth never leaves something that opens as a table set.
+``manifest.json`` appears only when every data and checksum file is complete
+and fsynced, and the directory itself is published by rename, so an
+interrupted import or synth never leaves something that opens as a table set.
+
+Format version 2 (per-page crc32c) replaced version 1 (one crc32 per 64 MiB
+chunk, checked by a full pass before serving); a version 1 set is refused with
+a message saying to re-synth or re-import it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from .errors import TableFormatError
 from .layout import PAGE_BYTES, PageLayout
 from .spec import ModelSpec
 
 FORMAT_NAME = "engram-store-tables"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
-CHUNK_BYTES = 64 << 20  # checksum granularity: one crc32 per 64 MiB of file
+CHECKSUM = "crc32c"  # of every page_bytes page of every data file
+
+
+@dataclass(frozen=True)
+class PageCrcHeader:
+    """The 64-byte header of a ``layer_NNN.crc`` file; the checksums follow it."""
+
+    # magic, version, page_bytes, algorithm, layer, pages, then zero padding to 64 bytes
+    STRUCT = struct.Struct("<8sIIIiQ32x")
+    MAGIC = b"ENGRMCRC"
+    VERSION = 1
+
+    layer: int  # Engram layer id of the data file
+    pages: int  # checksums that follow: one uint32 (little-endian) per page of the data file
+    page_bytes: int = PAGE_BYTES  # bytes each checksum covers
+    algorithm: int = 1  # 1 = crc32c (Castagnoli), standard init and final xor
+
+    @property
+    def file_bytes(self) -> int:
+        return self.STRUCT.size + 4 * self.pages
+
+    def pack(self) -> bytes:
+        return self.STRUCT.pack(self.MAGIC, self.VERSION, self.page_bytes, self.algorithm, self.layer, self.pages)
+
+    @classmethod
+    def unpack(cls, raw: bytes, where: str) -> "PageCrcHeader":
+        if len(raw) < cls.STRUCT.size:
+            raise TableFormatError(f"{where}: {len(raw)} bytes, shorter than its {cls.STRUCT.size}-byte header")
+        magic, version, page_bytes, algorithm, layer, pages = cls.STRUCT.unpack_from(raw)
+        if magic != cls.MAGIC:
+            raise TableFormatError(f"{where}: not a page checksum file (magic {magic!r}, expected {cls.MAGIC!r})")
+        if version != cls.VERSION:
+            raise TableFormatError(f"{where}: checksum file version {version}, this build reads {cls.VERSION}")
+        return cls(layer, pages, page_bytes, algorithm)
 
 
 @dataclass(frozen=True)
@@ -35,11 +77,14 @@ class LayerEntry:
     row_bytes: int  # bytes per row
     file: str  # data file name, relative to the table directory
     file_bytes: int  # exact size of the data file
-    chunk_crc32: tuple[int, ...]  # crc32 of each CHUNK_BYTES slice of the file
+    crc_file: str  # its page checksum file (PageCrcHeader + one crc32c per page), same directory
 
     @property
     def layout(self) -> PageLayout:
         return PageLayout(self.rows, self.row_bytes)
+
+    def crc_header(self) -> PageCrcHeader:
+        return PageCrcHeader(self.layer, self.layout.pages)
 
 
 @dataclass(frozen=True)
@@ -47,7 +92,6 @@ class Manifest:
     spec: ModelSpec
     layers: tuple[LayerEntry, ...]
     page_bytes: int = PAGE_BYTES
-    chunk_bytes: int = CHUNK_BYTES
     source: dict[str, Any] = field(default_factory=dict)  # how it was made (synth seed, checkpoint)
     token_map: dict[str, Any] | None = None  # the compressed token map's files and checksums (engram_store.tokens)
 
@@ -63,11 +107,11 @@ class Manifest:
                 "format": FORMAT_NAME,
                 "version": FORMAT_VERSION,
                 "page_bytes": self.page_bytes,
-                "chunk_bytes": self.chunk_bytes,
+                "checksum": CHECKSUM,
                 "spec": self.spec.to_dict(),
                 "source": self.source,
                 "token_map": self.token_map,
-                "layers": [asdict(e) | {"chunk_crc32": list(e.chunk_crc32)} for e in self.layers],
+                "layers": [asdict(e) for e in self.layers],
             },
             indent=1,
         )
@@ -83,24 +127,31 @@ class Manifest:
             raise TableFormatError(f"{path}: unreadable manifest: {exc}") from exc
         if raw.get("format") != FORMAT_NAME:
             raise TableFormatError(f"{path}: format {raw.get('format')!r}, expected {FORMAT_NAME!r}")
+        if raw.get("version") == 1:
+            raise TableFormatError(f"{path}: format version 1 (one checksum per 64 MiB chunk); this build reads "
+                                   f"version {FORMAT_VERSION} (a crc32c per 4 KiB page, checked on every read): re-synth "
+                                   "or re-import the table set (`engram-store synth ... --force` / `import ... --force`)")
         if raw.get("version") != FORMAT_VERSION:
             raise TableFormatError(f"{path}: format version {raw.get('version')}, this build reads version {FORMAT_VERSION}")
         if raw.get("page_bytes") != PAGE_BYTES:
             raise TableFormatError(f"{path}: page_bytes {raw.get('page_bytes')}, expected {PAGE_BYTES}")
+        if raw.get("checksum") != CHECKSUM:
+            raise TableFormatError(f"{path}: page checksum {raw.get('checksum')!r}, this build checks {CHECKSUM!r}")
         try:
             layers = tuple(
                 LayerEntry(
                     layer=int(e["layer"]), rows=int(e["rows"]), row_bytes=int(e["row_bytes"]), file=str(e["file"]),
-                    file_bytes=int(e["file_bytes"]), chunk_crc32=tuple(int(c) for c in e["chunk_crc32"]),
+                    file_bytes=int(e["file_bytes"]), crc_file=str(e["crc_file"]),
                 )
                 for e in raw["layers"]
             )
-            manifest = cls(ModelSpec.from_dict(raw["spec"]), layers, raw["page_bytes"], int(raw["chunk_bytes"]), raw.get("source", {}))
+            manifest = cls(ModelSpec.from_dict(raw["spec"]), layers, raw["page_bytes"], raw.get("source", {}))
         except (KeyError, TypeError, ValueError) as exc:
             raise TableFormatError(f"{path}: malformed manifest: {exc}") from exc
         for e in layers:
-            if "/" in e.file or e.file.startswith("."):
-                raise TableFormatError(f"{path}: layer {e.layer} file name {e.file!r} must be a plain name")
+            for name in (e.file, e.crc_file):
+                if "/" in name or name.startswith("."):
+                    raise TableFormatError(f"{path}: layer {e.layer} file name {name!r} must be a plain name")
             if e.layout.file_bytes != e.file_bytes:
                 raise TableFormatError(f"{path}: layer {e.layer} declares {e.file_bytes} bytes, layout needs {e.layout.file_bytes}")
         if raw.get("token_map") is not None:
@@ -112,3 +163,32 @@ class Manifest:
 
 def layer_file_name(layer: int) -> str:
     return f"layer_{layer:03d}.bin"
+
+
+def crc_file_name(layer: int) -> str:
+    return f"layer_{layer:03d}.crc"
+
+
+def load_page_crcs(directory: str | os.PathLike, entry: LayerEntry) -> np.ndarray:
+    """The expected crc32c of every page of ``entry``'s data file: uint32 ``[pages]``, read
+    whole into memory (4 bytes per 4 KiB page: 0.1% of the table). TableFormatError when the
+    checksum file is missing, of another layer or size, or of an unknown version."""
+    path = Path(directory) / entry.crc_file
+    want = entry.crc_header()
+    try:
+        with open(path, "rb") as f:
+            header = PageCrcHeader.unpack(f.read(PageCrcHeader.STRUCT.size), str(path))
+            if header != want:
+                raise TableFormatError(f"{path}: checksum file is for layer {header.layer}, {header.pages} pages of "
+                                       f"{header.page_bytes} bytes (algorithm {header.algorithm}); layer {entry.layer} "
+                                       f"needs {want.pages} pages of {want.page_bytes} (crc32c); re-synth or re-import")
+            crcs = np.fromfile(f, dtype="<u4", count=want.pages)
+    except FileNotFoundError:
+        raise TableFormatError(f"{path}: layer {entry.layer} page checksum file is missing; re-synth or re-import "
+                               "the table set") from None
+    except OSError as exc:
+        raise TableFormatError(f"{path}: cannot read layer {entry.layer} page checksums: {exc}") from exc
+    if len(crcs) != want.pages or os.path.getsize(path) != want.file_bytes:
+        raise TableFormatError(f"{path}: {os.path.getsize(path)} bytes, layer {entry.layer} needs {want.file_bytes} "
+                               "(truncated?); re-synth or re-import the table set")
+    return crcs.astype(np.uint32, copy=False)

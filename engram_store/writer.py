@@ -2,8 +2,9 @@
 
 :class:`TableSetWriter` is used by both ``synth`` and ``import``. Rows are fed
 per layer as a stream of uint8 ``[n, row_bytes]`` blocks; the writer lays them
-out in pages, checksums every 64 MiB chunk, and publishes the directory only
-in :meth:`TableSetWriter.commit`. Leaving the ``with`` block without commit
+out in pages, writes the crc32c of every 4 KiB page to the layer's ``.crc``
+file beside it (see :mod:`engram_store.manifest`), and publishes the directory
+only in :meth:`TableSetWriter.commit`. Leaving the ``with`` block without commit
 (an exception, Ctrl-C) removes the temp directory; a killed process leaves
 only a ``.tmp-*`` directory that holds no manifest and never opens.
 
@@ -25,7 +26,6 @@ import os
 import shutil
 import tempfile
 import time
-import zlib
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -33,8 +33,9 @@ import numpy as np
 
 from .errors import InsufficientSpace, TableFormatError
 from .layout import PageLayout
-from .manifest import CHUNK_BYTES, MANIFEST, LayerEntry, Manifest, layer_file_name
+from .manifest import MANIFEST, LayerEntry, Manifest, PageCrcHeader, crc_file_name, layer_file_name
 from .spec import ModelSpec
+from .storage.checksums import page_crcs
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,13 @@ def free_bytes(path: str | os.PathLike) -> int:
     """Bytes an unprivileged writer may still use on the filesystem holding ``path``."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def space_needed(spec: ModelSpec) -> int:
+    """Bytes a table set of ``spec`` needs on disk: data files, page checksum files, manifest."""
+    layouts = {layer: PageLayout(spec.rows(layer), spec.row_bytes) for layer in spec.layers}
+    return sum(lay.file_bytes + PageCrcHeader(layer, lay.pages).file_bytes for layer, lay in layouts.items()) \
+        + MANIFEST_ALLOWANCE
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -71,31 +79,6 @@ def write_file_atomic(path: str | os.PathLike, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-class _ChunkCrc:
-    """crc32 per fixed-size chunk over a stream of writes of any size."""
-
-    def __init__(self, chunk_bytes: int) -> None:
-        self.chunk_bytes = chunk_bytes
-        self.done: list[int] = []
-        self.crc = 0
-        self.fill = 0
-
-    def update(self, buf: memoryview) -> None:
-        while len(buf):
-            take = min(len(buf), self.chunk_bytes - self.fill)
-            self.crc = zlib.crc32(buf[:take], self.crc)
-            self.fill += take
-            buf = buf[take:]
-            if self.fill == self.chunk_bytes:
-                self.done.append(self.crc)
-                self.crc, self.fill = 0, 0
-
-    def finish(self) -> tuple[int, ...]:
-        if self.fill:
-            self.done.append(self.crc)
-        return tuple(self.done)
-
-
 class TableSetWriter:
     """Context manager producing one table set directory at ``out``."""
 
@@ -109,8 +92,7 @@ class TableSetWriter:
         self.entries: list[LayerEntry] = []
         self.tmp: Path | None = None
         self.token_map: dict | None = None  # manifest entry of files written by add_file (engram_store.tokens)
-        self.needed = sum(PageLayout(spec.rows(layer), spec.row_bytes).file_bytes for layer in spec.layers) \
-            + MANIFEST_ALLOWANCE
+        self.needed = space_needed(spec)
 
     def __enter__(self) -> "TableSetWriter":
         if self.out.exists() and not self.overwrite:
@@ -146,11 +128,12 @@ class TableSetWriter:
         multiple of the layout's rows_per_page rows."""
         assert self.tmp is not None, "use TableSetWriter as a context manager"
         layout = PageLayout(self.spec.rows(layer), self.spec.row_bytes)
-        name = layer_file_name(layer)
-        crc = _ChunkCrc(CHUNK_BYTES)
+        name, crc_name = layer_file_name(layer), crc_file_name(layer)
         written_rows = 0
         t0 = time.perf_counter()
-        with self._space(self.tmp / name), open(self.tmp / name, "wb", buffering=0) as f:
+        with self._space(self.tmp / name), open(self.tmp / name, "wb", buffering=0) as f, \
+                open(self.tmp / crc_name, "wb") as crc_f:
+            crc_f.write(PageCrcHeader(layer, layout.pages).pack())
             for block in blocks:
                 parts = [block] if isinstance(block, np.ndarray) else list(block)
                 n = parts[0].shape[0]
@@ -159,8 +142,9 @@ class TableSetWriter:
                                            f"{[(p.dtype, p.shape) for p in parts]}")
                 if written_rows % layout.rows_per_page:
                     raise TableFormatError(f"layer {layer}: only the last block may end inside a page")
-                pages = memoryview(layout.pack(parts)).cast("B")
-                crc.update(pages)
+                packed = layout.pack(parts)
+                crc_f.write(page_crcs(packed).astype("<u4").tobytes())
+                pages = memoryview(packed).cast("B")
                 f.write(pages)
                 written_rows += n
                 if progress:
@@ -168,8 +152,10 @@ class TableSetWriter:
             if written_rows != layout.rows:
                 raise TableFormatError(f"layer {layer}: wrote {written_rows} rows, the spec says {layout.rows}")
             os.fsync(f.fileno())
+            crc_f.flush()
+            os.fsync(crc_f.fileno())
         log.debug("layer %d: %d rows in %.2fs", layer, written_rows, time.perf_counter() - t0)
-        entry = LayerEntry(layer, layout.rows, layout.row_bytes, name, layout.file_bytes, crc.finish())
+        entry = LayerEntry(layer, layout.rows, layout.row_bytes, name, layout.file_bytes, crc_name)
         self.entries.append(entry)
         return entry
 

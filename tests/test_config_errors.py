@@ -2,8 +2,9 @@
 ``synth``/``import`` on a full disk end in one line and leave nothing.
 
 The daemon is pointed at a *decoy* table set: a real manifest whose layer files have the
-right sizes but hold zeros. Any daemon that reads them fails with "corrupt chunk" (the
-control case shows it), so a run that stops naming the config key instead stopped first.
+right sizes but hold zeros, and no page checksum files. Any daemon past its config checks
+fails opening it with "page checksum file is missing" (the control case shows it), so a
+run that stops naming the config key instead stopped first.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def test_every_late_config_error_stops_before_the_tables_are_read(decoy, files, 
         code, stderr = results[name]
         lines = [line for line in stderr.splitlines() if line.strip()]
         assert code == 2, (name, code, stderr)
-        assert "corrupt" not in stderr and "Traceback" not in stderr, (name, stderr)
+        assert "checksum file is missing" not in stderr and "Traceback" not in stderr, (name, stderr)
         assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(words, lines[0]), (name, stderr)
     assert elapsed < 30, elapsed  # all of them at once: each one a process start, no table pass
 
@@ -144,7 +145,7 @@ def test_the_decoy_is_read_when_the_config_is_right(decoy, tmp_path):
     """The control: with nothing wrong in the config the daemon reads the decoy and says so."""
     p = _serve(decoy, tmp_path, [])
     code, stderr = p.wait(60), p.communicate()[1]
-    assert code == 2 and "corrupt chunk" in stderr, stderr
+    assert code == 2 and "page checksum file is missing" in stderr, stderr
 
 
 def _mount_tmpfs(path: Path, size: str) -> None:
@@ -168,8 +169,8 @@ def small_fs(tmp_path):
 
 
 def test_synth_on_a_full_disk_is_one_line_and_leaves_nothing(small_fs):
-    need = output_bytes(get_spec("tiny")) + writer.MANIFEST_ALLOWANCE
-    assert need > 1 << 20  # the tiny table set cannot fit 1 MiB
+    need = writer.space_needed(get_spec("tiny"))  # data, page checksums and manifest
+    assert need > output_bytes(get_spec("tiny")) + writer.MANIFEST_ALLOWANCE > 1 << 20  # the tiny table set cannot fit 1 MiB
     out = small_fs / "tables"
     result = subprocess.run([sys.executable, "-m", "engram_store", "synth", "--model", "tiny", "--out", str(out)],
                             capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -78,7 +78,8 @@ def test_info_and_verify_catch_a_flipped_byte(tmp_path):
         f.write(bytes([b[0] ^ 0x10]))
     res = run_cli("verify", out)
     assert res.returncode == 1
-    assert "layer 3: chunk 0" in res.stderr
+    page = middle // 4096
+    assert f"layer 3: page {page} (bytes {page * 4096}..{page * 4096 + 4095}" in res.stderr, res.stderr
 
 
 def test_truncated_or_foreign_tables_do_not_open(tmp_path, tiny_tables):
