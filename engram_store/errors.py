@@ -82,3 +82,15 @@ class ModelMismatch(ConfigError):
 class EngineUnsupported(ConfigError):
     """An engine plugin cannot run on this engine: another version, a name it patches is
     missing, or an engine feature that cannot work over the daemon's read-only arena."""
+
+
+class CorruptRows(StorageError):
+    """Rows asked for sit in 4 KiB pages whose crc32c does not match the table set's checksum
+    file: they are never served, the layer's other rows are. ``layer`` and ``pages`` (page
+    numbers in the layer file; the file offset is ``page * 4096``) say which; the message
+    names them too (a remote client receives it as a StorageError with that message)."""
+
+    def __init__(self, message: str, layer: int = -1, pages: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.layer = layer
+        self.pages = pages

@@ -39,7 +39,7 @@ _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G"
           "T": 1000**4, "TB": 1000**4, "KI": 1 << 10, "KIB": 1 << 10, "MI": 1 << 20, "MIB": 1 << 20,
           "GI": 1 << 30, "GIB": 1 << 30, "TI": 1 << 40, "TIB": 1 << 40}
 SIZE_KEYS = frozenset({"dram_bytes", "client_shm_bytes", "max_client_shm_bytes", "grpc_chunk_bytes",
-                       "max_total_client_shm_bytes", "grpc_max_inflight_bytes"})
+                       "max_total_client_shm_bytes", "grpc_max_inflight_bytes", "scrub_bytes_per_second"})
 MIN_DRAM_BYTES = 64 << 10  # below this a "size" is surely a slip (TOML 8.5 once meant 8 bytes)
 MAX_REQUEST_ROWS = 1 << 26  # 512 MiB of int64 ids: gRPC's message limit is a signed 32-bit int
 MAX_GRPC_CHUNK_BYTES = 128 << 20  # the client accepts messages up to 256 MiB
@@ -93,12 +93,13 @@ class DaemonConfig:
 
     tables: str = ""  # table-set directory (required to serve)
     dram_bytes: int = 8 << 30  # DRAM tier budget; tables that fit are served resident
-    verify: bool = True  # recompute table checksums before serving
+    verify: bool = True  # refuse to start when a layer's data or checksum file is missing or truncated
     store_mode: str = "auto"  # "auto" (resident when the tables fit dram_bytes), "resident" or "cached"
     cache_policy: str = "s3fifo"  # cached mode: DRAM cache policy ("s3fifo" or "lru")
     nvme_queue_depth: int = 64  # NVMe page reads in flight
     huge_pages: bool = True  # back the DRAM tier with huge pages where the host allows
     warmup_profile: str = ""  # access profile loaded into the cache at start ("" = none)
+    scrub_bytes_per_second: int = 32 << 20  # cached mode: background page check rate; 0 = no scrub
     socket: str = "/run/engram-store/engram-store.sock"  # Unix socket path; "" disables it
     socket_mode: int = 0o660  # permission bits of the socket file
     socket_group: str = ""  # group owning the socket ("" keeps the daemon's group)
@@ -202,6 +203,8 @@ class DaemonConfig:
                                                  f"({self.grpc_chunk_bytes})")
         if self.drain_seconds < 0:
             raise bad("drain_seconds", "must not be negative")
+        if self.scrub_bytes_per_second < 0:
+            raise bad("scrub_bytes_per_second", "must be 0 (no scrub) or a rate such as \"32MiB\"")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise bad("log_level", "must be DEBUG, INFO, WARNING or ERROR")
 

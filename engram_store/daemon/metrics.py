@@ -30,6 +30,12 @@ _STORE_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("cache_slots", "engram_store_cache_slots", "gauge", "Row slots of the DRAM cache"),
     ("cache_slots_used", "engram_store_cache_slots_used", "gauge", "Row slots of the DRAM cache holding a row"),
     ("dram_bytes", "engram_store_dram_bytes", "gauge", "Bytes of DRAM the store holds"),
+    ("corrupt_pages", "engram_store_corrupt_pages", "counter",
+     "Distinct 4 KiB pages found not matching their crc32c (their rows are refused, never served)"),
+    ("corrupt_rows_refused", "engram_store_corrupt_rows_refused", "counter",
+     "Rows of lookups refused because their page is corrupt"),
+    ("scrub_bytes", "engram_store_scrub_bytes", "counter", "Bytes read and checked by the background scrub"),
+    ("scrub_passes", "engram_store_scrub_passes", "counter", "Complete scrub passes over the table set"),
 )
 
 

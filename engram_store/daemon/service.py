@@ -1,15 +1,20 @@
-"""The ``serve`` lifecycle: open and verify tables, fill DRAM, open listeners, announce, drain.
+"""The ``serve`` lifecycle: open tables, fill DRAM, open listeners, announce, drain.
 
 Start-up order: (0) check every config value against the host
 (:func:`~engram_store.daemon.config.preflight`: manifest, socket directory and
 group, TLS and token files, warm-up profile, free ports), so a mistake stops
-the daemon in a moment rather than after a checksum pass or a DRAM fill,
-(1) verify the table set's checksums, (2) open the store (which fills the DRAM
-tier), (3) open the Unix socket, gRPC and metrics listeners, (4) write the
-ready file (JSON with the real addresses) and send systemd ``READY=1``.
-A layer the store cannot serve (file missing or truncated, with ``verify`` off)
-is left out of ``info()`` (listed under ``layers_unavailable``); its lookups
-fail with a StorageError naming it. SIGTERM/SIGINT: ``STOPPING=1``, stop accepting, let in-flight
+the daemon in a moment rather than after a DRAM fill, (1) with ``verify``,
+check that every data and page checksum file is there and whole (sizes only:
+no table byte is read), (2) open the store (which fills the DRAM tier in
+resident mode, checking every page's crc32c as it reads it: one pass; cached
+mode reads nothing and starts at once, its pages are checked when read and
+by the background scrub), (3) open the Unix socket, gRPC and metrics
+listeners, (4) write the ready file (JSON with the real addresses) and send
+systemd ``READY=1``. A corrupt page never stops the daemon: its rows are
+refused (CorruptRows), the rest is served, and ``info()`` lists it under
+``bad_pages``. A layer the store cannot serve (file missing or truncated, with
+``verify`` off) is left out of ``info()`` (listed under ``layers_unavailable``);
+its lookups fail with a StorageError naming it. SIGTERM/SIGINT: ``STOPPING=1``, stop accepting, let in-flight
 lookups finish (``drain_seconds`` at most), close the store, exit 0.
 """
 
@@ -40,24 +45,23 @@ StoreOpener = Callable[[DaemonConfig], RowStore]
 
 
 def open_store(config: DaemonConfig) -> RowStore:
-    """Verify (when configured) and open the table set with the tiered store."""
+    """Open the table set with the tiered store; with ``verify``, refuse one whose data or
+    checksum files are missing or truncated (sizes only: pages are checked as they are read)."""
     if not config.tables:
         raise errors.ConfigError("config key 'tables' is empty: give --tables DIR (a table-set directory)")
     if config.verify:
-        tables = TableSet.open(config.tables)
-        try:
-            bad = tables.verify()
-        finally:
-            tables.close()
-        if bad:
-            raise errors.TableFormatError(f"{config.tables}: {len(bad)} corrupt chunk(s), first: {bad[0]}; "
-                                          "re-import or re-synth the table set")
-        log.info("verified checksums of %s", config.tables)
+        TableSet.open(config.tables).close()
     from ..storage.tiered import TieredStore  # the engine is loaded only by the daemon
 
-    return TieredStore.open(config.tables, dram_bytes=config.dram_bytes, mode=config.store_mode,
-                            policy=config.cache_policy, queue_depth=config.nvme_queue_depth,
-                            huge_pages=config.huge_pages, warmup=config.warmup_profile or None)
+    store = TieredStore.open(config.tables, dram_bytes=config.dram_bytes, mode=config.store_mode,
+                             policy=config.cache_policy, queue_depth=config.nvme_queue_depth,
+                             huge_pages=config.huge_pages, warmup=config.warmup_profile or None,
+                             scrub_bytes_per_second=config.scrub_bytes_per_second)
+    for layer, ranges in store.bad_pages().items():
+        log.error("layer %d: %d corrupt pages (page ranges %s) are refused; the rest is served. Engine plugins "
+                  "reading the arena in place must skip them (info 'bad_pages'); repair the table set",
+                  layer, sum(b - a for a, b in ranges), ranges[:8])
+    return store
 
 
 def raise_fd_limit() -> int:
@@ -120,7 +124,14 @@ class Daemon:
             "version": __version__,
             "protocol_version": wire.VERSION, "pid": os.getpid(),
             "arena": None if arena is None else arena.layout.to_dict() | {"huge_pages": arena.huge_pages},
+            "bad_pages": self.bad_pages(),
         }
+
+    def bad_pages(self) -> dict[str, list[list[int]]]:
+        """Pages of each layer whose crc32c failed: ``{layer: [[first_page, end_page), ...]}``.
+        Their rows are refused; a reader of the resident arena in place must skip them."""
+        bad_pages = getattr(self.store, "bad_pages", None)
+        return {str(layer): ranges for layer, ranges in bad_pages().items()} if bad_pages is not None else {}
 
     def unavailable_layers(self) -> dict[int, str]:
         """Layers of the table set the store cannot serve, with the reason."""

@@ -3,7 +3,10 @@
 *Resident* mode (:class:`ResidentArena`): every layer is loaded once at start,
 in the engines' layout (:mod:`.arena_layout`: a block of all payloads, then a
 block of all scales, each 2 MiB aligned), by large sequential reads whose 4 KiB
-pages are split into the two blocks as they arrive. The memfd is then sealed
+pages are checked against their crc32c (one native call per 64 MiB chunk) and
+split into the two blocks as they arrive. The rows of a page that fails (or of
+a chunk whose read fails) are left zero in the arena and reported, so the
+store refuses them; a bad page never stops the fill. The memfd is then sealed
 (no write, shrink or grow) so that any process receiving it can map it
 read-only, gather rows by itself, or hand the blocks to an engine's kernel.
 
@@ -29,10 +32,12 @@ from typing import Callable
 
 import numpy as np
 
+from ..errors import StorageError
 from ..layout import PAGE_BYTES
 from ..spec import RowFormat
 from .arena_layout import ArenaLayout
 from .base import ArenaInfo
+from .checksums import bad_pages as check_pages
 from .nvme import LayerFile
 from .policy import make_policy
 from .syscalls import HUGE_PAGE, aligned_buffer, as_array, create_memfd, map_fd, round_up, seal_read_only, shmem_thp
@@ -43,6 +48,7 @@ LAYER_SHIFT = 40  # cache key = layer_index << LAYER_SHIFT | row
 ROW_MASK = (1 << LAYER_SHIFT) - 1
 FILL_CHUNK_BYTES = 64 << 20
 BulkRead = Callable[[LayerFile, int, int, object], None]  # (layer file, file offset, nbytes, dest buffer)
+OnBadPages = Callable[[int, np.ndarray, str], None]  # (layer, page numbers, who found them)
 
 
 PARALLEL_MIN_ROWS = 16384  # fallback only: numpy gathers this large are split across Python threads
@@ -147,8 +153,9 @@ class ResidentArena:
 
     @classmethod
     def build(cls, files: list[LayerFile], row_format: RowFormat, bulk_read: BulkRead, *, huge: bool = True,
-              chunk_bytes: int = FILL_CHUNK_BYTES) -> "ResidentArena":
-        """Allocate, fill from ``files`` (healthy layers only), seal, map read-only."""
+              chunk_bytes: int = FILL_CHUNK_BYTES, on_bad: OnBadPages | None = None) -> "ResidentArena":
+        """Allocate, fill from ``files`` (healthy layers only), seal, map read-only. Pages
+        that fail their crc32c are reported to ``on_bad`` (their rows stay zero)."""
         layout = resident_layout([(lf.layer, lf.layout.rows) for lf in files], row_format)
         size = layout.size
         memfd = create_memfd("engram-arena", size, huge=huge)
@@ -159,7 +166,9 @@ class ResidentArena:
             for lf, a in zip(files, layout.layers):
                 weights = data[a.weight_offset: a.weight_offset + a.rows * a.weight_bytes].reshape(a.rows, a.weight_bytes)
                 scales = data[a.scale_offset: a.scale_offset + a.rows * a.scale_bytes].reshape(a.rows, a.scale_bytes)
-                fill_split(weights, scales, lf, bulk_read, chunk_bytes)
+                bad = fill_split(weights, scales, lf, bulk_read, chunk_bytes)
+                if len(bad) and on_bad is not None:
+                    on_bad(lf.layer, bad, "the resident fill")
             del data, weights, scales
         except BaseException:
             mm.close()
@@ -191,28 +200,39 @@ class ResidentArena:
         self.memfd.close()
 
 
-def fill_split(weights: np.ndarray, scales: np.ndarray, lf: LayerFile, bulk_read: BulkRead, chunk_bytes: int) -> None:
-    """Read ``lf`` front to back in chunks (the next chunk is read while the current one
-    is split) and write each row's payload into ``weights`` (uint8 ``[rows, wb]``) and its
-    scales into ``scales`` (uint8 ``[rows, sb]``)."""
+def fill_split(weights: np.ndarray, scales: np.ndarray, lf: LayerFile, bulk_read: BulkRead,
+               chunk_bytes: int) -> np.ndarray:
+    """Read ``lf`` front to back in chunks (the next chunk is read and checked while the
+    current one is split) and write each row's payload into ``weights`` (uint8 ``[rows, wb]``)
+    and its scales into ``scales`` (uint8 ``[rows, sb]``). Each chunk's pages are checked
+    against ``lf.crcs`` (when set); returns the int64 page numbers that failed, or whose
+    chunk could not be read (logged), whose rows are left zero."""
     layout = lf.layout
     rpp, rb, wb = layout.rows_per_page, layout.row_bytes, weights.shape[1]
     chunk_pages = max(1, chunk_bytes // PAGE_BYTES)
     spans = [(p, min(p + chunk_pages, layout.pages)) for p in range(0, layout.pages, chunk_pages)]
     if not spans:
-        return
+        return np.empty(0, dtype=np.int64)
     buffers = [aligned_buffer(min(chunk_pages, layout.pages) * PAGE_BYTES) for _ in range(min(2, len(spans)))]
 
-    def read(i: int):
+    def read(i: int) -> tuple[object, np.ndarray]:
         p0, p1 = spans[i]
         buf = buffers[i % len(buffers)]
-        bulk_read(lf, p0 * PAGE_BYTES, (p1 - p0) * PAGE_BYTES, buf)
-        return buf
+        try:
+            bulk_read(lf, p0 * PAGE_BYTES, (p1 - p0) * PAGE_BYTES, buf)
+        except StorageError as exc:
+            log.error("layer %d: pages %d..%d (file offsets %d..%d) unreadable, their rows are refused: %s",
+                      lf.layer, p0, p1 - 1, p0 * PAGE_BYTES, p1 * PAGE_BYTES, exc)
+            return buf, np.arange(p0, p1, dtype=np.int64)
+        if lf.crcs is None:
+            return buf, np.empty(0, dtype=np.int64)
+        return buf, p0 + check_pages(buf, lf.crcs[p0:p1])
 
+    bad_parts = []
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-fill") as ex:
         pending = ex.submit(read, 0)
         for i, (p0, p1) in enumerate(spans):
-            buf = pending.result()
+            buf, bad = pending.result()
             if i + 1 < len(spans):
                 pending = ex.submit(read, i + 1)
             r0, r1 = p0 * rpp, min(p1 * rpp, layout.rows)
@@ -220,9 +240,16 @@ def fill_split(weights: np.ndarray, scales: np.ndarray, lf: LayerFile, bulk_read
             rows = pages[:, : rpp * rb].reshape((p1 - p0) * rpp, rb)[: r1 - r0]
             weights[r0:r1] = rows[:, :wb]
             scales[r0:r1] = rows[:, wb:]
+            if len(bad):  # never leave a corrupt page's bytes where an in-place reader could take them
+                bad_parts.append(bad)
+                bad_rows = (bad[:, None] * rpp + np.arange(rpp)).reshape(-1)
+                bad_rows = bad_rows[bad_rows < layout.rows]
+                weights[bad_rows] = 0
+                scales[bad_rows] = 0
             del pages, rows
     for buf in buffers:
         buf.close()
+    return np.concatenate(bad_parts) if bad_parts else np.empty(0, dtype=np.int64)
 
 
 class RowCache:

@@ -13,9 +13,19 @@ the store is *resident* (whole table set in a sealed memfd, see
 slot arena and its per-slot bookkeeping, and missing rows come from NVMe
 (O_DIRECT page reads) and are offered to the cache policy.
 
-Layer files are opened one by one: a layer whose file is missing or truncated
-is reported (``StorageError`` on lookup, ``layer_errors()``) while the other
-layers keep serving. Thread-safe: any number of threads may look up at once.
+Layer files are opened one by one: a layer whose file (or page checksum
+file) is missing or truncated is reported (``StorageError`` on lookup,
+``layer_errors()``) while the other layers keep serving.
+
+Integrity: every page read from NVMe, by the resident fill, a lookup or the
+background scrub (cached mode, ``scrub_bytes_per_second``), is checked
+against its crc32c. A page that fails is logged once and counted
+(``corrupt_pages``); its rows are refused with :class:`~engram_store.errors.CorruptRows`
+(the whole request fails, naming the rows and pages) and never enter the
+DRAM tier, while every other row keeps being served (:mod:`.integrity`).
+
+Thread-safe: any number of threads may look up at once. :meth:`close` waits
+for the lookups in flight; later calls raise ``StorageError("the store is closed")``.
 """
 
 from __future__ import annotations
@@ -28,14 +38,17 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError, InvalidRequest, RowOutOfRange, StorageError, UnknownLayer
-from ..manifest import Manifest
+from ..errors import ConfigError, InvalidRequest, RowOutOfRange, StorageError, TableFormatError, UnknownLayer
+from ..manifest import Manifest, load_page_crcs
 from .arena import LAYER_SHIFT, ROW_MASK, Gatherer, ResidentArena, RowCache, resident_layout
 from .base import ArenaInfo
+from .checksums import implementation as checksum_implementation
 from .gds import make_bulk_reader
+from .integrity import PageHealth
 from .nvme import DEFAULT_CHUNK_PAGES, DEFAULT_MAX_COALESCE_PAGES, DEFAULT_QUEUE_DEPTH, LayerFile, NvmeTier, PageReader
 from .policy import POLICIES, policy_bytes_per_slot
 from .profile import DEFAULT_CAPACITY, AccessSampler, merge_hottest, read_profile, write_profile
+from .scrub import Scrubber
 from .stats import LookupStats, StoreCounters
 from .syscalls import open_direct
 
@@ -52,7 +65,8 @@ class TieredStore:
     """A table set served from a DRAM tier in front of an NVMe tier. Implements ``RowStore``."""
 
     def __init__(self, directory: Path, manifest: Manifest, files: dict[int, LayerFile], nvme: NvmeTier,
-                 arena: ResidentArena | None, cache: RowCache | None, sampler: AccessSampler, gatherer: Gatherer) -> None:
+                 arena: ResidentArena | None, cache: RowCache | None, sampler: AccessSampler, gatherer: Gatherer,
+                 health: PageHealth | None = None) -> None:
         self.directory = directory
         self.manifest = manifest
         self._files = files
@@ -62,8 +76,11 @@ class TieredStore:
         self._sampler = sampler
         self._gather = gatherer
         self._counters = StoreCounters()
+        self._health = health or PageHealth({k: lf.layout for k, lf in files.items()}, {k: lf.path for k, lf in files.items()})
+        self._scrub: Scrubber | None = None
         self._closed = False
-        self._close_lock = threading.Lock()
+        self._gate = threading.Condition()  # guards _closed and _active: close() waits for lookups in flight
+        self._active = 0
         self.bulk_reader = "none"
 
     # --- opening -------------------------------------------------------
@@ -72,7 +89,7 @@ class TieredStore:
              queue_depth: int = DEFAULT_QUEUE_DEPTH, policy: str = "s3fifo", huge_pages: bool = True,
              gds: str = "auto", reader: str = "auto", max_coalesce_pages: int = DEFAULT_MAX_COALESCE_PAGES,
              warmup: str | os.PathLike | None = None, profile_capacity: int = DEFAULT_CAPACITY,
-             gather_threads: int | None = None) -> "TieredStore":
+             gather_threads: int | None = None, scrub_bytes_per_second: int = 0) -> "TieredStore":
         """Open the table set in ``directory``.
 
         ``dram_bytes``: DRAM budget of the DRAM tier. ``mode``: ``auto`` (resident when the
@@ -82,6 +99,8 @@ class TieredStore:
         kvikio for the resident fill. ``reader``: ``auto``/``native``/``threads``.
         ``warmup``: an access profile to load into the cache at start.
         ``gather_threads``: threads copying rows of one large request (default: CPU count, at most 8).
+        ``scrub_bytes_per_second``: cached mode, read and check every page in the background at
+        this rate (0: no scrub; pages are checked when read either way).
         """
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -95,6 +114,8 @@ class TieredStore:
             raise ConfigError(f"queue_depth must be an integer in 1..{MAX_QUEUE_DEPTH}, got {queue_depth!r}")
         if not isinstance(max_coalesce_pages, int) or not 1 <= max_coalesce_pages <= MAX_COALESCE_PAGES:
             raise ConfigError(f"max_coalesce_pages must be an integer in 1..{MAX_COALESCE_PAGES}, got {max_coalesce_pages!r}")
+        if not isinstance(scrub_bytes_per_second, int) or scrub_bytes_per_second < 0:
+            raise ConfigError(f"scrub_bytes_per_second must be a non-negative integer, got {scrub_bytes_per_second!r}")
         try:
             page_reader = PageReader(queue_depth, reader)
         except ValueError as exc:
@@ -102,6 +123,7 @@ class TieredStore:
         directory = Path(directory)
         manifest = Manifest.load(directory)
         files = {e.layer: _open_layer(directory, e) for e in manifest.layers}
+        health = PageHealth({k: lf.layout for k, lf in files.items()}, {k: lf.path for k, lf in files.items()})
         table_pages = sum(e.layout.pages for e in manifest.layers)
         nvme = NvmeTier(files, page_reader, max_coalesce_pages=max_coalesce_pages,
                         chunk_pages=min(DEFAULT_CHUNK_PAGES, max(256, table_pages // 64)))
@@ -117,7 +139,7 @@ class TieredStore:
         try:
             if resident:
                 bulk, bulk_name = make_bulk_reader(page_reader, gds)
-                arena = ResidentArena.build(healthy, manifest.spec.row_format, bulk, huge=huge_pages)
+                arena = ResidentArena.build(healthy, manifest.spec.row_format, bulk, huge=huge_pages, on_bad=health.mark)
             else:
                 per_slot = row_bytes + CACHE_BYTES_PER_SLOT + policy_bytes_per_slot(policy)
                 n_slots = dram_bytes // per_slot
@@ -131,10 +153,14 @@ class TieredStore:
         total_rows = sum(e.rows for e in manifest.layers)
         sampler = AccessSampler(min(profile_capacity, max(1024, total_rows // 64)))
         threads = gather_threads if gather_threads is not None else min(8, os.cpu_count() or 1)
-        store = cls(directory, manifest, files, nvme, arena, cache, sampler, Gatherer(threads))
+        store = cls(directory, manifest, files, nvme, arena, cache, sampler, Gatherer(threads), health)
         store.bulk_reader = bulk_name
-        log.info("opened %s: %s mode, %d layers (%d unavailable), reader %s, queue depth %d",
-                 directory, store.mode, len(files), len(files) - len(healthy), page_reader.backend, queue_depth)
+        if scrub_bytes_per_second and cache is not None:
+            store._scrub = Scrubber(healthy, page_reader, health, scrub_bytes_per_second).start()
+        log.info("opened %s: %s mode, %d layers (%d unavailable), reader %s, queue depth %d, page checks crc32c "
+                 "(%s)%s", directory, store.mode, len(files), len(files) - len(healthy), page_reader.backend,
+                 queue_depth, checksum_implementation(),
+                 f", {health.pages} corrupt pages refused" if health.pages else "")
         if warmup is not None:
             try:
                 store.warm_up(warmup)
@@ -176,10 +202,27 @@ class TieredStore:
 
     def lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> LookupStats:
         """Fill ``out[i]`` with the bytes of row ``row_ids[i]`` (see ``RowStore``); returns
-        the stats of this call."""
+        the stats of this call. Raises CorruptRows when a row sits in a corrupt page."""
         t0 = time.perf_counter()
-        if self._closed:
-            raise StorageError("the store is closed")
+        self._enter()
+        try:
+            return self._lookup_into(layer, row_ids, out, t0)
+        finally:
+            self._exit()
+
+    def _enter(self) -> None:
+        with self._gate:
+            if self._closed:
+                raise StorageError("the store is closed")
+            self._active += 1
+
+    def _exit(self) -> None:
+        with self._gate:
+            self._active -= 1
+            if self._closed and not self._active:
+                self._gate.notify_all()
+
+    def _lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray, t0: float) -> LookupStats:
         lf = self._layer(layer)
         flat, out2 = self._check_request(lf, row_ids, out)
         if lf.file is None:
@@ -194,6 +237,11 @@ class TieredStore:
                 self._gather.take_split(*self._arena.blocks[lf.layer], flat, out2)
             except IndexError:
                 raise self._out_of_range(lf, flat) from None
+            if self._health.has_bad(lf.layer):
+                bad = self._health.bad_rows(lf.layer, flat)
+                if bad.any():
+                    self._counters.error()
+                    raise self._health.refuse(lf.layer, np.unique(flat[bad]), int(np.count_nonzero(bad)))
             self._sampler.record(lf.layer, flat)
             seconds = time.perf_counter() - t0
             self._counters.add_dram(n, n * self.row_bytes, seconds)
@@ -222,10 +270,28 @@ class TieredStore:
         ``(weights uint8 [rows, dim], scales uint8 [rows, scale_count])``; ``{}`` in cached
         mode. For a caller that gathers with its own native code (the daemon's Unix fast
         path): it must stop using the views before :meth:`close`, check every id against
-        ``rows``, and report each lookup with :meth:`record_resident_lookup`."""
+        ``rows``, and report each lookup with :meth:`record_resident_lookup`. A layer with a
+        corrupt page (see :meth:`bad_pages`) is left out: only :meth:`lookup_into` refuses
+        its rows, so its lookups must come here."""
         if self._arena is None or self._closed:
             return {}
-        return {layer: self._arena.blocks[layer] for layer, lf in self._files.items() if lf.file is not None}
+        views = {}
+        for layer, lf in self._files.items():
+            if lf.file is None:
+                continue
+            if self._health.has_bad(layer):
+                log.warning("layer %d has corrupt pages: its lookups take the checked path, not the caller's "
+                            "native gather", layer)
+                continue
+            views[layer] = self._arena.blocks[layer]
+        return views
+
+    def bad_pages(self) -> dict[int, list[list[int]]]:
+        """Pages known corrupt: ``{layer: [[first_page, end_page), ...]}`` (file offset of a page:
+        ``page * 4096``; rows ``page * rows_per_page ..`` of it). Their rows are refused; in
+        resident mode the arena holds zeros for them, so a reader of the arena in place must
+        skip them itself."""
+        return self._health.bad_ranges()
 
     @property
     def gather_threads(self) -> int:
@@ -257,6 +323,8 @@ class TieredStore:
         distinct, inverse = np.unique(flat[miss], return_inverse=True)
         data = np.empty((len(distinct), self.row_bytes), dtype=np.uint8)
         rs = self._nvme.read_rows(layer, distinct, data)
+        if len(rs.bad_pages):
+            self._refuse_read(layer, distinct, inverse, data, rs.bad_pages)
         if len(miss) == len(flat):
             np.take(data, inverse, axis=0, out=out2, mode="clip")  # no temporary of the request's size
         else:
@@ -265,6 +333,16 @@ class TieredStore:
         st.nvme_rows_distinct = len(distinct)
         st.nvme_pages_read, st.nvme_reads, st.nvme_bytes_read, st.nvme_read_seconds = rs.pages, rs.reads, rs.bytes, rs.seconds
         st.cache_admitted = cache.admit(layer, distinct, data)
+
+    def _refuse_read(self, layer: int, distinct: np.ndarray, inverse: np.ndarray, data: np.ndarray,
+                     bad_pages: np.ndarray) -> None:
+        """Rows just read include some of corrupt pages: admit the verified ones, raise CorruptRows."""
+        self._health.mark(layer, bad_pages, "an NVMe read")
+        bad = np.isin(distinct // self._files[layer].layout.rows_per_page, bad_pages)
+        good = np.flatnonzero(~bad)
+        if len(good):
+            self._cache.admit(layer, distinct[good], data[good])
+        raise self._health.refuse(layer, distinct[bad], int(np.count_nonzero(bad[inverse])))
 
     def _layer(self, layer) -> LayerFile:
         if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)) or int(layer) not in self._files:
@@ -302,6 +380,13 @@ class TieredStore:
     def warm_up(self, profile: str | os.PathLike | np.ndarray) -> int:
         """Load the rows of an access profile (a path or int64 ``[n, 2]`` pairs, hottest
         first) into the cache, up to its capacity. Returns rows loaded (0 when resident)."""
+        self._enter()
+        try:
+            return self._warm_up(profile)
+        finally:
+            self._exit()
+
+    def _warm_up(self, profile: str | os.PathLike | np.ndarray) -> int:
         pairs = read_profile(profile) if not isinstance(profile, np.ndarray) else profile.reshape(-1, 2).astype(np.int64)
         if self._cache is None:
             log.info("warm-up skipped: resident mode holds every row already")
@@ -321,7 +406,11 @@ class TieredStore:
             for lo in range(0, len(valid), self._cache.admit_limit):
                 part = valid[lo : lo + self._cache.admit_limit]
                 data = np.empty((len(part), self.row_bytes), dtype=np.uint8)
-                self._nvme.read_rows(int(layer), part, data)
+                rs = self._nvme.read_rows(int(layer), part, data)
+                if len(rs.bad_pages):
+                    self._health.mark(int(layer), rs.bad_pages, "the warm-up")
+                    good = ~np.isin(part // lf.layout.rows_per_page, rs.bad_pages)
+                    part, data = part[good], data[good]
                 loaded += self._cache.admit(int(layer), part, data, main=True)
         log.info("warm-up: %d rows loaded in %.2fs", loaded, time.perf_counter() - t0)
         return loaded
@@ -352,6 +441,10 @@ class TieredStore:
         d = self._counters.snapshot()
         d["resident"] = int(self._arena is not None)
         d["layers_unavailable"] = len(self.layer_errors())
+        d["corrupt_pages"] = self._health.pages
+        d["corrupt_rows_refused"] = self._health.rows_refused
+        d["scrub_bytes"] = self._scrub.bytes_checked if self._scrub is not None else 0
+        d["scrub_passes"] = self._scrub.passes if self._scrub is not None else 0
         d["arena_bytes"] = self._arena.nbytes if self._arena is not None else 0
         d["arena_huge_pages"] = {"none": 0, "thp": 1, "hugetlb": 2}[self._arena.huge_pages] if self._arena else 0
         c = self._cache
@@ -372,21 +465,28 @@ class TieredStore:
         meta = c.metadata_bytes() if c is not None else 0
         maps = c.map_bytes() if c is not None else 0
         staging = self._nvme.buffers.nbytes * self._nvme.buffers.retained()
-        beyond = maps + staging + self._sampler.nbytes
+        crcs = sum(lf.crcs.nbytes for lf in self._files.values() if lf.crcs is not None)
+        beyond = maps + staging + self._sampler.nbytes + crcs
         return {
             "table_bytes": table,
             "cache_metadata_bytes": meta,  # inside the dram_bytes budget
             "row_map_bytes": maps,  # allocated zeroed: untouched pages cost nothing
             "staging_bytes": staging,
+            "page_crc_bytes": crcs,  # expected crc32c of every page: 4 bytes per 4 KiB
             "beyond_dram_bytes": beyond,
             "beyond_dram_fraction": beyond / table if table else 0.0,
         }
 
     def close(self) -> None:
-        with self._close_lock:
+        """Wait for the lookups in flight, then release files and memory; later lookups raise
+        StorageError("the store is closed")."""
+        with self._gate:
             if self._closed:
                 return
             self._closed = True
+            self._gate.wait_for(lambda: self._active == 0)
+        if self._scrub is not None:
+            self._scrub.stop()
         self._nvme.close()
         self._nvme.reader.close()
         self._gather.close()
@@ -415,7 +515,12 @@ def _open_layer(directory: Path, entry) -> LayerFile:
         opened.close()
         return _broken(entry, path, layout, f"{path} has {opened.size} bytes, the manifest says {entry.file_bytes} "
                                             "(truncated?); re-import or re-synth the table set")
-    return LayerFile(entry.layer, str(path), layout, opened)
+    try:
+        crcs = load_page_crcs(directory, entry)
+    except TableFormatError as exc:
+        opened.close()
+        return _broken(entry, path, layout, str(exc))
+    return LayerFile(entry.layer, str(path), layout, opened, crcs=crcs)
 
 
 def _broken(entry, path: Path, layout, why: str) -> LayerFile:
