@@ -14,9 +14,11 @@ daemon is resident, the whole table arena read-only (``arena``). ``grpc://HOST:P
 (``grpcs://`` with ``tls_ca``) works from anywhere; the daemon requires client
 authentication there: ``token_file=`` (or ``token=``, or the file named by
 ``ENGRAM_STORE_GRPC_TOKEN_FILE``) and/or a client certificate (``tls_cert``,
-``tls_key``). Thread-safe. When the
-daemon restarts, the next call reconnects by itself (within ``reconnect_timeout``)
-and ``generation`` goes up: views, ``shared_region`` and ``arena`` taken
+``tls_key``). Thread-safe. Each call waits at most ``timeout`` seconds for the
+daemon (``DeadlineExceeded`` after that). When the daemon restarts, the next call
+reconnects by itself, and a submitted lookup is asked again of the new daemon,
+for ``reconnect_timeout`` seconds at most (then ``Unavailable`` says how long it
+tried, e.g. while the daemon crash-loops); ``generation`` goes up on each reconnect: views, ``shared_region`` and ``arena`` taken
 before belong to the old connection and must be fetched again.
 Errors are ``engram_store.errors`` classes carrying the daemon's message.
 """
@@ -39,26 +41,46 @@ class LookupHandle:
     """A submitted lookup: ``wait()`` -> rows (a read-only view of the shared region over unix,
     an owned array over gRPC); ``release()`` frees the region space. Also a context manager."""
 
-    __slots__ = ("_client", "_layer", "_ids", "_inner", "_rows")
+    __slots__ = ("_client", "_layer", "_ids", "_inner", "_rows", "_retry_deadline")
 
     def __init__(self, client: "EngramClient", layer: int, row_ids: np.ndarray) -> None:
         self._client, self._layer, self._ids = client, layer, row_ids
         self._inner: Any = None
         self._rows: np.ndarray | None = None
+        self._retry_deadline: float | None = None  # set by the first lost connection
         self._start()
 
     def _start(self) -> None:
-        self._inner = self._client._with_transport(lambda t: _submit(t, self._layer, self._ids))
+        self._inner = self._client._with_transport(lambda t: _submit(t, self._layer, self._ids), self._retry_deadline)
 
     def wait(self) -> np.ndarray:
+        """The rows. If the daemon goes away meanwhile, the lookup is asked again of the
+        restarted one, until ``reconnect_timeout`` after the first loss; then Unavailable."""
         if self._rows is None:
             while True:
                 try:
                     self._rows = self._inner.wait() if hasattr(self._inner, "wait") else self._inner
                     break
-                except errors.Unavailable:  # the daemon went away: ask the restarted one
-                    self._start()
+                except errors.Unavailable as exc:  # the daemon went away: ask the restarted one
+                    self._retry(exc)
         return self._rows
+
+    def _retry(self, lost: errors.Unavailable) -> None:
+        client, now = self._client, time.monotonic()
+        if self._retry_deadline is None:
+            self._retry_deadline = now + client.reconnect_timeout
+        if now >= self._retry_deadline or client._closed:
+            raise errors.Unavailable(
+                f"lookup of layer {self._layer} ({self._ids.size} rows) not answered: the daemon at {client.address} "
+                f"went away and was retried for {client.reconnect_timeout:g}s (reconnect_timeout) without an answer; "
+                f"last error: {lost}") from None
+        try:
+            self._start()
+        except errors.Unavailable as exc:
+            raise errors.Unavailable(
+                f"lookup of layer {self._layer} ({self._ids.size} rows) not answered: the daemon at {client.address} "
+                f"went away and could not be reached again within {client.reconnect_timeout:g}s (reconnect_timeout): "
+                f"{exc}") from None
 
     def done(self) -> bool:
         return self._rows is not None
@@ -90,10 +112,14 @@ class EngramClient:
     def __init__(self, address: str, *, shm_bytes: int = 0, connect_timeout: float = 5.0,
                  reconnect_timeout: float = 30.0, tls_ca: str | None = None, spin_us: int = 0,
                  token: str | None = None, token_file: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
+                 tls_key: str | None = None, timeout: float | None = None) -> None:
         if not address.startswith(_SCHEMES):
             raise errors.ConfigError(f"address {address!r}: expected unix:///path/to.sock, grpc://host:port or grpcs://host:port")
-        self.address = address
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+            raise errors.ConfigError(f"timeout must be a positive number of seconds (or None for the default), got {timeout!r}")
+        if isinstance(reconnect_timeout, bool) or not isinstance(reconnect_timeout, (int, float)) or not reconnect_timeout >= 0:
+            raise errors.ConfigError(f"reconnect_timeout must be a number of seconds >= 0, got {reconnect_timeout!r}")
+        self.address, self.timeout = address, timeout
         self.shm_bytes, self.connect_timeout = shm_bytes, connect_timeout
         self.reconnect_timeout, self.tls_ca, self.spin_us = reconnect_timeout, tls_ca, spin_us
         self._auth = {"token": token, "token_file": token_file, "tls_cert": tls_cert, "tls_key": tls_key}
@@ -106,8 +132,12 @@ class EngramClient:
     def connect(cls, address: str, *, shm_bytes: int = 0, connect_timeout: float = 5.0,
                 reconnect_timeout: float = 30.0, tls_ca: str | None = None, spin_us: int = 0,
                 token: str | None = None, token_file: str | None = None, tls_cert: str | None = None,
-                tls_key: str | None = None) -> "EngramClient":
+                tls_key: str | None = None, timeout: float | None = None) -> "EngramClient":
         """Connect now (raises Unavailable if the daemon is not there); later calls reconnect by themselves.
+        ``timeout``: the longest one call waits for the daemon's answer, in seconds (default
+        10 over unix, 60 over gRPC); past it DeadlineExceeded (the unix connection is closed,
+        the next call reconnects). ``reconnect_timeout``: how long calls, and a submitted
+        lookup's ``wait()``, keep trying a daemon that went away before Unavailable.
         ``shm_bytes``: size of the shared region to ask for (0 = the daemon's client_shm_bytes).
         ``spin_us`` (unix): busy-poll this long for a reply before sleeping; lower latency when
         the client has a spare CPU (e.g. 2000 for decode-sized lookups), 0 to never spin.
@@ -117,7 +147,7 @@ class EngramClient:
         ``errors.Unauthenticated`` (never retried)."""
         client = cls(address, shm_bytes=shm_bytes, connect_timeout=connect_timeout,
                      reconnect_timeout=reconnect_timeout, tls_ca=tls_ca, spin_us=spin_us, token=token,
-                     token_file=token_file, tls_cert=tls_cert, tls_key=tls_key)
+                     token_file=token_file, tls_cert=tls_cert, tls_key=tls_key, timeout=timeout)
         client._current()
         return client
 
@@ -126,14 +156,16 @@ class EngramClient:
         if self.address.startswith("unix://"):
             from engram_store.daemon.unix_client import UnixTransport
 
+            timeout = {} if self.timeout is None else {"timeout": self.timeout}
             return UnixTransport(self.address[len("unix://"):], self.shm_bytes, self.connect_timeout,
-                                 spin_seconds=self.spin_us / 1e6)
+                                 spin_seconds=self.spin_us / 1e6, **timeout)
         from engram_store.daemon.grpc_client import GrpcTransport
 
         target = self.address.split("://", 1)[1]
         if self.address.startswith("grpcs://") and not self.tls_ca:
             raise errors.ConfigError("grpcs:// needs tls_ca (the PEM file of the daemon's CA)")
-        return GrpcTransport(target, tls_ca=self.tls_ca, connect_timeout=self.connect_timeout, **self._auth)
+        timeout = {} if self.timeout is None else {"call_timeout": self.timeout}
+        return GrpcTransport(target, tls_ca=self.tls_ca, connect_timeout=self.connect_timeout, **self._auth, **timeout)
 
     def _current(self) -> Any:
         with self._lock:
@@ -147,9 +179,10 @@ class EngramClient:
                 self.generation += 1
             return self._transport
 
-    def _with_transport(self, call: Callable[[Any], T]) -> T:
-        """Run ``call(transport)``; on Unavailable reconnect and retry until reconnect_timeout."""
-        deadline, backoff = None, 0.02
+    def _with_transport(self, call: Callable[[Any], T], deadline: float | None = None) -> T:
+        """Run ``call(transport)``; on Unavailable reconnect and retry until reconnect_timeout
+        after the first failure (or until ``deadline``, monotonic, when given)."""
+        backoff = 0.02
         while True:
             try:
                 return call(self._current())
