@@ -19,6 +19,8 @@ VLLM_REQ ?= vllm==0.33.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
+NATIVE_STAMP := $(VENV)/.native-built
+NATIVE_SOURCES := $(wildcard engram_store/*/*.c engram_store/*/*.h) setup.py
 
 .PHONY: run test venv tables bench clean
 
@@ -35,13 +37,18 @@ $(VLLM_STAMP): tests/vllm-requirements.txt | $(STAMP)
 	$(BIN)/pip install --quiet --no-deps -r tests/vllm-requirements.txt
 	touch $@
 
+# An edited C file is rebuilt before anything runs (pip install -e builds the extensions in place).
+$(NATIVE_STAMP): $(NATIVE_SOURCES) | $(STAMP)
+	$(BIN)/pip install --quiet --no-deps -e .
+	touch $@
+
 tables: $(TABLES)/manifest.json
 
-$(TABLES)/manifest.json: | $(STAMP)
+$(TABLES)/manifest.json: | $(STAMP) $(NATIVE_STAMP)
 	$(BIN)/engram-store synth --model $(MODEL) --scale $(SCALE) --seed 0 --out $(TABLES)
 
 # gRPC clients authenticate with the token in $(RUN_DIR)/grpc.token (made once, mode 0600).
-run: $(STAMP) tables
+run: $(STAMP) $(NATIVE_STAMP) tables
 	mkdir -p $(RUN_DIR)
 	test -s $(RUN_DIR)/grpc.token || (umask 077 && $(BIN)/python -c "import secrets; print(secrets.token_hex(32))" \
 		> $(RUN_DIR)/grpc.token)
@@ -49,7 +56,7 @@ run: $(STAMP) tables
 		--socket $(RUN_DIR)/engram-store.sock --grpc 127.0.0.1:0 --grpc-token-file $(RUN_DIR)/grpc.token \
 		--metrics 127.0.0.1:0 --ready-file $(RUN_DIR)/ready.json
 
-test: $(STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
+test: $(STAMP) $(NATIVE_STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)

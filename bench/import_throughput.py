@@ -61,6 +61,34 @@ def plain_copy(src_files, dst_dir: Path) -> float:
     return time.perf_counter() - t0
 
 
+def verify_import(ckpt: Path, tables: Path, spec, rows_per_layer: int = 2000) -> int:
+    """Compare sampled rows of the imported table set with the checkpoint's tensors; returns
+    how many rows matched (raises on the first mismatch: a bench of a wrong import is void)."""
+    import torch
+    from safetensors import safe_open
+
+    from engram_store.tableset import TableSet
+
+    ts = TableSet.open(tables)
+    checked = 0
+    try:
+        for i, layer in enumerate(spec.layers):
+            with safe_open(str(ckpt / f"model-{i:05d}.safetensors"), framework="pt") as f:  # numpy has no fp8
+                w = f.get_slice(f"model.layers.{layer}.engram.embed.weight")
+                s = f.get_slice(f"model.layers.{layer}.engram.embed.scale")
+                n = spec.rows(layer)
+                ids = np.unique(np.random.default_rng(layer).integers(0, n, min(rows_per_layer, n)))
+                lo, hi = int(ids[0]), int(ids[-1]) + 1
+                want = torch.cat([w[lo:hi].view(torch.uint8), s[lo:hi].view(torch.uint8)], 1).numpy()
+                got = ts.read_rows(layer, ids)
+                if not np.array_equal(got, want[ids - lo]):
+                    raise SystemExit(f"import bench: layer {layer}: imported rows differ from the checkpoint")
+                checked += len(ids)
+    finally:
+        ts.close()
+    return checked
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="deepseek-v4.1-flash")
@@ -88,12 +116,15 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             import_checkpoint(ckpt, work / f"out{rep}", spec)
             import_s.append(time.perf_counter() - t0)
+            if rep == 0:
+                verified = verify_import(ckpt, work / "out0", spec)
             shutil.rmtree(work / f"out{rep}")
         copy_mb_s = table_bytes / 1e6 / min(copy_s)
         import_mb_s = table_bytes / 1e6 / min(import_s)
         result = {"model": spec.name, "scale": args.scale, "table_bytes": table_bytes, "reps": args.reps,
                   "copy_mb_s": round(copy_mb_s, 1), "import_mb_s": round(import_mb_s, 1),
-                  "import_over_copy": round(import_mb_s / copy_mb_s, 3)}
+                  "import_over_copy": round(import_mb_s / copy_mb_s, 3), "verified_rows": verified,
+                  "copy_seconds": copy_s, "import_seconds": import_s}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:

@@ -52,12 +52,14 @@ def test_systemd_analyze_verify_accepts_the_unit(tmp_path):
     assert "engram-store.service" not in result.stderr, result.stderr  # no warning about our unit
 
 
-def test_daemonset_has_tables_shm_and_huge_pages():
+def test_daemonset_has_tables_socket_and_huge_pages():
     text = (DEPLOY / "k8s-daemonset.yaml").read_text()
     assert "kind: DaemonSet" in text
     assert re.search(r"name: tables[^\n]*\n\s+hostPath: \{path: /var/lib/engram-store/tables", text)
     assert "mountPath: /tables, readOnly: true" in text
-    assert re.search(r"name: dshm[^\n]*\n\s+hostPath: \{path: /dev/shm", text) and "mountPath: /dev/shm" in text
-    assert "hugepages-2Mi" in text and "medium: HugePages-2Mi" in text
+    assert re.search(r"name: run[^\n]*\n\s+hostPath: \{path: /run/engram-store", text)
+    # memfds need a hugetlb allowance (the resource), neither a /dev/shm nor a hugetlbfs mount
+    assert re.search(r"requests: \{[^}]*hugepages-2Mi: \d+Gi", text) and "/dev/shm" not in text.split("volumes:")[-1]
+    assert "medium: HugePages-2Mi" not in text
     for env in re.findall(r"name: (ENGRAM_STORE_\w+)", text):  # every variable it sets is a real key
         assert env[len("ENGRAM_STORE_"):].lower() in KEYS, env

@@ -35,16 +35,22 @@ def test_generated_code_works_with_the_installed_runtime():
 
 
 def test_service_implements_every_rpc_of_the_proto():
-    """The generated servicer base answers UNIMPLEMENTED; ours must override every method."""
+    """Every RPC of the proto is an async method of our service, of the streaming kind the
+    proto declares, and none comes from the generated base (whose methods answer UNIMPLEMENTED)."""
+    import inspect
+
     from engram_store._proto import engram_store_pb2 as pb
     from engram_store._proto import engram_store_pb2_grpc as pb_grpc
     from engram_store.daemon.grpc_service import EngramStoreService
 
     (service,) = pb.DESCRIPTOR.services_by_name.values()
-    methods = [m.name for m in service.methods]
-    assert methods, "the proto declares no RPCs"
-    for name in methods:
-        assert getattr(EngramStoreService, name) is not getattr(pb_grpc.EngramStoreServicer, name), name
+    assert list(service.methods), "the proto declares no RPCs"
+    assert not issubclass(EngramStoreService, pb_grpc.EngramStoreServicer)
+    for method in service.methods:
+        fn = inspect.unwrap(getattr(EngramStoreService, method.name, None) or (lambda: None))
+        streams = method.server_streaming
+        assert (inspect.isasyncgenfunction(fn) if streams else inspect.iscoroutinefunction(fn)), \
+            f"{method.name}: expected an async {'generator' if streams else 'coroutine'} method, got {fn!r}"
 
 
 def test_add_service_registers_every_rpc_and_refuses_a_missing_one():

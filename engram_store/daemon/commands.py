@@ -91,8 +91,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         url = url if url.endswith("/metrics") else url + "/metrics"
         with urllib.request.urlopen(url, timeout=10) as resp:
             text = resp.read().decode()
-        values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                  for line in text.splitlines() if line and not line.startswith("#")}
+        values = _prometheus_samples(text)
     else:
         with _connect(args) as client:
             values = client.stats()
@@ -101,6 +100,18 @@ def cmd_stats(args: argparse.Namespace) -> int:
         v = values[key]
         print(f"{key:<{width}}  {int(v) if float(v).is_integer() else round(v, 6)}")
     return 0
+
+
+def _prometheus_samples(text: str) -> dict[str, float]:
+    """``name{label="v",...}`` -> value of every sample of a Prometheus text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
+    return values
 
 
 def cmd_lookup(args: argparse.Namespace) -> int:
