@@ -1,4 +1,4 @@
-"""Security and start-up refusals: socket mode and group, TLS, corrupt tables, size caps."""
+"""Security and start-up refusals: socket mode and group, TLS, corrupt or incomplete tables, size caps."""
 
 from __future__ import annotations
 
@@ -57,17 +57,26 @@ def test_grpc_over_tls(tables, tmp_path):
             EngramClient.connect(f"grpc://{target}", connect_timeout=3, token_file=d.token_file)
 
 
-def test_corrupt_tables_are_refused_at_start(tables, tmp_path):
+def test_a_corrupt_page_at_start_is_refused_alone_and_a_missing_checksum_file_stops_the_daemon(tables, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(tables.directory, bad)
-    layer_file = next(bad.glob("layer_*.bin"))
+    layer_file = bad / "layer_001.bin"
     data = bytearray(layer_file.read_bytes())
-    data[100] ^= 0xFF
+    data[100] ^= 0xFF  # page 0 of layer 1
     layer_file.write_bytes(bytes(data))
+    (tmp_path / "run").mkdir()
+    with DaemonProcess(bad, tmp_path / "run") as d, EngramClient.connect(d.unix) as client:
+        assert client.info()["bad_pages"] == {"1": [[0, 1]]}
+        with pytest.raises(errors.StorageError, match="corrupt page"):
+            client.lookup(1, np.arange(3))
+        ids = np.arange(200, 300)
+        np.testing.assert_array_equal(client.lookup(1, ids), expected(tables, 1, ids))
+    (bad / "layer_003.crc").unlink()
     result = subprocess.run([sys.executable, "-m", "engram_store.daemon", "serve", "--tables", str(bad), "--socket",
                              str(tmp_path / "s.sock"), "--grpc", "", "--metrics", ""],
                             capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert result.returncode == 2 and "corrupt chunk" in result.stderr, result.stderr
+    assert result.returncode == 2 and "layer_003.crc: layer 3 page checksum file is missing" in result.stderr, \
+        result.stderr
     assert not (tmp_path / "s.sock").exists()
 
 
