@@ -22,6 +22,17 @@
  *     (the client stopped reading for longer than the socket's send timeout)
  *     shuts the socket down; the next call then sees EOF.
  *
+ * Fair share: a lookup of more than FAIR_PIECE_ROWS rows is gathered in pieces of
+ * that many rows. The pieces of every connection's large lookups take turns, one
+ * piece at a time in the process (a ticket counter: first come, first served), and
+ * before each piece a large lookup waits while small lookups of other connections
+ * are gathering (up to MAX_YIELD_NS per piece, so large ones still move); while
+ * small lookups keep coming (one in the last RECENT_SMALL_NS), large pieces use one
+ * gather thread fewer, which is then free for the next small one.
+ * A decode-sized lookup beside clients looping 1M-row lookups so finds the gather
+ * pool and the CPUs free within a piece, and large lookups share them in turn.
+ * fair_stats() counts the pieces and the waits.
+ *
  * Why native: in Python the frame, the checks and the reply took ~80 us per
  * request around a 200 us decode gather; the same path here takes a few.
  * The frame layout and constants are engram_store/daemon/wire.py's FRAME;
@@ -31,12 +42,17 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "../storage/_gather_api.h"
 
@@ -45,6 +61,9 @@
 #define OP_LOOKUP 3
 #define OP_RESULT 4
 #define DTYPE_INT64 1
+#define FAIR_PIECE_ROWS 16384   /* larger lookups are gathered in pieces of this many rows, in turns */
+#define MAX_YIELD_NS 2000000LL  /* the longest one piece waits for small lookups to finish */
+#define RECENT_SMALL_NS 10000000LL /* a small lookup this recent: large pieces leave a gather thread free */
 
 enum { SERVED = 0, FRAME = 1, PEER_EOF = 2 };
 
@@ -62,10 +81,63 @@ _Static_assert(sizeof(frame_t) == 56, "frame_t must match wire.FRAME");
 static const engram_gather_api *gather_api;
 static atomic_flag poll_token = ATOMIC_FLAG_INIT; /* held by the one connection busy-polling */
 
+/* The fair share of every Conn of this process. Futex words: small_active, now_serving. */
+static _Atomic uint32_t small_active;             /* small lookups gathering now */
+static _Atomic uint32_t large_waiting;            /* pieces asleep on small_active */
+static _Atomic uint32_t next_ticket, now_serving; /* the turns of large lookups' pieces */
+static _Atomic uint64_t pieces_served, pieces_yielded;
+static _Atomic int64_t last_small_ns;             /* when the last small lookup's gather ended */
+
 static int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static long futex_wait(_Atomic uint32_t *addr, uint32_t val, int64_t timeout_ns) {
+    struct timespec ts = {.tv_sec = timeout_ns / 1000000000, .tv_nsec = timeout_ns % 1000000000};
+    return syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT | FUTEX_PRIVATE_FLAG, val, timeout_ns > 0 ? &ts : NULL,
+                   NULL, 0);
+}
+
+static void futex_wake_all(_Atomic uint32_t *addr) {
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE | FUTEX_PRIVATE_FLAG, INT_MAX, NULL, NULL, 0);
+}
+
+/* The next piece's turn: pieces of all large lookups go one at a time, in ticket order. */
+static void take_turn(void) {
+    const uint32_t me = atomic_fetch_add(&next_ticket, 1);
+    for (uint32_t s; (s = atomic_load(&now_serving)) != me;) futex_wait(&now_serving, s, 0);
+}
+
+static void end_turn(void) {
+    atomic_fetch_add(&now_serving, 1);
+    futex_wake_all(&now_serving);
+}
+
+/* Before a piece: let small lookups in progress finish first, MAX_YIELD_NS at most. */
+static void yield_to_small(void) {
+    const int64_t deadline = now_ns() + MAX_YIELD_NS;
+    int waited = 0;
+    for (uint32_t s; (s = atomic_load(&small_active)) != 0;) {
+        const int64_t left = deadline - now_ns();
+        if (left <= 0) break;
+        atomic_fetch_add(&large_waiting, 1);
+        futex_wait(&small_active, s, left);
+        atomic_fetch_sub(&large_waiting, 1);
+        waited = 1;
+    }
+    pieces_yielded += waited;
+}
+
+static void small_done(void) {
+    atomic_store(&last_small_ns, now_ns());
+    if (atomic_fetch_sub(&small_active, 1) == 1 && atomic_load(&large_waiting)) futex_wake_all(&small_active);
+}
+
+/* fork() copies only the calling thread: turns held by threads that do not exist there are void. */
+static void reset_fair_share_in_child(void) {
+    small_active = large_waiting = next_ticket = now_serving = 0;
 }
 
 typedef struct {
@@ -247,11 +319,35 @@ static int serve(Conn *c, const frame_t *f, double *seconds) {
     int64_t *ids = c->ids.buf;
     memcpy(ids, region + f->ids_offset, n * 8);
     const size_t wb = c->weight_bytes;
-    if (gather_api->gather_split(l->weights.buf, l->scales.buf, l->weights.len / (Py_ssize_t)wb, wb, rb - wb, ids,
-                                 (int64_t)n, region + f->out_offset, c->threads) >= 0)
-        return 0; /* an id out of range: the caller answers with the error */
+    const int64_t rows = l->weights.len / (Py_ssize_t)wb;
+    char *out = region + f->out_offset;
+    if (n <= FAIR_PIECE_ROWS) {
+        atomic_fetch_add(&small_active, 1);
+        const int64_t bad = gather_api->gather_split(l->weights.buf, l->scales.buf, rows, wb, rb - wb, ids, (int64_t)n,
+                                                     out, c->threads);
+        if (bad >= 0) {
+            small_done();
+            return 0; /* an id out of range: the caller answers with the error */
+        }
+    } else {
+        for (uint64_t i = 0; i < n; i++) /* every id first: on an error nothing is copied */
+            if ((uint64_t)ids[i] >= (uint64_t)rows) return 0;
+        for (uint64_t at = 0; at < n; at += FAIR_PIECE_ROWS) {
+            const uint64_t len = n - at < FAIR_PIECE_ROWS ? n - at : FAIR_PIECE_ROWS;
+            take_turn();
+            yield_to_small();
+            /* While small lookups come and go, one thread fewer: it is theirs when the next arrives. */
+            const int threads = c->threads > 1 && now_ns() - atomic_load(&last_small_ns) < RECENT_SMALL_NS
+                                    ? c->threads - 1 : c->threads;
+            gather_api->gather_split(l->weights.buf, l->scales.buf, rows, wb, rb - wb, ids + at, (int64_t)len,
+                                     out + at * rb, threads);
+            pieces_served++;
+            end_turn();
+        }
+    }
     frame_t reply = {.magic = MAGIC, .version = VERSION, .op = OP_RESULT, .layer = f->layer,
                      .request_id = f->request_id, .count = n};
+    if (n <= FAIR_PIECE_ROWS) small_done(); /* before the send: a client that does not read holds no one up */
     if (send_all(c->fd, &reply, sizeof reply) < 0) shutdown(c->fd, SHUT_RDWR);
     *seconds = (double)(now_ns() - t0) / 1e9;
     return 1;
@@ -283,6 +379,17 @@ static PyObject *Conn_close(Conn *c, PyObject *Py_UNUSED(args)) {
     Py_RETURN_NONE;
 }
 
+static PyObject *fair_stats(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
+    return Py_BuildValue("{sKsK}", "pieces", (unsigned long long)atomic_load(&pieces_served), "yielded",
+                         (unsigned long long)atomic_load(&pieces_yielded));
+}
+
+static PyMethodDef module_methods[] = {
+    {"fair_stats", fair_stats, METH_NOARGS,
+     "fair_stats() -> {'pieces': pieces of large lookups gathered, 'yielded': of them, those that waited for small lookups}"},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyMethodDef Conn_methods[] = {
     {"next", (PyCFunction)Conn_next, METH_NOARGS, "next() -> (SERVED, layer, count, seconds) | (FRAME, header) | (EOF, partial)"},
     {"close", (PyCFunction)Conn_close, METH_NOARGS, "close() -> None: release the buffers (idempotent)"},
@@ -301,7 +408,7 @@ static PyTypeObject ConnType = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_unixfast", "The daemon's native path for resident Unix lookups.", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_unixfast", "The daemon's native path for resident Unix lookups.", -1, module_methods,
     NULL, NULL, NULL, NULL,
 };
 
@@ -312,6 +419,7 @@ PyMODINIT_FUNC PyInit__unixfast(void) {
     Py_DECREF(gather_module);
     gather_api = PyCapsule_Import(ENGRAM_GATHER_CAPSULE, 0);
     if (gather_api == NULL || PyType_Ready(&ConnType) < 0) return NULL;
+    pthread_atfork(NULL, NULL, reset_fair_share_in_child);
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     Py_INCREF(&ConnType);
@@ -320,6 +428,7 @@ PyMODINIT_FUNC PyInit__unixfast(void) {
         PyModule_AddIntConstant(m, "MAGIC", MAGIC) < 0 || PyModule_AddIntConstant(m, "VERSION", VERSION) < 0 ||
         PyModule_AddIntConstant(m, "OP_LOOKUP", OP_LOOKUP) < 0 || PyModule_AddIntConstant(m, "OP_RESULT", OP_RESULT) < 0 ||
         PyModule_AddIntConstant(m, "DTYPE_INT64", DTYPE_INT64) < 0 ||
+        PyModule_AddIntConstant(m, "FAIR_PIECE_ROWS", FAIR_PIECE_ROWS) < 0 ||
         PyModule_AddIntConstant(m, "SERVED", SERVED) < 0 || PyModule_AddIntConstant(m, "FRAME", FRAME) < 0 ||
         PyModule_AddIntConstant(m, "EOF", PEER_EOF) < 0) {
         Py_DECREF(&ConnType);
