@@ -13,7 +13,12 @@ each queue depth:
 
 Then sequential reads (1 MiB, what filling the resident arena costs): our bulk
 reader against fio ``rw=read``. Each point alternates ours and fio so both see
-the same disk state. Output: a table, or ``--json``.
+the same disk state.
+
+Last, what the per-page crc32c checks cost: cold-row lookups at one queue depth
+with the checks and without them (the same store, its pages' expected crcs
+taken away), alternated ``--check-reps`` times; the median of the with/without
+ratios and their spread, and the crc32c rate itself. Output: a table, or ``--json``.
 """
 
 from __future__ import annotations
@@ -84,12 +89,17 @@ def fio(path: Path, rw: str, bs: str, qd: int, seconds: float) -> dict | None:
     return {"iops": read["iops"], "gbps": read["bw_bytes"] / 1e9}
 
 
-def cold_lookups(tables: Path, layer: int, qd: int, seconds: float, batch_rows: int, backend: str) -> dict:
-    """Uniform random rows through TieredStore with a cache too small to hit."""
+def cold_lookups(tables: Path, layer: int, qd: int, seconds: float, batch_rows: int, backend: str,
+                 checked: bool = True, seed: int = 0) -> dict:
+    """Uniform random rows through TieredStore with a cache too small to hit; ``checked=False``
+    takes the expected page crcs away from the NVMe tier, so its reads skip the check."""
     from engram_store import TieredStore
 
     store = TieredStore.open(tables, dram_bytes=1 << 20, mode="cached", queue_depth=qd, reader=backend)
-    rng = np.random.default_rng(1000 + qd)
+    if not checked:
+        for lf in store._nvme.files.values():  # the bench's switch: LayerFile.crcs None = unchecked reads
+            lf.crcs = None
+    rng = np.random.default_rng(1000 + qd + seed)
     out = np.empty((batch_rows, store.row_bytes), dtype=np.uint8)
     try:
         n = store.rows(layer)
@@ -133,6 +143,32 @@ def sequential(path: Path, seconds: float) -> dict:
     return {"gbps": total / dt / 1e9}
 
 
+def page_checks(tables: Path, layer: int, qd: int, seconds: float, batch_rows: int, backend: str, reps: int) -> dict:
+    """Cold-row rows/s with and without the per-page crc32c checks, alternated ``reps`` times."""
+    runs = []
+    for i in range(max(1, reps)):
+        order = (True, False) if i % 2 == 0 else (False, True)  # neither always runs first
+        got = {checked: cold_lookups(tables, layer, qd, seconds, batch_rows, backend, checked, seed=i)["rows_per_s"]
+               for checked in order}
+        runs.append((got[True], got[False]))
+    ratios = sorted(w / wo for w, wo in runs)
+    return {"qd": qd, "reps": len(runs), "with_rows_per_s": float(np.median([w for w, _ in runs])),
+            "without_rows_per_s": float(np.median([wo for _, wo in runs])), "ratio_median": float(np.median(ratios)),
+            "ratio_min": ratios[0], "ratio_max": ratios[-1]}
+
+
+def crc32c_rate(seconds: float) -> dict:
+    """crc32c of 4 KiB pages in memory (64 MiB at a time, one native call each): GB/s."""
+    from engram_store.storage import checksums
+
+    data = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
+    done, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        checksums.page_crcs(data)
+        done += data.nbytes
+    return {"gbps": done / (time.perf_counter() - t0) / 1e9, "implementation": checksums.implementation()}
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
@@ -149,11 +185,13 @@ def main(argv=None) -> int:
     ap.add_argument("--lookup-rows", type=int, default=6144, help="rows per cold lookup request")
     ap.add_argument("--reader", default="auto", choices=["auto", "native", "threads"])
     ap.add_argument("--no-fio", action="store_true", help="skip fio even when installed")
+    ap.add_argument("--check-qd", type=int, default=64, help="queue depth of the page-check cost measurement")
+    ap.add_argument("--check-reps", type=int, default=7, help="with/without page checks, alternated this many times")
     ap.add_argument("--quick", action="store_true", help="tiny sizes and 2 queue depths (smoke test)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     if args.quick:
-        args.model, args.scale, args.seconds, args.lookup_rows = "tiny", 1.0, 0.2, 256
+        args.model, args.scale, args.seconds, args.lookup_rows, args.check_reps = "tiny", 1.0, 0.2, 256, 2
         if args.qd == list(DEFAULT_QDS):
             args.qd = list(QUICK_QDS)
     return run_in_workdir(run, args, "nvme-bench")
@@ -184,10 +222,13 @@ def run(args) -> int:
                        "direct": ours["direct"], "backend": ours["backend"]})
     seq = sequential(path, args.seconds)
     seq_fio = fio(path, "read", "1m", 8, args.seconds) if use_fio else None
+    checks = page_checks(tables, entry.layer, args.check_qd, args.seconds, args.lookup_rows, args.reader, args.check_reps)
+    crc = crc32c_rate(min(args.seconds, 1.0))
     result = {"file": str(path), "file_bytes": entry.file_bytes, "fio": use_fio, "points": points,
               "sequential_gbps": seq["gbps"], "fio_sequential_gbps": seq_fio["gbps"] if seq_fio else None,
               "sequential_ratio": ratio(seq["gbps"], seq_fio["gbps"] if seq_fio else None),
-              "lookup_rows": args.lookup_rows}
+              "lookup_rows": args.lookup_rows, "page_checks": checks, "crc32c_gbps": crc["gbps"],
+              "crc32c": crc["implementation"]}
     if args.json:
         print(json.dumps(result))
         return 0
@@ -202,6 +243,10 @@ def run(args) -> int:
               f"{fmt(p['lookup_ratio_vs_fio'], '>6.2f')}")
     print(f"sequential 1 MiB reads: ours {seq['gbps']:.3f} GB/s, fio {fmt(result['fio_sequential_gbps'], '.3f')} GB/s, "
           f"ratio {fmt(result['sequential_ratio'], '.2f')}")
+    print(f"per-page crc32c checks, cold lookups at QD {checks['qd']} ({checks['reps']} alternated runs, medians): "
+          f"{checks['with_rows_per_s']:,.0f} rows/s checked vs {checks['without_rows_per_s']:,.0f} unchecked, ratio "
+          f"{checks['ratio_median']:.3f} (runs {checks['ratio_min']:.3f}..{checks['ratio_max']:.3f}); crc32c "
+          f"({crc['implementation']}) {crc['gbps']:.1f} GB/s in memory")
     return 0
 
 
