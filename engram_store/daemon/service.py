@@ -123,6 +123,7 @@ class Daemon:
             "unix_native": self.unix is not None and self.unix.native is not None,
             "version": __version__,
             "protocol_version": wire.VERSION, "pid": os.getpid(),
+            "token_map": self._token_map_info(),
             "arena": None if arena is None else arena.layout.to_dict() | {"huge_pages": arena.huge_pages},
             "bad_pages": self.bad_pages(),
         }
@@ -132,6 +133,14 @@ class Daemon:
         Their rows are refused; a reader of the resident arena in place must skip them."""
         bad_pages = getattr(self.store, "bad_pages", None)
         return {str(layer): ranges for layer, ranges in bad_pages().items()} if bad_pages is not None else {}
+
+    def _token_map_info(self) -> dict[str, Any] | None:
+        """The manifest's token-map entry (files, classes, checksums) and the table set's absolute directory:
+        same-host clients read and check the map file there (engram_store.tokens.read_token_map)."""
+        if not hasattr(self, "_token_map"):
+            entry = Manifest.load(self.config.tables).token_map if self.config.tables else None
+            self._token_map = None if entry is None else entry | {"directory": os.path.abspath(self.config.tables)}
+        return self._token_map
 
     def unavailable_layers(self) -> dict[int, str]:
         """Layers of the table set the store cannot serve, with the reason."""
