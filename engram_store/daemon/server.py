@@ -149,13 +149,16 @@ class UnixServer:
         and return what to tell it."""
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         self.stats.drop("fd_limit")
-        self._fd_limit_unlogged += 1
         now = time.monotonic()
-        if now - self._fd_limit_logged_at >= FD_LIMIT_LOG_SECONDS:
+        with self._lock:  # the accept thread and readers (their region memfd) both get here
+            self._fd_limit_unlogged += 1
+            refused = 0  # to warn about now
+            if now - self._fd_limit_logged_at >= FD_LIMIT_LOG_SECONDS:
+                refused, self._fd_limit_unlogged, self._fd_limit_logged_at = self._fd_limit_unlogged, 0, now
+        if refused:
             log.warning("out of file descriptors (%s; RLIMIT_NOFILE %d, %d connections): refused %d unix client(s) "
                         "since the last warning; raise LimitNOFILE or lower max_clients", exc.strerror, soft,
-                        len(self._conns), self._fd_limit_unlogged)
-            self._fd_limit_logged_at, self._fd_limit_unlogged = now, 0
+                        len(self._conns), refused)
         return (f"daemon is out of file descriptors ({exc.strerror}; its limit RLIMIT_NOFILE is {soft} open files, "
                 f"with {len(self._conns)} clients connected); try later")
 
