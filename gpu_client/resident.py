@@ -198,9 +198,16 @@ class ArenaGather:
 
     @classmethod
     def for_client(cls, client: Any, spec: ModelSpec, device: "torch.device") -> "ArenaGather | None":
-        """The fast path for ``client`` if its daemon is resident and the arena can be used, else None."""
+        """The fast path for ``client`` if its daemon is resident and the arena can be used, else None
+        (also when pages of the arena failed their checksums: those rows are zeros there, so lookups go
+        through the daemon, which refuses them with ``CorruptRows``)."""
         view = client_arena(client)
         if view is None:
+            return None
+        info = getattr(client, "info", None)
+        bad = {k: v for k, v in ((info() if callable(info) else {}).get("bad_pages") or {}).items() if v}
+        if bad:
+            log.error("resident arena has pages failing their checksums %s; gathering through the daemon instead", bad)
             return None
         try:
             return cls(view, spec, device)

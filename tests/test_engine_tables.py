@@ -94,3 +94,29 @@ def test_mapping_outlives_the_daemon(tables, tmp_path):
         np.testing.assert_array_equal(np.concatenate([weight.view(torch.uint8).numpy(), scales.numpy()], 1), want)
     finally:
         d.stop()
+
+
+def test_an_arena_with_corrupt_pages_is_not_read_in_place(tmp_path):
+    """Rows of a page failing its checksum are zeros in the arena: engines must not map it,
+    the prefetcher must not gather from it (lookups through the daemon refuse those rows)."""
+    from gpu_client import ArenaGather, EngramClient
+
+    from engram_store.manifest import Manifest
+
+    ts = make_tables(tmp_path / "t", seed=14)
+    layer = ts.layers[0]
+    path = tmp_path / "t" / Manifest.load(tmp_path / "t").layer(layer).file
+    with open(path, "r+b") as f:  # one byte inside page 3's first row
+        f.seek(3 * 4096 + 10)
+        b = f.read(1)
+        f.seek(3 * 4096 + 10)
+        f.write(bytes([b[0] ^ 0xFF]))
+    (tmp_path / "run").mkdir()
+    with DaemonProcess(tmp_path / "t", tmp_path / "run") as d:
+        with pytest.raises(errors.StorageError, match=rf"layer {layer} pages \[3, 4\).*repair the table set"):
+            EngramStoreTables.connect(d.unix)
+        with EngramClient.connect(d.unix) as client:
+            assert client.arena is not None  # the daemon still offers it; the gather declines it
+            assert ArenaGather.for_client(client, ts.spec, torch.device("cpu")) is None
+            with pytest.raises(errors.StorageError, match="page 3"):
+                client.lookup(layer, np.array([3 * (4096 // ts.row_bytes)]))

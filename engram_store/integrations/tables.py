@@ -57,7 +57,8 @@ class EngramStoreTables:
     def connect(cls, address: str, *, connect_timeout: float = 10.0) -> "EngramStoreTables":
         """Map the arena of the daemon at ``address`` (``unix:///path/to.sock``). Raises
         ``Unavailable`` when no daemon answers there and ``StorageError`` when it serves
-        cached (its rows are then not all in DRAM and cannot be read in place)."""
+        cached (its rows are then not all in DRAM and cannot be read in place) or when any
+        page of its arena failed its checksum (those rows are zeros there: never embeddings)."""
         if not address.startswith("unix://"):
             raise ConfigError(f"engine tables need the daemon's Unix socket (unix:///path/to.sock), got {address!r}: "
                               "the arena is shared memory of this host, gRPC cannot pass it")
@@ -71,6 +72,15 @@ class EngramStoreTables:
                     f"the daemon at {address} serves its tables in {info.get('mode')!r} mode: engine kernels read "
                     "rows in place from a resident arena (every row in DRAM); give the daemon dram_bytes of at "
                     "least the table set's size (engram-store info DIR) or store_mode = \"resident\"")
+            bad = {layer: ranges for layer, ranges in (info.get("bad_pages") or {}).items() if ranges}
+            if bad:
+                where = "; ".join(f"layer {layer} pages " + ", ".join(f"[{a}, {b})" for a, b in ranges)
+                                  for layer, ranges in sorted(bad.items()))
+                raise StorageError(
+                    f"the daemon at {address} found pages of its tables failing their checksums ({where}): their "
+                    "rows are zeros in the arena, and an engine reading the arena in place would use them as "
+                    "embeddings; repair the table set (engram-store verify DIR names the pages; re-import or "
+                    "re-synth it) and restart the daemon")
             view, transport.arena = transport.arena, None  # ours now: closing the connection keeps the mapping
         finally:
             transport.close()
