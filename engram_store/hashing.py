@@ -9,11 +9,22 @@ Two implementations of the recipe in ``shared/ENGRAM.md``:
 
 Both take a *batch of variable-length requests*: flat ``tokens`` ``[T]``,
 ``cu_seqlens`` ``[B + 1]`` (request b owns ``tokens[cu[b]:cu[b+1]]``) and an
-optional ``history`` ``[B, max_ngram - 1]`` holding, oldest first, the request's
-compressed tokens just before this batch (``pad_id`` where the request had
-none). With history a one-token decode step hashes exactly like the same
+optional ``history`` ``[B, max_ngram - 1]`` (or wider: only its last ``max_ngram - 1``
+columns are read) holding, oldest first, the request's compressed tokens just before
+this batch (``pad_id`` where the request had none). With history a one-token decode step hashes exactly like the same
 position inside prefill. ``-1`` marks a blocked token (an image span): it and
 every older token of the suffix hash as ``pad_id``.
+
+Engines give the tokens before a chunk as ``lookback`` ``[B, k]`` (k <= max_ngram - 1)
+instead: request b's ids at positions ``start_b - 1 - j``, newest first, ``-1`` where
+there is none (before the request's start). This is the stateless form (vLLM's
+``lookback_token_ids``): a prefix-cache hit, a chunk of a chunked prefill or a
+resumed request hashes by position. A ``-1`` in ``lookback`` hashes as ``pad_id``
+without blocking older entries, exactly as vLLM's kernel does; mark a blocked
+lookback token by writing ``-1`` from it on (or, with raw ids, by the image id).
+
+With ``raw`` (a :class:`~engram_store.tokens.RawIds`) tokens and lookback are raw
+token ids, compressed through the table set's map under its image rule.
 
 The result is int64 ``[T, len(orders) * heads]`` global row ids in
 (order, head) order.
@@ -31,6 +42,8 @@ from .spec import ModelSpec
 if TYPE_CHECKING:
     import torch
 
+    from .tokens import RawIds
+
 BLOCKED = -1
 
 
@@ -38,8 +51,9 @@ def _check_batch(spec: ModelSpec, T: int, cu: np.ndarray, history_shape: tuple[i
     if cu.ndim != 1 or cu.size < 1 or cu[0] != 0 or cu[-1] != T or (np.diff(cu) < 0).any():
         raise InvalidRequest(f"cu_seqlens must rise from 0 to len(tokens)={T}, got {cu.tolist()[:8]}")
     B = cu.size - 1
-    if history_shape is not None and tuple(history_shape) != (B, spec.history_len):
-        raise InvalidRequest(f"history must have shape [{B}, {spec.history_len}], got {list(history_shape)}")
+    if history_shape is not None and (len(history_shape) != 2 or history_shape[0] != B
+                                      or history_shape[1] < spec.history_len):
+        raise InvalidRequest(f"history must have shape [{B}, k >= {spec.history_len}], got {list(history_shape)}")
 
 
 def _check_ids(spec: ModelSpec, name: str, lo: int, hi: int) -> None:
@@ -51,7 +65,7 @@ def _check_ids(spec: ModelSpec, name: str, lo: int, hi: int) -> None:
 # --------------------------------------------------------------------------- numpy reference
 def _segments_numpy(spec: ModelSpec, tokens: np.ndarray, cu: np.ndarray, history: np.ndarray | None):
     """``ext``: per request its history then its tokens, concatenated; ``pos``: index of each token in ext."""
-    H = spec.history_len
+    H = spec.history_len if history is None else history.shape[1]
     B = cu.size - 1
     T = tokens.size
     req = np.repeat(np.arange(B, dtype=np.int64), np.diff(cu))
@@ -92,16 +106,50 @@ def hash_suffix_numpy(spec: ModelSpec, layer: int, tok: np.ndarray) -> np.ndarra
     return rows.reshape(tok.shape[0], spec.rows_per_token)
 
 
-def row_ids_numpy(spec: ModelSpec, layer: int, tokens, cu_seqlens=None, history=None) -> np.ndarray:
+def history_from_lookback_numpy(spec: ModelSpec, lookback, raw: "RawIds | None" = None) -> np.ndarray:
+    """``history`` (oldest first, pad where none, -1 blocked) from ``lookback`` ``[B, k]`` (newest first, -1 none)."""
+    lb = np.asarray(lookback, dtype=np.int64)
+    if lb.ndim != 2 or lb.shape[1] > spec.history_len:
+        raise InvalidRequest(f"lookback must have shape [B, k] with k <= {spec.history_len}, got {list(lb.shape)}")
+    if raw is not None:
+        comp = raw.compress_numpy(lb, none=spec.pad_id)
+    else:
+        if lb.size:
+            _check_ids(spec, "lookback", int(lb.min()), int(lb.max()))
+        comp = np.where(lb == BLOCKED, spec.pad_id, lb)
+    hist = np.full((lb.shape[0], spec.history_len), spec.pad_id, dtype=np.int64)
+    hist[:, spec.history_len - lb.shape[1]:] = comp[:, ::-1]
+    return hist
+
+
+def _prepare_numpy(spec, tokens, history, lookback, raw):
+    if history is not None and lookback is not None:
+        raise InvalidRequest("give history or lookback, not both")
+    if lookback is not None:
+        history = history_from_lookback_numpy(spec, lookback, raw)
+    if raw is not None:
+        tokens = raw.compress_numpy(np.asarray(tokens, dtype=np.int64).reshape(-1))
+    return tokens, history
+
+
+def row_ids_numpy(spec: ModelSpec, layer: int, tokens, cu_seqlens=None, history=None, *, lookback=None,
+                  raw: "RawIds | None" = None) -> np.ndarray:
     """Reference row ids, int64 ``[T, rows_per_token]``."""
+    tokens, history = _prepare_numpy(spec, tokens, history, lookback, raw)
     return hash_suffix_numpy(spec, layer, suffix_tokens_numpy(spec, tokens, cu_seqlens, history))
 
 
+def row_ids(spec: ModelSpec, layer: int, tokens, cu_seqlens=None, lookback=None, *, raw: "RawIds | None" = None):
+    """The stateless primitive: row ids of a batch of chunks from their tokens and lookback (numpy reference)."""
+    return row_ids_numpy(spec, layer, tokens, cu_seqlens, lookback=lookback, raw=raw)
+
+
 def next_history_numpy(spec: ModelSpec, tokens, cu_seqlens=None, history=None) -> np.ndarray:
-    """Each request's history after this batch: its last ``max_ngram - 1`` tokens, oldest first."""
+    """Each request's history after this batch: its last tokens (as many as ``history`` has
+    columns, ``max_ngram - 1`` without one), oldest first."""
     tokens, cu, hist = _as_batch_numpy(spec, tokens, cu_seqlens, history)
     ext, _ = _segments_numpy(spec, tokens, cu, hist)
-    H = spec.history_len
+    H = spec.history_len if hist is None else hist.shape[1]
     end = cu[1:] + H * np.arange(1, cu.size, dtype=np.int64)
     return ext[end[:, None] - H + np.arange(H, dtype=np.int64)]
 
@@ -110,7 +158,7 @@ def next_history_numpy(spec: ModelSpec, tokens, cu_seqlens=None, history=None) -
 def _segments_torch(spec: ModelSpec, tokens: "torch.Tensor", cu: "torch.Tensor", history: "torch.Tensor | None"):
     import torch
 
-    H = spec.history_len
+    H = spec.history_len if history is None else history.shape[1]
     B = cu.numel() - 1
     T = tokens.numel()
     dev = tokens.device
@@ -171,8 +219,43 @@ def hash_suffix_torch(spec: ModelSpec, layer: int, tok: "torch.Tensor") -> "torc
     return rows.reshape(tok.shape[0], spec.rows_per_token)
 
 
-def row_ids_torch(spec: ModelSpec, layer: int, tokens, cu_seqlens=None, history=None, *, validate: bool = True):
-    """Row ids as an int64 tensor ``[T, rows_per_token]`` on the tokens' device."""
+def history_from_lookback_torch(spec: ModelSpec, lookback: "torch.Tensor", raw: "RawIds | None" = None,
+                                raw_table: "torch.Tensor | None" = None) -> "torch.Tensor":
+    """Torch twin of :func:`history_from_lookback_numpy` (no validation: check on the host first)."""
+    import torch
+
+    lb = lookback.to(torch.int64)
+    if raw is not None:
+        comp = raw.compress_torch(raw_table, lb, none=spec.pad_id)
+    else:
+        comp = torch.where(lb == BLOCKED, spec.pad_id, lb)
+    hist = torch.full((lb.shape[0], spec.history_len), spec.pad_id, dtype=torch.int64, device=lb.device)
+    hist[:, spec.history_len - lb.shape[1]:] = comp.flip(1)
+    return hist
+
+
+def row_ids_torch(spec: ModelSpec, layer: int, tokens, cu_seqlens=None, history=None, *, lookback=None,
+                  raw: "RawIds | None" = None, raw_table: "torch.Tensor | None" = None, validate: bool = True):
+    """Row ids as an int64 tensor ``[T, rows_per_token]`` on the tokens' device.
+
+    ``raw_table``: ``raw.device_table(device)``, made once by callers that hash many batches.
+    """
+    import torch
+
+    tokens = torch.as_tensor(tokens).reshape(-1).to(torch.int64)
+    if history is not None and lookback is not None:
+        raise InvalidRequest("give history or lookback, not both")
+    if raw is not None and raw_table is None:
+        raw_table = raw.device_table(tokens.device)
+    if lookback is not None:
+        lookback = torch.as_tensor(lookback).to(device=tokens.device, dtype=torch.int64)
+        if validate:  # on the host, as the reference does
+            history_from_lookback_numpy(spec, lookback.cpu().numpy(), raw)
+        history = history_from_lookback_torch(spec, lookback, raw, raw_table)
+    if raw is not None:
+        if validate:
+            raw.check("raw ids", tokens.cpu().numpy())
+        tokens = raw.compress_torch(raw_table, tokens)
     return hash_suffix_torch(spec, layer, suffix_tokens_torch(spec, tokens, cu_seqlens, history, validate=validate))
 
 
@@ -182,6 +265,6 @@ def next_history_torch(spec: ModelSpec, tokens, cu_seqlens=None, history=None, *
 
     tokens, cu, hist = _as_batch_torch(spec, tokens, cu_seqlens, history, validate)
     ext, _ = _segments_torch(spec, tokens, cu, hist)
-    H = spec.history_len
+    H = spec.history_len if hist is None else hist.shape[1]
     end = cu[1:] + H * torch.arange(1, cu.numel(), device=tokens.device)
     return ext[end[:, None] - H + torch.arange(H, device=tokens.device)]

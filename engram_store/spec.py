@@ -58,6 +58,8 @@ class ModelSpec:
     seed_factor: int = 10007  # rng seed = seed_factor * layer (for derive_multipliers)
     expected_rows: dict[int, int] | None = None  # checkpoint row counts, self-check
     scale: float = 1.0
+    pad_token_id: int | None = None  # raw engram_pad_token_id (pad_id is its compressed id); None: unknown
+    image_token_id: int | None = None  # raw id of the image placeholder, blocked under the image rule
 
     def __post_init__(self) -> None:
         if not self.layers or sorted(set(self.layers)) != list(self.layers):
@@ -203,6 +205,8 @@ MODELS: dict[str, ModelSpec] = {
             14: (67716810739261, 51510806800915, 30921347202721, 82619226485591),
         },
         expected_rows={1: 384_006_168, 14: 384_016_682},
+        pad_token_id=2,
+        image_token_id=129_264,
     ),
     # Engram-27B of the paper: two Engram layers, orders 2-3, 8 heads (16 rows per token).
     # Layer ids and table base follow the paper's description; rows use V4.1's format.
@@ -235,6 +239,94 @@ MODELS: dict[str, ModelSpec] = {
         row_format=RowFormat(dim=64, scale_block=32),
     ),
 }
+
+
+# --------------------------------------------------------------------------- from a checkpoint's config.json
+# config.json key -> what a spec says about it (``engram_num_embeddings``: rows per layer)
+CONFIG_FIELDS: dict[str, Any] = {
+    "engram_layer_ids": lambda s: list(s.layers),
+    "engram_num_embeddings": lambda s: [s.rows(layer) for layer in s.layers],
+    "engram_max_ngram_size": lambda s: s.max_ngram,
+    "engram_n_heads": lambda s: s.heads,
+    "engram_head_dim": lambda s: s.row_format.dim,
+    "engram_compressed_vocab_size": lambda s: s.compressed_vocab,
+    "engram_pad_token_id": lambda s: s.pad_token_id,
+    "engram_vocab_size": lambda s: s.table_base,
+    "image_token_id": lambda s: s.image_token_id,
+}
+_REQUIRED = ("engram_layer_ids", "engram_max_ngram_size", "engram_n_heads", "engram_compressed_vocab_size",
+             "engram_vocab_size")
+
+
+def engram_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The Engram fields of a config.json, from ``text_config`` (V4.1) or the top level, whichever has each."""
+    text = config.get("text_config")
+    text = text if isinstance(text, dict) else {}
+    return {key: text[key] if key in text else config[key] for key in CONFIG_FIELDS if key in text or key in config}
+
+
+def config_mismatches(fields: dict[str, Any], spec: ModelSpec) -> list[str]:
+    """``key = value (spec has X)`` for every field present in ``fields`` that ``spec`` disagrees with."""
+    out = []
+    for key, value in fields.items():
+        want = CONFIG_FIELDS[key](spec)
+        if want is not None and value != want:
+            out.append(f"{key} = {value!r} (model {spec.name!r} has {want!r})")
+    return out
+
+
+def spec_from_config(config: dict[str, Any], name: str | None = None, pad_id: int | None = None) -> ModelSpec:
+    """A spec from a config.json's Engram fields (top level or ``text_config``).
+
+    Multipliers follow the recipe (:func:`derive_multipliers`) and are checked against the pinned
+    values of every built-in model with the same compressed vocab and n-gram size; a config
+    describing a built-in model exactly gives that model. ``pad_id``: the compressed pad
+    (``map[engram_pad_token_id]``); without it the raw pad id is taken as is.
+    """
+    fields = engram_config(config)
+    missing = [key for key in _REQUIRED if key not in fields]
+    if missing:
+        raise SpecError(f"config.json has no {', '.join(missing)} (looked at the top level and text_config); "
+                        "pass --model to name the model instead")
+    try:
+        layers = tuple(int(x) for x in fields["engram_layer_ids"])
+        max_ngram, vocab = int(fields["engram_max_ngram_size"]), int(fields["engram_compressed_vocab_size"])
+        raw_pad = int(fields.get("engram_pad_token_id", 2))
+        rows = fields.get("engram_num_embeddings")
+        expected = None if rows is None else dict(zip(layers, (int(r) for r in rows), strict=True))
+        image = fields.get("image_token_id")
+        spec = ModelSpec(
+            name=name or str(config.get("model_type") or "checkpoint"), layers=layers,
+            orders=tuple(range(2, max_ngram + 1)), heads=int(fields["engram_n_heads"]),
+            table_base=int(fields["engram_vocab_size"]), compressed_vocab=vocab,
+            pad_id=raw_pad if pad_id is None else int(pad_id),
+            multipliers={layer: derive_multipliers(layer, vocab, max_ngram) for layer in layers},
+            row_format=RowFormat(dim=int(fields.get("engram_head_dim", RowFormat.dim))),
+            expected_rows=expected, pad_token_id=raw_pad, image_token_id=None if image is None else int(image),
+        )
+    except (TypeError, ValueError) as exc:
+        raise SpecError(f"config.json engram fields are malformed: {exc}") from exc
+    _check_pins(spec)
+    spec.check_expected_rows()
+    for known in MODELS.values():
+        if _geometry(known) == _geometry(spec) and known.multipliers == spec.multipliers:
+            return dataclasses.replace(known, image_token_id=spec.image_token_id or known.image_token_id)
+    return spec
+
+
+def _geometry(spec: ModelSpec) -> tuple:
+    return (spec.layers, spec.orders, spec.heads, spec.table_base, spec.compressed_vocab, spec.pad_id, spec.row_format)
+
+
+def _check_pins(spec: ModelSpec) -> None:
+    for known in MODELS.values():
+        if known.compressed_vocab != spec.compressed_vocab or known.max_ngram != spec.max_ngram:
+            continue
+        for layer in set(known.layers) & set(spec.layers):
+            if known.multipliers[layer] != spec.multipliers[layer]:
+                raise SpecError(f"layer {layer}: numpy derives multipliers {list(spec.multipliers[layer])}, model "
+                                f"{known.name!r} pins {list(known.multipliers[layer])}: this numpy's random stream "
+                                "differs; import with --model to use the pinned values")
 
 
 def get_spec(name: str, scale: float = 1.0) -> ModelSpec:
