@@ -11,6 +11,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import sys
 
 import numpy as np
@@ -45,13 +46,16 @@ def _cmd_synth(args) -> int:
 
 
 def _cmd_import(args) -> int:
-    from .importer import import_checkpoint, output_bytes
+    from pathlib import Path
+
+    from .importer import checkpoint_spec, import_checkpoint, output_bytes
     from .progress import Progress
     from .spec import get_spec
 
-    spec = get_spec(args.model)
+    spec = get_spec(args.model) if args.model else checkpoint_spec(Path(args.ckpt))  # the pad is checked again with the map
     bar = Progress(f"import {spec.name}", output_bytes(spec), enabled=args.progress)
-    manifest = import_checkpoint(args.ckpt, args.out, spec, overwrite=args.force, progress=bar, group=args.group)
+    manifest = import_checkpoint(args.ckpt, args.out, get_spec(args.model) if args.model else None,
+                                 overwrite=args.force, progress=bar, group=args.group, tokenizer=args.tokenizer)
     bar.close()
     print(json.dumps({"out": str(args.out), "layers": {e.layer: e.rows for e in manifest.layers},
                       "bytes": bar.done, "seconds": round(bar.elapsed, 3), "mb_per_s": round(bar.rate_mb_s(), 1)}))
@@ -77,6 +81,11 @@ def _cmd_verify(args) -> int:
     bad = ts.verify(args.layer)
     for corruption in bad:
         print(f"CORRUPT {corruption}", file=sys.stderr)
+    bad_map = _token_map_problems(ts) if args.layer is None else []
+    for problem in bad_map:
+        print(f"CORRUPT token map: {problem}", file=sys.stderr)
+    if bad_map:
+        return 1
     layers = len(ts.layers) if args.layer is None else 1
     if bad:
         print(f"{len(bad)} corrupt page(s) in {len({c.layer for c in bad})} layer(s); a daemon refuses their rows "
@@ -86,16 +95,96 @@ def _cmd_verify(args) -> int:
     return 1 if bad else 0
 
 
+def _token_map_problems(ts) -> list[str]:
+    from .tokens import read_token_map, token_map_problems
+
+    entry = ts.manifest.token_map
+    if not entry:
+        return []
+    problems = token_map_problems(ts.directory, entry)
+    if not problems:
+        try:
+            read_token_map(ts.directory, entry)
+        except EngramStoreError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def _cmd_tokens(args) -> int:
+    import time
+
+    from .tokens import TokenMap
+
+    t0 = time.perf_counter()
+    tm = TokenMap.from_tokenizer(args.tokenizer)
+    seconds = time.perf_counter() - t0
+    if args.out:
+        tm.ids.tofile(args.out)
+    print(json.dumps(tm.describe() | {"seconds": round(seconds, 3), "out": args.out}))
+    if args.expect is not None and tm.classes != args.expect:
+        print(f"engram-store tokens: {tm.classes} classes, expected {args.expect}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _hash_inputs(args):
+    """(spec, RawIds or None, tokenizer or None) for `hash` from --tables / --tokenizer / --model."""
+    from .spec import get_spec
+    from .tokens import RawIds, TOKENIZER_FILE, TokenMap, load_token_map, load_tokenizer
+
+    spec, tm, tokenizer = get_spec(args.model, args.scale), None, None
+    if args.tables:
+        from .manifest import Manifest
+
+        manifest = Manifest.load(args.tables)
+        spec = manifest.spec
+        entry = manifest.token_map or {}
+        if (args.raw or args.text is not None) and not entry:
+            raise EngramStoreError(f"{args.tables}: the table set stores no token map (import it with a tokenizer.json)")
+        if entry:
+            tm = load_token_map(args.tables)
+            if entry.get("tokenizer") and not args.tokenizer:
+                tokenizer = load_tokenizer(os.path.join(args.tables, entry["tokenizer"]))
+    if args.tokenizer:
+        tokenizer = load_tokenizer(args.tokenizer)
+        tm = tm or TokenMap.from_tokenizer(args.tokenizer)
+    if args.text is not None and tokenizer is None:
+        raise EngramStoreError(f"--text needs a tokenizer: --tables DIR of a set with {TOKENIZER_FILE}, or --tokenizer")
+    if (args.raw or args.text is not None) and tm is None:
+        raise EngramStoreError("raw ids need the token map: give --tables DIR or --tokenizer tokenizer.json")
+    raw = None
+    if args.raw or args.text is not None:
+        raw = RawIds(tm, spec.image_token_id, not args.no_image_rule,
+                     spec.pad_id if spec.pad_token_id is None else spec.pad_token_id)
+    return spec, raw, tokenizer
+
+
 def _cmd_hash(args) -> int:
     from .hashing import row_ids_numpy
-    from .spec import get_spec
 
-    spec = get_spec(args.model, args.scale)
-    history = None if args.history is None else np.asarray([args.history], dtype=np.int64)
-    if history is not None and history.shape[1] != spec.history_len:
-        raise EngramStoreError(f"--history takes {spec.history_len} tokens (oldest first), got {history.shape[1]}")
-    rows = row_ids_numpy(spec, args.layer, np.asarray(args.tokens, dtype=np.int64), None, history)
-    print(json.dumps({"layer": args.layer, "rows": rows.tolist()}))
+    spec, raw, tokenizer = _hash_inputs(args)
+    layer = spec.layers[0] if args.layer is None else args.layer
+    if args.text is not None:
+        tokens = np.asarray(tokenizer.encode(args.text, add_special_tokens=False).ids, dtype=np.int64)
+    elif args.tokens is not None:
+        tokens = np.asarray(args.tokens, dtype=np.int64)
+    else:
+        raise EngramStoreError("give --tokens IDS or --text TEXT")
+    history = None
+    if args.history is not None:  # fewer than max_ngram - 1: the request began that many tokens ago
+        given = np.asarray(args.history, dtype=np.int64)
+        if given.size > spec.history_len:
+            raise EngramStoreError(f"--history takes at most {spec.history_len} tokens (oldest first), got {given.size}")
+        given = raw.compress_numpy(given) if raw is not None else given
+        history = np.concatenate([np.full(spec.history_len - given.size, spec.pad_id), given])[None]
+    comp = raw.compress_numpy(tokens) if raw is not None else tokens
+    rows = row_ids_numpy(spec, layer, comp, None, history)
+    out = {"layer": layer, "rows": rows.tolist()}
+    if raw is not None:
+        out["tokens"] = [{"raw": int(r), "compressed": int(c), "rows": row}
+                         | ({"token": tokenizer.id_to_token(int(r))} if tokenizer is not None and r >= 0 else {})
+                         for r, c, row in zip(tokens.tolist(), comp.tolist(), rows.tolist())]
+    print(json.dumps(out))
     return 0
 
 
@@ -121,7 +210,10 @@ def register(sub) -> None:
                        description="Stream [model.]layers.L.engram.embed.{weight,scale} into a table set.")
     p.add_argument("ckpt", help="checkpoint directory holding *.safetensors (and optionally config.json)")
     p.add_argument("--out", required=True)
-    p.add_argument("--model", default="deepseek-v4.1-flash", choices=sorted(MODELS))
+    p.add_argument("--model", default=None, choices=sorted(MODELS),
+                   help="check the checkpoint against this model (default: take the spec from config.json)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json whose compressed token map is stored with the tables (default: CKPT/tokenizer.json)")
     p.add_argument("--force", action="store_true", help="replace an existing table set")
     p.add_argument("--group", default=None, help=_GROUP_HELP)
     p.add_argument("--progress", action="store_true", default=None, help="show progress even when not on a terminal")
@@ -136,14 +228,31 @@ def register(sub) -> None:
     p.add_argument("--layer", type=int, default=None, help="verify only this layer")
     p.set_defaults(func=_cmd_verify)
 
-    p = sub.add_parser("hash", help="print the global row ids of compressed tokens as JSON",
-                       description="One list of global row ids per position, in (order, head) order.")
+    p = sub.add_parser("hash", help="print the global row ids of tokens as JSON",
+                       description="One list of global row ids per position, in (order, head) order. With --raw "
+                       "or --text, also per token its raw id, compressed id and row ids.")
     p.add_argument("--model", default="deepseek-v4.1-flash", choices=sorted(MODELS))
     p.add_argument("--scale", type=float, default=1.0)
-    p.add_argument("--layer", type=int, required=True)
-    p.add_argument("--tokens", type=_int_list, required=True, help="compressed token ids, e.g. 5,17,9 (-1 = blocked)")
-    p.add_argument("--history", type=_int_list, default=None, help="the request's previous tokens, oldest first")
+    p.add_argument("--tables", default=None, help="a table set: its spec, token map and tokenizer")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (the token map is built from it)")
+    p.add_argument("--layer", type=int, default=None, help="Engram layer (default: the model's first)")
+    p.add_argument("--tokens", type=_int_list, default=None, help="token ids, e.g. 5,17,9 or -1,17 (-1 = blocked)")
+    p.add_argument("--text", default=None, help="tokenize this text (raw ids) with the table set's tokenizer")
+    p.add_argument("--raw", action="store_true", help="--tokens and --history are raw token ids (mapped to compressed)")
+    p.add_argument("--no-image-rule", action="store_true",
+                   help="hash the image placeholder like any token (SGLang without a vision tower)")
+    p.add_argument("--history", type=_int_list, default=None,
+                   help="the request's previous tokens, oldest first; fewer than max_ngram - 1 when it began "
+                        "that many tokens ago")
     p.set_defaults(func=_cmd_hash)
+
+    p = sub.add_parser("tokens", help="build the compressed token map of a tokenizer.json; print its class count",
+                       description="Decode every raw id alone, normalize, number the distinct keys by first "
+                       "appearance (shared/ENGRAM.md, 'Token ids').")
+    p.add_argument("tokenizer", help="tokenizer.json")
+    p.add_argument("--out", default=None, help="write the map here (little-endian int32, one per raw id)")
+    p.add_argument("--expect", type=int, default=None, help="exit 1 unless the map has this many classes")
+    p.set_defaults(func=_cmd_tokens)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,8 +264,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_ID_OPTIONS = ("--tokens", "--history")
+_NEGATIVE_LIST = re.compile(r"-\d[\d,\s-]*")
+
+
+def _glue_negative_ids(argv: list[str]) -> list[str]:
+    """``--tokens -1,17`` -> ``--tokens=-1,17`` (argparse takes a value starting with '-' for an option)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in _ID_OPTIONS and i + 1 < len(argv) and _NEGATIVE_LIST.fullmatch(argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_glue_negative_ids(sys.argv[1:] if argv is None else list(argv)))
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")

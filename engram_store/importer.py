@@ -21,11 +21,12 @@ from typing import Iterator
 
 import numpy as np
 
-from .errors import CheckpointImportError
+from .errors import CheckpointImportError, SpecError
 from .layout import PageLayout
 from .manifest import Manifest
 from .safetensors_io import TensorRef, read_header
-from .spec import ModelSpec
+from .spec import ModelSpec, config_mismatches, engram_config, spec_from_config
+from .tokens import TokenMap, write_token_map
 from .writer import Progress, TableSetWriter
 
 log = logging.getLogger(__name__)
@@ -34,13 +35,6 @@ _NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.engram\.embed\.(weight|scale)$"
 PAYLOAD_DTYPES = {"F8_E4M3"}
 SCALE_DTYPES = {"F8_E8M0", "U8"}  # U8: raw exponent bytes, as some exporters write them
 
-# config.json keys that, when present, must agree with the spec: key -> spec attribute getter
-CONFIG_FIELDS = {
-    "engram_layer_ids": lambda s: list(s.layers),
-    "engram_max_ngram_size": lambda s: s.max_ngram,
-    "engram_n_head_per_ngram": lambda s: s.heads,
-    "engram_compressed_vocab_size": lambda s: s.compressed_vocab,
-}
 
 
 def find_tensors(ckpt: Path) -> dict[int, dict[str, TensorRef]]:
@@ -57,22 +51,58 @@ def find_tensors(ckpt: Path) -> dict[int, dict[str, TensorRef]]:
     return found
 
 
-def check_config(ckpt: Path, spec: ModelSpec) -> None:
+def read_config(ckpt: Path) -> dict | None:
+    """The checkpoint's config.json, or None when it has none."""
     path = ckpt / "config.json"
     if not path.exists():
-        return
+        return None
     try:
         config = json.loads(path.read_text())
     except ValueError as exc:
         raise CheckpointImportError(f"{path}: not valid JSON: {exc}") from exc
-    for key, want in CONFIG_FIELDS.items():
-        if key in config and config[key] != want(spec):
-            raise CheckpointImportError(f"{path}: {key} = {config[key]!r} but model {spec.name!r} has {want(spec)!r}; pass the matching --model")
+    if not isinstance(config, dict):
+        raise CheckpointImportError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
 
 
-def plan(ckpt: Path, spec: ModelSpec) -> dict[int, tuple[TensorRef, TensorRef]]:
+def check_config(ckpt: Path, spec: ModelSpec, token_map: TokenMap | None = None) -> None:
+    """Every Engram field of config.json (top level or text_config), and the token map, must agree with ``spec``."""
+    config = read_config(ckpt)
+    fields = engram_config(config or {})
+    bad = config_mismatches(fields, spec)
+    if token_map is not None:
+        if token_map.classes != spec.compressed_vocab:
+            bad.append(f"tokenizer.json gives {token_map.classes} compressed classes "
+                       f"(model {spec.name!r} has {spec.compressed_vocab})")
+        raw_pad = fields.get("engram_pad_token_id", spec.pad_token_id)
+        if raw_pad is not None and int(token_map.ids[raw_pad]) != spec.pad_id:
+            bad.append(f"the tokenizer maps pad token {raw_pad} to {int(token_map.ids[raw_pad])} "
+                       f"(model {spec.name!r} pads with {spec.pad_id})")
+    if bad:
+        raise CheckpointImportError(f"{ckpt}: the checkpoint disagrees with model {spec.name!r}: {'; '.join(bad)}; "
+                                    "pass the matching --model, or none to take the spec from config.json")
+
+
+def checkpoint_spec(ckpt: Path, token_map: TokenMap | None = None) -> ModelSpec:
+    """The spec a checkpoint's config.json describes (the compressed pad from the token map when given)."""
+    config = read_config(ckpt)
+    if config is None:
+        raise CheckpointImportError(f"{ckpt}: no config.json to take the model from; pass --model")
+    fields = engram_config(config)
+    pad = None
+    if token_map is not None and "engram_pad_token_id" in fields:
+        pad = int(token_map.ids[int(fields["engram_pad_token_id"])])
+    elif "engram_pad_token_id" in fields:
+        log.warning("%s: no tokenizer.json; taking pad id %s as already compressed", ckpt, fields["engram_pad_token_id"])
+    try:
+        return spec_from_config(config, name=config.get("model_type") or ckpt.resolve().name, pad_id=pad)
+    except SpecError as exc:
+        raise CheckpointImportError(f"{ckpt / 'config.json'}: {exc}") from exc
+
+
+def plan(ckpt: Path, spec: ModelSpec, token_map: TokenMap | None = None) -> dict[int, tuple[TensorRef, TensorRef]]:
     """Validate the checkpoint against the spec; ``{layer: (weight, scale)}``."""
-    check_config(ckpt, spec)
+    check_config(ckpt, spec, token_map)
     found = find_tensors(ckpt)
     fmt = spec.row_format
     out = {}
@@ -125,12 +155,18 @@ def _layer_blocks(weight: TensorRef, scale: TensorRef, block_rows: int,
         os.close(sfd)
 
 
-def import_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, spec: ModelSpec, *, overwrite: bool = False,
-                      progress: Progress | None = None, block_rows: int = 1 << 18, group: str | None = None) -> Manifest:
-    """Import every Engram layer of ``spec`` from ``ckpt`` into a table set at ``out``, readable
-    by ``group`` (default: the writer's group)."""
+def import_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, spec: ModelSpec | None = None, *,
+                      overwrite: bool = False, progress: Progress | None = None, block_rows: int = 1 << 18,
+                      group: str | None = None, tokenizer: str | os.PathLike | None = None) -> Manifest:
+    """Import every Engram layer of ``spec`` (default: the spec config.json describes) from ``ckpt`` into
+    a table set at ``out``, readable by ``group`` (default: the writer's group). The compressed token
+    map of ``tokenizer`` (default: ``ckpt/tokenizer.json`` when present) is stored with the tables."""
     ckpt = Path(ckpt)
-    layers = plan(ckpt, spec)
+    if tokenizer is None and (ckpt / "tokenizer.json").exists():
+        tokenizer = ckpt / "tokenizer.json"
+    token_map = None if tokenizer is None else TokenMap.from_tokenizer(tokenizer)
+    spec = checkpoint_spec(ckpt, token_map) if spec is None else spec
+    layers = plan(ckpt, spec, token_map)
     rpp = 4096 // spec.row_bytes
     block_rows = max(rpp, block_rows // rpp * rpp)
     with TableSetWriter(out, spec, source={"kind": "checkpoint", "path": str(ckpt.resolve())}, overwrite=overwrite,
@@ -139,6 +175,9 @@ def import_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, spec: Mod
         for layer, (weight, scale) in layers.items():
             log.info("importing layer %d: %d rows from %s", layer, weight.shape[0], weight.file.name)
             w.write_layer(layer, _layer_blocks(weight, scale, block_rows, pool), progress)
+        if token_map is not None:
+            w.token_map = write_token_map(w.tmp, token_map, tokenizer, write=w.add_file)
+            log.info("token map: %d raw ids -> %d classes", token_map.raw_vocab, token_map.classes)
         return w.commit()
 
 
