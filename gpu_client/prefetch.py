@@ -10,7 +10,13 @@ can be fetched while the layers before them compute::
 
 ``submit`` hashes on the device (keeping each request's last tokens as history
 so a decode step hashes like prefill), then a background thread fetches every
-layer in layer order. ``path`` says how (and ``info()`` reports it):
+layer in layer order. Token ids are compressed, or with ``raw_ids=True`` the
+engine's raw ids, mapped on the device through the table set's token map under
+the image rule (``block_images``, vLLM's behaviour by default). A request that
+does not simply go on says so: ``start(request, position, lookback)`` after a
+prefix-cache hit or a preemption, ``rollback(request, n)`` for rejected drafts,
+``advance(request, tokens)`` for tokens that were not submitted; or a ``Step``
+carries each request's ``lookback`` (the stateless form engines use). ``path`` says how (and ``info()`` reports it):
 
 * ``resident-cpu`` / ``resident-uva``: the daemon is resident and the client
   mapped its arena; rows are gathered in process (CPU) or by the GPU over UVA;
@@ -39,8 +45,10 @@ from typing import TYPE_CHECKING, Any, Hashable, Sequence
 import numpy as np
 
 from engram_store.errors import EngramStoreError, InvalidRequest, ResourceExhausted, StorageError
-from engram_store.hashing import hash_suffix_torch, next_history_torch, suffix_tokens_torch
+from engram_store.hashing import (hash_suffix_torch, history_from_lookback_numpy, history_from_lookback_torch,
+                                  next_history_torch, suffix_tokens_torch)
 from engram_store.spec import ModelSpec
+from engram_store.tokens import RawIds, TokenMap, load_token_map, read_token_map
 
 from .step import RequestHistory, Step
 from .resident import ArenaGather, readonly_tensor, register_host_memory, unregister_host_memory
@@ -107,11 +115,19 @@ class EngramPrefetcher:
     ``client``: an ``EngramClient`` or ``LocalClient`` (``info()``, ``lookup_into``,
     optionally ``arena()``). ``prefetch=False`` fetches a layer only when it is waited
     for (the no-prefetch baseline). ``resident=None`` uses the arena when offered.
-    Not thread-safe: one engine thread submits and waits.
+    ``raw_ids=True``: steps hold raw token ids; the map comes from ``token_map`` (a
+    :class:`~engram_store.tokens.TokenMap`, a table-set directory, a ``tokenizer.json``)
+    or else from the daemon's Info (same host: the map file of its table set), and must
+    match the one Info names. ``block_images``: the image placeholder (and SGLang's
+    multimodal pad ids >= 1,000,000) breaks the n-gram (vLLM: always; SGLang: when the
+    model has a vision tower). ``max_rollback``: how many tokens :meth:`rollback` can
+    take back. Not thread-safe: one engine thread submits and waits.
     """
 
     def __init__(self, client: Any, device: "str | torch.device" = "cpu", *, max_tokens: int = 8192,
-                 depth: int = 2, prefetch: bool = True, resident: bool | None = None, validate: bool = True) -> None:
+                 depth: int = 2, prefetch: bool = True, resident: bool | None = None, validate: bool = True,
+                 raw_ids: bool = False, token_map: "TokenMap | str | None" = None, block_images: bool = True,
+                 max_rollback: int = 16) -> None:
         import torch
 
         info = client.info()
@@ -129,7 +145,9 @@ class EngramPrefetcher:
         self.prefetch = prefetch
         self.validate = validate
         self._cuda = self.device.type == "cuda"
-        self._history = RequestHistory(self.spec, self.device)
+        self._history = RequestHistory(self.spec, self.device, max_rollback=max_rollback)
+        self.raw = _raw_ids(self.spec, info, token_map, block_images) if raw_ids else None
+        self._raw_table = None if self.raw is None else self.raw.device_table(self.device)
         self._arena = ArenaGather.for_client(client, self.spec, self.device) if resident in (None, True) else None
         if resident and self._arena is None:
             raise StorageError("resident=True but the client offers no usable arena (is the daemon resident?)")
@@ -174,11 +192,8 @@ class EngramPrefetcher:
         if T > self.max_tokens:
             raise ResourceExhausted(f"step has {T} tokens, the prefetcher holds {self.max_tokens}; "
                                     "raise max_tokens or split the chunk")
-        if self.validate and T:
-            lo, hi = int(step.tokens.min()), int(step.tokens.max())
-            if lo < -1 or hi >= self.spec.compressed_vocab:
-                raise InvalidRequest(f"tokens must be compressed ids in [0, {self.spec.compressed_vocab}) or -1, "
-                                     f"got values in [{lo}, {hi}]")
+        if self.validate:
+            self._check(step.tokens, step.lookback)
         slot = self._submitted % self.depth
         previous = self._inflight[slot]
         if previous is not None:  # the step that used this buffer set `depth` steps ago must have landed
@@ -188,12 +203,13 @@ class EngramPrefetcher:
             if previous in self._pending:
                 self._pending.remove(previous)
         idx = self._history.slots(step.request_ids)
-        tokens = torch.from_numpy(step.tokens).to(self.device, non_blocking=True)
+        tokens = self._compressed(torch.from_numpy(step.tokens).to(self.device, non_blocking=True))
         cu = torch.from_numpy(step.cu_seqlens).to(self.device, non_blocking=True)
-        hist = self._history.get(idx)
+        hist = self._history.get(idx) if step.lookback is None else self._lookback_rows(step.lookback)
         tok = suffix_tokens_torch(self.spec, tokens, cu, hist, validate=False)
         ids = [hash_suffix_torch(self.spec, layer, tok).reshape(-1) for layer in self.layers]
         self._history.put(idx, next_history_torch(self.spec, tokens, cu, hist, validate=False))
+        self._history.moved(step.request_ids, np.diff(step.cu_seqlens), restarted=step.lookback is not None)
         self._history.drop(step.finished)
         self._counts[slot].fill_(T)
         fut = PrefetchFuture(self, slot, T, ids)
@@ -244,8 +260,37 @@ class EngramPrefetcher:
             fut._settle()
 
     def forget(self, request_ids: Sequence[Hashable]) -> None:
-        """Drop requests' history (finished or aborted outside a step)."""
+        """Drop requests' history (finished, aborted or preempted outside a step)."""
         self._history.drop(request_ids)
+
+    def start(self, request: Hashable, position: int = 0, lookback: Sequence[int] = ()) -> None:
+        """(Re)start ``request`` at ``position``: its next submitted token sits there (a prefix-cache hit,
+        a resumed request). ``lookback``: the ids at ``position - 1, position - 2, ...`` (newest first,
+        raw or compressed like the steps, -1 none); positions before 0 hash as pad whatever is given."""
+        import torch
+
+        lb = np.asarray(lookback, dtype=np.int64).reshape(1, -1)
+        if self.validate:
+            self._check(np.zeros(0, dtype=np.int64), lb)
+        hist = history_from_lookback_torch(self.spec, torch.from_numpy(lb).to(self.device), self.raw, self._raw_table)
+        self._history.start(request, position, hist[0])
+
+    def advance(self, request: Hashable, tokens: Sequence[int]) -> None:
+        """Append ``tokens`` to ``request``'s history without hashing them (they were not submitted)."""
+        import torch
+
+        arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if self.validate:
+            self._check(arr, None)
+        idx = self._history.slots([request])
+        t = self._compressed(torch.from_numpy(arr).to(self.device))
+        cu = torch.tensor([0, arr.size], dtype=torch.int64, device=self.device)
+        self._history.put(idx, next_history_torch(self.spec, t, cu, self._history.get(idx), validate=False))
+        self._history.moved([request], np.array([arr.size]))
+
+    def rollback(self, request: Hashable, n: int) -> None:
+        """Take back ``request``'s last ``n`` tokens (drafts the engine rejected), at most ``max_rollback``."""
+        self._history.rollback(request, int(n))
 
     @property
     def active_requests(self) -> int:
@@ -282,6 +327,30 @@ class EngramPrefetcher:
         self.close()
 
     # --- internals ---------------------------------------------------------------
+    def _check(self, tokens: np.ndarray, lookback: np.ndarray | None) -> None:
+        """Host-side id checks (the device path does none, so that it never syncs)."""
+        if self.raw is not None:
+            self.raw.check("tokens", tokens)
+        elif tokens.size:
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < -1 or hi >= self.spec.compressed_vocab:
+                raise InvalidRequest(f"tokens must be compressed ids in [0, {self.spec.compressed_vocab}) or -1, "
+                                     f"got values in [{lo}, {hi}]; raw ids need raw_ids=True")
+        if lookback is not None:
+            history_from_lookback_numpy(self.spec, lookback, self.raw)
+
+    def _compressed(self, tokens: "torch.Tensor") -> "torch.Tensor":
+        return tokens if self.raw is None else self.raw.compress_torch(self._raw_table, tokens)
+
+    def _lookback_rows(self, lookback: np.ndarray) -> "torch.Tensor":
+        """History rows (the table's width) from a step's lookback."""
+        import torch
+
+        hist = history_from_lookback_torch(self.spec, torch.from_numpy(lookback).to(self.device, non_blocking=True),
+                                           self.raw, self._raw_table)
+        pad = self._history.width - hist.shape[1]
+        return torch.nn.functional.pad(hist, (pad, 0), value=self.spec.pad_id) if pad else hist
+
     def _layer_index(self, layer: int) -> int:
         try:
             return self.layers.index(layer)
@@ -403,3 +472,27 @@ class EngramPrefetcher:
                 dev.copy_(staging, non_blocking=True)
                 fut._copied[li] = self._last_copy[fut.slot][li] = torch.cuda.Event()
                 fut._copied[li].record(self._stream)
+
+
+def _raw_ids(spec: ModelSpec, info: dict[str, Any], token_map: "TokenMap | str | None", block_images: bool) -> RawIds:
+    """The raw-id rule of a prefetcher: the map (given, or the one the daemon's Info points to) and the image rule."""
+    entry = info.get("token_map")
+    if token_map is None:
+        if not entry or not entry.get("directory"):
+            raise InvalidRequest("raw_ids=True needs the table set's token map: the store's Info names none "
+                                 "(a remote or in-process store, or a table set imported without tokenizer.json); "
+                                 "pass token_map= (a TokenMap, a table-set directory or a tokenizer.json)")
+        tm = read_token_map(entry["directory"], entry)
+    else:
+        tm = token_map if isinstance(token_map, TokenMap) else load_token_map(token_map)
+    if entry and entry.get("sha256") not in (None, tm.sha256):
+        raise InvalidRequest(f"the token map given (sha256 {tm.sha256[:12]}..) is not the table set's "
+                             f"({entry['sha256'][:12]}..): its row ids would differ")
+    if tm.classes != spec.compressed_vocab:
+        raise InvalidRequest(f"the token map has {tm.classes} classes, model {spec.name!r} hashes over "
+                             f"{spec.compressed_vocab}")
+    raw = RawIds(tm, spec.image_token_id, block_images, spec.pad_id if spec.pad_token_id is None else spec.pad_token_id)
+    if raw.pad_id != spec.pad_id:
+        raise InvalidRequest(f"the token map sends pad token {raw.pad_token_id} to {raw.pad_id}, model "
+                             f"{spec.name!r} pads with {spec.pad_id}")
+    return raw

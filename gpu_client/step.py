@@ -1,9 +1,15 @@
 """What the prefetcher is fed and what it remembers between steps.
 
 ``Step``: one engine step's tokens per request (prefill chunks and decode
-steps alike) and the requests that finished. ``RequestHistory``: each live
-request's last ``max_ngram - 1`` compressed tokens, kept in a slot table on the
-device so that a decode step hashes exactly like the same position in prefill.
+steps alike), optionally each request's ``lookback`` (the engine's ids before
+its chunk, as vLLM passes them), and the requests that finished.
+``RequestHistory``: each live request's last ``max_ngram - 1 + max_rollback``
+compressed tokens, kept in a slot table on the device so that a decode step
+hashes exactly like the same position in prefill, with the calls an engine
+needs when a request does not simply go on: :meth:`RequestHistory.start`
+(a prefix-cache hit, a resumed request), :meth:`RequestHistory.advance`
+(tokens that entered the sequence without being hashed here) and
+:meth:`RequestHistory.rollback` (rejected speculative tokens).
 """
 
 from __future__ import annotations
@@ -22,15 +28,19 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Step:
-    """One engine step: request b owns ``tokens[cu_seqlens[b]:cu_seqlens[b + 1]]`` (compressed ids, -1 blocked).
+    """One engine step: request b owns ``tokens[cu_seqlens[b]:cu_seqlens[b + 1]]`` (-1 blocked).
 
-    A prefill chunk or a decode step alike; ``finished`` requests are forgotten after the step.
+    Ids are compressed, or raw for a prefetcher made with ``raw_ids=True``. A prefill chunk or a
+    decode step alike; ``finished`` requests are forgotten after the step. ``lookback`` ``[B, k]``
+    (k <= max_ngram - 1): each request's ids before its chunk, newest first, -1 where none;
+    given, it replaces the kept history of every request of the step (the stateless form).
     """
 
     request_ids: tuple[Hashable, ...]
     tokens: np.ndarray  # int64 [T]
     cu_seqlens: np.ndarray  # int64 [B + 1]
     finished: tuple[Hashable, ...] = ()
+    lookback: np.ndarray | None = None  # int64 [B, k], newest first, -1 = none
 
     def __post_init__(self) -> None:
         cu = self.cu_seqlens
@@ -40,14 +50,16 @@ class Step:
                 or (np.diff(cu) < 0).any():
             raise InvalidRequest(f"cu_seqlens must rise from 0 to {self.tokens.size} with one entry per request "
                                  f"plus one, got {cu.tolist()[:8]}")
+        if self.lookback is not None and (self.lookback.ndim != 2 or self.lookback.shape[0] != len(self.request_ids)):
+            raise InvalidRequest(f"lookback must be [{len(self.request_ids)}, k], got {list(self.lookback.shape)}")
 
     @classmethod
     def from_lists(cls, request_ids: Sequence[Hashable], token_lists: Sequence[Sequence[int]],
-                   finished: Sequence[Hashable] = ()) -> "Step":
+                   finished: Sequence[Hashable] = (), lookback: Sequence[Sequence[int]] | None = None) -> "Step":
         lengths = np.fromiter((len(t) for t in token_lists), dtype=np.int64, count=len(token_lists))
         tokens = np.concatenate([np.asarray(t, dtype=np.int64).reshape(-1) for t in token_lists]) \
             if len(token_lists) else np.zeros(0, dtype=np.int64)
-        return cls.of(request_ids, tokens, np.concatenate([[0], np.cumsum(lengths)]), finished)
+        return cls.of(request_ids, tokens, np.concatenate([[0], np.cumsum(lengths)]), finished, lookback)
 
     @classmethod
     def decode(cls, request_ids: Sequence[Hashable], tokens: Sequence[int], finished: Sequence[Hashable] = ()) -> "Step":
@@ -55,9 +67,10 @@ class Step:
         return cls.of(request_ids, tokens, np.arange(len(request_ids) + 1), finished)
 
     @classmethod
-    def of(cls, request_ids, tokens, cu_seqlens, finished=()) -> "Step":
+    def of(cls, request_ids, tokens, cu_seqlens, finished=(), lookback=None) -> "Step":
+        lb = None if lookback is None else np.asarray(lookback, dtype=np.int64).reshape(len(request_ids), -1)
         return cls(tuple(request_ids), np.asarray(tokens, dtype=np.int64).reshape(-1),
-                   np.asarray(cu_seqlens, dtype=np.int64), tuple(finished))
+                   np.asarray(cu_seqlens, dtype=np.int64), tuple(finished), lb)
 
     @property
     def num_tokens(self) -> int:
@@ -65,15 +78,26 @@ class Step:
 
 
 class RequestHistory:
-    """Per-request hashing history in a slot table on the device: ``table[slot]`` = last tokens, oldest first."""
+    """Per-request hashing history in a slot table on the device: ``table[slot]`` = last tokens, oldest first.
 
-    def __init__(self, spec: ModelSpec, device: "torch.device", capacity: int = 64) -> None:
+    Entries are compressed ids, ``pad_id`` where there is none and -1 for a blocked token. Each row keeps
+    ``max_ngram - 1 + max_rollback`` tokens so that :meth:`rollback` can take back up to ``max_rollback``
+    tokens. Bookkeeping on the host per request (position of the next token, the oldest position held),
+    none per token.
+    """
+
+    def __init__(self, spec: ModelSpec, device: "torch.device", capacity: int = 64, max_rollback: int = 16) -> None:
         import torch
 
+        if max_rollback < 0:
+            raise InvalidRequest(f"max_rollback must be >= 0, got {max_rollback}")
         self._spec = spec
-        self._table = torch.full((capacity, spec.history_len), spec.pad_id, dtype=torch.int64, device=device)
+        self.width = spec.history_len + max_rollback
+        self._table = torch.full((capacity, self.width), spec.pad_id, dtype=torch.int64, device=device)
         self._slots: dict[Hashable, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
+        self._pos: dict[Hashable, int] = {}  # position of the request's next token
+        self._held: dict[Hashable, int] = {}  # oldest position whose token the row holds (<= 0: all)
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -90,6 +114,7 @@ class RequestHistory:
                 if not self._free:
                     self._grow()
                 slot = self._slots[rid] = self._free.pop()
+                self._pos[rid], self._held[rid] = 0, 0
                 fresh.append(slot)
             slots.append(slot)
         idx = torch.tensor(slots, dtype=torch.int64).to(self._table.device, non_blocking=True)
@@ -111,8 +136,57 @@ class RequestHistory:
     def put(self, idx: "torch.Tensor", history: "torch.Tensor") -> None:
         self._table[idx] = history
 
+    def moved(self, request_ids: Sequence[Hashable], lengths: np.ndarray, restarted: bool = False) -> None:
+        """Host bookkeeping after ``put``: each request went on by ``lengths`` tokens
+        (``restarted``: from a lookback of unknown position, so nothing before it can be rolled back)."""
+        H = self._spec.history_len
+        for rid, n in zip(request_ids, lengths.tolist()):
+            if restarted:  # the lookback holds positions [H, 2H) of a frame where nothing older is known
+                self._pos[rid], self._held[rid] = 2 * H, H
+            self._pos[rid] += n
+            self._held[rid] = max(self._held[rid], self._pos[rid] - self.width)
+
+    def start(self, request: Hashable, position: int, history: "torch.Tensor") -> None:
+        """(Re)start ``request`` at ``position`` with ``history`` ``[max_ngram - 1]`` (oldest first)."""
+        import torch
+
+        if position < 0:
+            raise InvalidRequest(f"position must be >= 0, got {position}")
+        idx = self.slots([request])
+        H = self._spec.history_len
+        row = torch.full((self.width,), self._spec.pad_id, dtype=torch.int64, device=self._table.device)
+        row[self.width - H:] = history
+        if position < H:  # positions before the request's start hash as pad, whatever was given
+            row[self.width - H: self.width - position] = self._spec.pad_id
+        self._table[idx] = row
+        self._pos[request], self._held[request] = position, position - H
+
+    def rollback(self, request: Hashable, n: int) -> None:
+        """Take back the last ``n`` tokens of ``request`` (rejected drafts)."""
+        import torch
+
+        if request not in self._slots:
+            raise InvalidRequest(f"rollback of unknown request {request!r}")
+        pos, held = self._pos[request], self._held[request]
+        if n < 0 or n > pos:
+            raise InvalidRequest(f"request {request!r} is at position {pos}: cannot roll back {n} tokens")
+        if n == 0:
+            return
+        if held > 0 and pos - n - self._spec.history_len < held:
+            raise InvalidRequest(f"request {request!r}: rolling back {n} tokens needs history from position "
+                                 f"{pos - n - self._spec.history_len}, the prefetcher keeps it from {held}; raise "
+                                 f"max_rollback (now {self.width - self._spec.history_len})")
+        slot = self._slots[request]
+        row = self._table[slot]
+        shifted = torch.cat([torch.full((n,), self._spec.pad_id, dtype=row.dtype, device=row.device), row[:-n]]) \
+            if n < self.width else torch.full_like(row, self._spec.pad_id)
+        self._table[slot] = shifted
+        self._pos[request] = pos - n
+
     def drop(self, request_ids: Sequence[Hashable]) -> None:
         for rid in request_ids:
             slot = self._slots.pop(rid, None)
             if slot is not None:
                 self._free.append(slot)
+                self._pos.pop(rid, None)
+                self._held.pop(rid, None)
