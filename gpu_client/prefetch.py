@@ -269,7 +269,7 @@ class EngramPrefetcher:
         raw or compressed like the steps, -1 none); positions before 0 hash as pad whatever is given."""
         import torch
 
-        lb = np.asarray(lookback, dtype=np.int64).reshape(1, -1)
+        lb = np.ascontiguousarray(np.asarray(lookback, dtype=np.int64).reshape(1, -1))
         if self.validate:
             self._check(np.zeros(0, dtype=np.int64), lb)
         hist = history_from_lookback_torch(self.spec, torch.from_numpy(lb).to(self.device), self.raw, self._raw_table)

@@ -68,8 +68,9 @@ class Step:
 
     @classmethod
     def of(cls, request_ids, tokens, cu_seqlens, finished=(), lookback=None) -> "Step":
-        lb = None if lookback is None else np.asarray(lookback, dtype=np.int64).reshape(len(request_ids), -1)
-        return cls(tuple(request_ids), np.asarray(tokens, dtype=np.int64).reshape(-1),
+        lb = None if lookback is None else \
+            np.ascontiguousarray(np.asarray(lookback, dtype=np.int64).reshape(len(request_ids), -1))
+        return cls(tuple(request_ids), np.ascontiguousarray(np.asarray(tokens, dtype=np.int64).reshape(-1)),
                    np.asarray(cu_seqlens, dtype=np.int64), tuple(finished), lb)
 
     @property
