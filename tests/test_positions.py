@@ -124,8 +124,8 @@ def test_chunked_prefill_with_lookback(pf, tables):
         step = Step.from_lists(["c"], [PROMPT[lo:hi]], lookback=[lookback])
         check(pf, tables, step, PROMPT, list(range(lo, hi)))
     check(pf, tables, (["c"], [[6]]), np.append(PROMPT, 6), [40])  # the history was kept after the chunks
-    step = Step.from_lists(["fresh"], [PROMPT[21:30]], lookback=[PROMPT[20:17:-1]])  # no history: lookback only
-    check(pf, tables, step, PROMPT, list(range(21, 30)))
+    step = Step.from_lists(["fresh"], [PROMPT[26:34]], lookback=[PROMPT[25:22:-1]])  # no history: lookback only
+    check(pf, tables, step, PROMPT, list(range(26, 34)))
 
 
 def test_speculative_rollback(pf, tables):
