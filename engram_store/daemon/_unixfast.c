@@ -23,15 +23,14 @@
  *     shuts the socket down; the next call then sees EOF.
  *
  * Fair share: a lookup of more than FAIR_PIECE_ROWS rows is gathered in pieces of
- * that many rows. The pieces of every connection's large lookups take turns, one
- * piece at a time in the process (a ticket counter: first come, first served), and
- * before each piece a large lookup waits while small lookups of other connections
- * are gathering (up to MAX_YIELD_NS per piece, so large ones still move); while
- * small lookups keep coming (one in the last RECENT_SMALL_NS), large pieces use one
- * gather thread fewer, which is then free for the next small one.
- * A decode-sized lookup beside clients looping 1M-row lookups so finds the gather
- * pool and the CPUs free within a piece, and large lookups share them in turn.
- * fair_stats() counts the pieces and the waits.
+ * that many rows, and before each piece it waits while small lookups of other
+ * connections are gathering (up to MAX_YIELD_NS per piece, so large ones still
+ * move): a decode-sized lookup beside clients looping 1M-row lookups has the
+ * gather pool and the CPUs to itself from the next piece boundary on.
+ * fair_stats() counts the pieces and the waits. (Measured on a shared 2-core host:
+ * pieces taking turns process-wide, or one gather thread fewer for large lookups
+ * while small ones come, cut large lookups' throughput and did not measurably
+ * lower a decode client's p99; see the commit that removed them.)
  *
  * Why native: in Python the frame, the checks and the reply took ~80 us per
  * request around a 200 us decode gather; the same path here takes a few.
@@ -63,7 +62,6 @@
 #define DTYPE_INT64 1
 #define FAIR_PIECE_ROWS 16384   /* larger lookups are gathered in pieces of this many rows, in turns */
 #define MAX_YIELD_NS 2000000LL  /* the longest one piece waits for small lookups to finish */
-#define RECENT_SMALL_NS 10000000LL /* a small lookup this recent: large pieces leave a gather thread free */
 
 enum { SERVED = 0, FRAME = 1, PEER_EOF = 2 };
 
@@ -81,12 +79,10 @@ _Static_assert(sizeof(frame_t) == 56, "frame_t must match wire.FRAME");
 static const engram_gather_api *gather_api;
 static atomic_flag poll_token = ATOMIC_FLAG_INIT; /* held by the one connection busy-polling */
 
-/* The fair share of every Conn of this process. Futex words: small_active, now_serving. */
-static _Atomic uint32_t small_active;             /* small lookups gathering now */
-static _Atomic uint32_t large_waiting;            /* pieces asleep on small_active */
-static _Atomic uint32_t next_ticket, now_serving; /* the turns of large lookups' pieces */
+/* The fair share of every Conn of this process. */
+static _Atomic uint32_t small_active;  /* small lookups gathering now (a futex word) */
+static _Atomic uint32_t large_waiting; /* pieces asleep on small_active */
 static _Atomic uint64_t pieces_served, pieces_yielded;
-static _Atomic int64_t last_small_ns;             /* when the last small lookup's gather ended */
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -102,17 +98,6 @@ static long futex_wait(_Atomic uint32_t *addr, uint32_t val, int64_t timeout_ns)
 
 static void futex_wake_all(_Atomic uint32_t *addr) {
     syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE | FUTEX_PRIVATE_FLAG, INT_MAX, NULL, NULL, 0);
-}
-
-/* The next piece's turn: pieces of all large lookups go one at a time, in ticket order. */
-static void take_turn(void) {
-    const uint32_t me = atomic_fetch_add(&next_ticket, 1);
-    for (uint32_t s; (s = atomic_load(&now_serving)) != me;) futex_wait(&now_serving, s, 0);
-}
-
-static void end_turn(void) {
-    atomic_fetch_add(&now_serving, 1);
-    futex_wake_all(&now_serving);
 }
 
 /* Before a piece: let small lookups in progress finish first, MAX_YIELD_NS at most. */
@@ -131,13 +116,12 @@ static void yield_to_small(void) {
 }
 
 static void small_done(void) {
-    atomic_store(&last_small_ns, now_ns());
     if (atomic_fetch_sub(&small_active, 1) == 1 && atomic_load(&large_waiting)) futex_wake_all(&small_active);
 }
 
-/* fork() copies only the calling thread: turns held by threads that do not exist there are void. */
+/* fork() copies only the calling thread: small lookups of threads that do not exist there are void. */
 static void reset_fair_share_in_child(void) {
-    small_active = large_waiting = next_ticket = now_serving = 0;
+    small_active = large_waiting = 0;
 }
 
 typedef struct {
@@ -334,15 +318,10 @@ static int serve(Conn *c, const frame_t *f, double *seconds) {
             if ((uint64_t)ids[i] >= (uint64_t)rows) return 0;
         for (uint64_t at = 0; at < n; at += FAIR_PIECE_ROWS) {
             const uint64_t len = n - at < FAIR_PIECE_ROWS ? n - at : FAIR_PIECE_ROWS;
-            take_turn();
             yield_to_small();
-            /* While small lookups come and go, one thread fewer: it is theirs when the next arrives. */
-            const int threads = c->threads > 1 && now_ns() - atomic_load(&last_small_ns) < RECENT_SMALL_NS
-                                    ? c->threads - 1 : c->threads;
             gather_api->gather_split(l->weights.buf, l->scales.buf, rows, wb, rb - wb, ids + at, (int64_t)len,
-                                     out + at * rb, threads);
+                                     out + at * rb, c->threads);
             pieces_served++;
-            end_turn();
         }
     }
     frame_t reply = {.magic = MAGIC, .version = VERSION, .op = OP_RESULT, .layer = f->layer,
