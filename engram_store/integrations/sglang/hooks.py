@@ -1,0 +1,216 @@
+"""What the SGLang plugin hooks in SGLang, and the checks before it hooks anything.
+
+Every hook goes through SGLang's own ``HookRegistry`` (which also rebinds
+``from x import f`` copies). Before one is registered, SGLang's version and every
+hooked or read name are looked up, and the signatures of the functions replaced
+are compared with the ones these hooks were written against: an SGLang without
+one of them is refused as a whole (:class:`~engram_store.errors.EngineUnsupported`).
+``HookRegistry.apply_hooks`` logs and skips a hook it cannot apply, so the hooks
+that run at model build check that every other one is in place, and raise.
+
+The hooks (SGLang 0.5.23):
+
+* ``EngramLayout.from_config`` (AFTER): checks the model config's Engram layout
+  against the daemon's tables (layer ids, rows, head sizes, dim, scale block).
+* ``EngramEmbedding.__init__`` (BEFORE): refuses peer shards and a disabled host
+  table (both keep the table in GPU memory, loaded from the checkpoint).
+* ``EngramEmbedding._init_host_table`` (REPLACE): the layer's host table is the
+  arena, shared layout, no memfd, no ``/proc/<pid>/fd``, nothing loaded
+  (:mod:`.host_table`).
+* ``EngramEmbedding._load_rows`` (AROUND): a no-op for arena tables.
+* ``weight_utils.safetensors_weights_iterator`` and
+  ``buffered_multi_thread_safetensors_weights_iterator`` (REPLACE): the same
+  iteration, skipping the Engram tensors before they are read; fastsafetensors,
+  instanttensor, checkpoint prefetch and ``weight_loader_disable_mmap`` read
+  whole files and are refused; dummy and capture-safe weight fills would write
+  into the read-only arena and are refused (:mod:`.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import pkgutil
+import threading
+from typing import Any, Callable
+
+from ...errors import EngineUnsupported, StorageError
+from ..tables import EngramStoreTables
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_VERSIONS = ("0.5.23",)  # SGLang releases whose Engram code these hooks were written against
+ENGRAM = "sglang.srt.layers.engram"
+WEIGHT_UTILS = "sglang.srt.model_loader.weight_utils"
+SCALE_BLOCK = 32  # values per E8M0 scale (SGLang's FP8_BLOCK_SIZE; engram-store's row format)
+
+# Names read (not hooked): the module attributes the replacements call, and for each
+# method whose body we rely on, a word its source must contain.
+READ_NAMES = (f"{ENGRAM}.FP8_BLOCK_SIZE", f"{ENGRAM}._sorted_host_reads", f"{ENGRAM}._registered_device_ptr",
+              f"{ENGRAM}.envs", f"{ENGRAM}.EngramEmbedding._table_ptrs", f"{ENGRAM}.EngramEmbedding.forward",
+              f"{WEIGHT_UTILS}._drop_file_cache_after_load", "sglang.srt.plugins.load_plugins")
+SOURCE_USES = {  # method -> attributes of an EngramEmbedding our host table sets, which it must read
+    f"{ENGRAM}.EngramEmbedding._table_ptrs": ("_host_table_ptrs", "host_table"),
+    f"{ENGRAM}.EngramEmbedding._shared": ("host_table.layout", '"shared"'),
+    f"{ENGRAM}.EngramEmbedding.shared_host_table_without_ats": ("_sort_host_reads",),
+    f"{ENGRAM}.EngramEmbedding.__init__": ("SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS", "_init_host_table",
+                                            "weight_loader = self._load_rows"),
+}
+ENV_FLAGS = ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT",
+             "SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS", "SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING")
+
+_state_lock = threading.Lock()
+_installed: dict[str, Any] = {}  # address, version, originals by target, once installed
+_applied_checked = False
+
+
+def install(address: str) -> None:
+    """Check SGLang and register the hooks that read Engram tables from the daemon at ``address``."""
+    with _state_lock:
+        if _installed:
+            if _installed["address"] != address:
+                raise EngineUnsupported(f"engram-store plugin already active for {_installed['address']}, "
+                                        f"asked again for {address}")
+            return
+        version = sglang_version()
+        if not version.startswith(SUPPORTED_VERSIONS):
+            raise EngineUnsupported(f"engram-store's SGLang plugin supports SGLang {', '.join(SUPPORTED_VERSIONS)}, "
+                                    f"this is SGLang {version}; unset ENGRAM_STORE_ADDR to run SGLang without "
+                                    "engram-store, or install a matching engram-store")
+        hooks = targets()
+        originals = {target: _resolve(target) for target in hooks}
+        for target, (hook_type, _, signature) in hooks.items():
+            if signature is not None:
+                _check_signature(target, originals[target], signature)
+        for name in READ_NAMES:
+            _resolve(name)
+        for name, words in SOURCE_USES.items():
+            _check_source(name, words)
+        envs = _resolve(f"{ENGRAM}.envs")
+        for flag in ENV_FLAGS:
+            if getattr(envs, flag, None) is None:
+                raise EngineUnsupported(f"engram-store's SGLang plugin reads SGLang's {flag}, which this SGLang "
+                                        "does not declare")
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        for target, (hook_type, hook, _) in hooks.items():
+            HookRegistry.register(target, hook, getattr(HookType, hook_type))
+        _installed.update(address=address, version=version, originals=originals)
+    log.warning("engram-store plugin ACTIVE: SGLang %s reads DeepSeek-V4.1 Engram host tables from the engram-store "
+                "daemon at %s (arena mapped on first use; checkpoint Engram tensors are not read)", version, address)
+
+
+def installed_address() -> str | None:
+    return _installed.get("address")
+
+
+def sglang_version() -> str:
+    try:
+        from sglang.version import __version__
+    except Exception as exc:
+        raise EngineUnsupported(f"engram-store's SGLang plugin cannot read SGLang's version: {exc}") from exc
+    return str(__version__)
+
+
+def tables() -> EngramStoreTables:
+    """The daemon's arena in this process (mapped on first use, once). A daemon in
+    cached mode is refused: SGLang gathers Engram rows in place from the host table
+    in every decode step (a CUDA-graph-captured kernel), so every row has to be in
+    the mapped arena."""
+    address = _installed.get("address")
+    if address is None:
+        raise EngineUnsupported("the engram-store SGLang plugin is not installed in this process")
+    try:
+        return EngramStoreTables.shared(address)
+    except StorageError as exc:
+        raise EngineUnsupported(
+            f"SGLang cannot run over this daemon: {exc}. SGLang reads DeepSeek-V4.1 Engram rows in place from the "
+            "host table: every decode step (CUDA graphs included) gathers them there with a kernel, and its "
+            "scheduler staging (SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING) covers extend batches only, so no SGLang "
+            "mode runs on a daemon whose rows are not all in DRAM") from exc
+
+
+def check_applied() -> None:
+    """Raise unless every hook of :func:`targets` is in place (HookRegistry skips, with a
+    log line, a hook it could not apply; a model half hooked would load the tables)."""
+    global _applied_checked
+    if _applied_checked:
+        return
+    missing = [target for target, original in _installed.get("originals", {}).items()
+               if _resolve(target) is original]
+    if missing:
+        raise EngineUnsupported(f"SGLang's HookRegistry did not apply engram-store's hooks on {', '.join(missing)} "
+                                "(see its 'Failed to apply hooks' log line); refusing to build a model that would "
+                                "load the Engram tables from the checkpoint")
+    _applied_checked = True
+
+
+# --- what is hooked --------------------------------------------------------------------
+def targets() -> dict[str, tuple[str, Callable, tuple[str, ...] | None]]:
+    """target -> (HookType name, hook, parameter names of the original that the hook
+    takes over, or None when it only wraps)."""
+    from . import checkpoint, host_table
+
+    files = ("hf_weights_files",)
+    return {
+        f"{ENGRAM}.EngramLayout.from_config": ("AFTER", host_table.check_layout, ("cls", "config")),
+        f"{ENGRAM}.EngramEmbedding.__init__": ("BEFORE", host_table.before_embedding_init,
+                                               ("self", "num_embeddings", "dim", "layer_id", "column_bounds")),
+        f"{ENGRAM}.EngramEmbedding._init_host_table": ("REPLACE", host_table.init_host_table,
+                                                       ("self", "num_embeddings", "dim", "layer_id")),
+        f"{ENGRAM}.EngramEmbedding._load_rows": ("AROUND", host_table.load_rows, ("self", "param", "loaded_weight")),
+        f"{WEIGHT_UTILS}.safetensors_weights_iterator": (
+            "REPLACE", checkpoint.safetensors_weights_iterator,
+            files + ("disable_mmap", "prefetch", "prefetch_num_threads", "drop_cache_after_load")),
+        f"{WEIGHT_UTILS}.buffered_multi_thread_safetensors_weights_iterator": (
+            "REPLACE", checkpoint.buffered_multi_thread_safetensors_weights_iterator,
+            files + ("max_workers", "disable_mmap", "prefetch", "prefetch_num_threads", "drop_cache_after_load")),
+        f"{WEIGHT_UTILS}.fastsafetensors_weights_iterator": (
+            "REPLACE", checkpoint.refuse_whole_file_loader("--load-format fastsafetensors"), None),
+        f"{WEIGHT_UTILS}.instanttensor_weights_iterator": (
+            "REPLACE", checkpoint.refuse_whole_file_loader("--load-format instanttensor"), None),
+        f"{WEIGHT_UTILS}._prefetch_all_checkpoints": (
+            "REPLACE", checkpoint.refuse_whole_file_loader("--weight-loader-prefetch-checkpoints"), None),
+        f"{WEIGHT_UTILS}.initialize_dummy_weights": (
+            "AROUND", checkpoint.refuse_write("--load-format dummy"), None),
+        f"{WEIGHT_UTILS}.initialize_capture_safe_weights": (
+            "AROUND", checkpoint.refuse_write("filling the weights for overlapped start-up"), None),
+    }
+
+
+def _resolve(target: str) -> Any:
+    """The object at ``target`` as HookRegistry sees it (the function behind a classmethod)."""
+    path, _, name = target.rpartition(".")
+    try:
+        owner = pkgutil.resolve_name(path)
+    except Exception as exc:
+        raise EngineUnsupported(f"engram-store's SGLang plugin needs {path}, which does not import here: "
+                                f"{type(exc).__name__}: {exc}") from exc
+    raw = owner.__dict__.get(name) if isinstance(owner, type) else None
+    if isinstance(raw, (classmethod, staticmethod)):
+        return raw.__func__
+    if isinstance(raw, property):
+        return raw.fget
+    value = getattr(owner, name, None)
+    if value is None:
+        raise EngineUnsupported(f"engram-store's SGLang plugin hooks or reads {target}, which this SGLang does not have")
+    return value
+
+
+def _check_signature(target: str, fn: Any, expected: tuple[str, ...]) -> None:
+    try:
+        names = tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        names = ()
+    if names != expected:
+        raise EngineUnsupported(f"SGLang's {target} takes {names}, engram-store's hook was written for {expected}")
+
+
+def _check_source(target: str, words: tuple[str, ...]) -> None:
+    try:
+        source = inspect.getsource(_resolve(target))
+    except (OSError, TypeError):
+        return  # no source shipped: the signature and name checks stand
+    for word in words:
+        if word not in source:
+            raise EngineUnsupported(f"SGLang's {target} no longer uses {word!r}, which engram-store's hooks rely on")

@@ -1,0 +1,136 @@
+"""SGLang's Engram host tables over the daemon's arena: the hooks on ``sglang.srt.layers.engram``.
+
+SGLang's shared host-table layout keeps each Engram layer whole in host memory on
+every TP rank, registered with the GPU, and hands its kernels two addresses: the
+``[rows, dim]`` FP8 payloads and the ``[rows, dim // 32]`` E8M0 scales. The
+daemon's resident arena holds exactly these two blocks per layer
+(``engram_store.storage.arena_layout``), so here the host table *is* the arena:
+the layer's ``weight`` / ``scale`` parameters are read-only views of it, and
+``_host_table_ptrs`` are the (registered) addresses of its two blocks. SGLang's
+own forward gather, decode CUDA graphs and scheduler staging
+(``EngramRowStager``, which ``index_select``\\ s rows out of ``weight`` / ``scale``)
+then run unchanged. No memfd is created, no ``/proc/<pid>/fd`` is opened (TP
+ranks need no shared PID namespace), nothing is loaded.
+
+``SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT=per_rank`` is overridden (one log line):
+a private shard per rank would be a copy, and the arena is one copy per host.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import EngineUnsupported, ModelMismatch
+from . import hooks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ArenaHostTable:
+    """Stands where SGLang keeps its ``_HostTable``: what SGLang reads of it (``layout``,
+    ``dirty``, ``finish_load``, ``device_ptr``) and where the layer's rows are."""
+
+    address: str
+    layer: int
+    rows: int
+    device_ptr: int  # the payload block (SGLang's name); the scales block is scale_device_ptr
+    scale_device_ptr: int
+    nbytes: int  # payload and scale bytes of the layer (the blocks are not adjacent: no ``bytes`` tensor)
+    huge_pages: str
+    layout: str = "shared"
+    dirty: bool = False  # nothing is ever loaded into it
+
+    def finish_load(self, label: str) -> None:
+        log.info("engram host table %s: the engram-store daemon's arena (layer %d, %d rows, huge pages: %s); "
+                 "nothing loaded", label, self.layer, self.rows, self.huge_pages)
+
+
+def _engram() -> Any:
+    import sglang.srt.layers.engram as engram
+
+    return engram
+
+
+@functools.cache
+def _warn_layout_overridden(layout: str) -> None:
+    log.warning("SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT=%s is ignored while the engram-store plugin is active: every "
+                "TP rank maps the daemon's whole table (the shared layout, one copy per host)", layout)
+
+
+def check_layout(layout: Any, cls: Any, config: Any) -> None:
+    """AFTER ``EngramLayout.from_config``: the model config's Engram layout against the daemon's tables."""
+    hooks.check_applied()
+    if layout is None:  # a DeepSeek-V4 config without Engram layers: nothing to serve
+        return
+    block = int(_engram().FP8_BLOCK_SIZE)
+    hooks.tables().check_model(
+        layer_ids=layout.layer_ids, rows=layout.num_embeddings,
+        head_sizes=[[p for order in per_layer for p in order] for per_layer in layout.primes],
+        dim=layout.head_dim, scale_block=block, source="SGLang's EngramLayout of the model config")
+
+
+def before_embedding_init(self, num_embeddings: int, dim: int, layer_id: int, column_bounds: Any) -> None:
+    """BEFORE ``EngramEmbedding.__init__``: refuse the settings that keep the table out of host memory."""
+    hooks.check_applied()
+    envs = _engram().envs
+    if envs.SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS.get():
+        raise EngineUnsupported("SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS keeps the Engram tables in GPU memory, loaded "
+                                "from the checkpoint; engram-store serves them from its host arena: unset it (or "
+                                "unset ENGRAM_STORE_ADDR to run SGLang without engram-store)")
+    if not envs.SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE.get():
+        raise EngineUnsupported("engram-store serves Engram tables as SGLang's host table: set "
+                                "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1 (without it SGLang loads them into GPU "
+                                "memory from the checkpoint)")
+
+
+def init_host_table(self, num_embeddings: int, dim: int, layer_id: int) -> None:
+    """REPLACE ``EngramEmbedding._init_host_table``: the layer's shared host table is the arena."""
+    import torch
+    from torch import nn
+
+    hooks.check_applied()
+    engram = _engram()
+    layout = engram.envs.SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT.get()
+    if layout != "shared":
+        _warn_layout_overridden(layout)
+    block = int(engram.FP8_BLOCK_SIZE)
+    t = hooks.tables()
+    if layer_id not in t.layers:
+        raise ModelMismatch(f"Engram layer {layer_id}: the engram-store daemon at {t.address} serves layers "
+                            f"{t.layers} (tables of spec {t.spec.name!r})")
+    if int(num_embeddings) != t.rows(layer_id) or int(dim) != t.spec.row_format.dim or block != hooks.SCALE_BLOCK:
+        raise ModelMismatch(f"Engram layer {layer_id}: SGLang builds {num_embeddings} rows of {dim} values "
+                            f"(scale block {block}), the engram-store daemon at {t.address} serves "
+                            f"{t.rows(layer_id)} rows of {t.spec.row_format.dim} (scale block "
+                            f"{t.spec.row_format.scale_block})")
+    weight, scales = t.views(layer_id)
+    scale = scales.view(torch.float8_e8m0fnu)
+    if torch.cuda.is_available() and not t.register_cuda():
+        raise EngineUnsupported("cudaHostRegister refused the engram-store arena, so SGLang's kernels cannot read it; "
+                                "check the memlock limit (ulimit -l)")
+    w_ptr = int(engram._registered_device_ptr(weight.data_ptr()))  # the host address on CUDA (UVA); HIP maps it
+    s_ptr = int(engram._registered_device_ptr(scale.data_ptr()))
+    self.host_table = ArenaHostTable(t.address, int(layer_id), int(num_embeddings), w_ptr, s_ptr,
+                                     weight.numel() + scale.numel(), t.huge_pages)
+    self.weight = nn.Parameter(weight, requires_grad=False)
+    self.scale = nn.Parameter(scale, requires_grad=False)
+    self._host_table_ptrs = (w_ptr, s_ptr)
+    self._sort_host_reads = engram._sorted_host_reads(torch.cuda.current_device())
+    log.info("engram-store: Engram layer %d (%d rows) is the daemon's arena: weight %#x, scale %#x (zero copy)",
+             layer_id, num_embeddings, w_ptr, s_ptr)
+
+
+def is_arena_table(embedding: Any) -> bool:
+    return isinstance(getattr(embedding, "host_table", None), ArenaHostTable)
+
+
+def load_rows(original, self, param, loaded_weight) -> None:
+    """AROUND ``EngramEmbedding._load_rows``: an arena table is the daemon's, read-only; nothing
+    is copied in (the checkpoint iterators skip these tensors already)."""
+    if is_arena_table(self):
+        return None
+    return original(self, param, loaded_weight)
