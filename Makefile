@@ -15,10 +15,16 @@ PYTEST_ARGS ?=
 # CUDA torch) plus the few packages its Engram module imports. VLLM=0 skips them (they then report skipped).
 VLLM ?= 1
 VLLM_REQ ?= vllm==0.33.0
+# The SGLang plugin's tests run SGLang's own Engram code in a venv of their own (SGLANG_VENV; its pins must not
+# change vLLM's): SGLang 0.5.23 without its dependency tree plus what its Engram modules import. SGLANG=0 skips.
+SGLANG ?= 1
+SGLANG_REQ ?= sglang==0.5.23
+SGLANG_VENV ?= .venv-sglang
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
 NATIVE_STAMP := $(VENV)/.native-built
 NATIVE_SOURCES := $(wildcard engram_store/*/*.c engram_store/*/*.h) setup.py
 
@@ -42,6 +48,15 @@ $(NATIVE_STAMP): $(NATIVE_SOURCES) | $(STAMP)
 	$(BIN)/pip install --quiet --no-deps -e .
 	touch $@
 
+# Without TORCH_REQ (GPU hosts) the SGLang venv sees the host's torch through --system-site-packages.
+$(SGLANG_STAMP): pyproject.toml tests/sglang-requirements.txt
+	$(PYTHON) -m venv $(if $(TORCH_REQ),,--system-site-packages) $(SGLANG_VENV)
+	echo '*' > $(SGLANG_VENV)/.gitignore  # git ignores the venv (as Python 3.13's venv does by itself)
+	$(if $(TORCH_REQ),$(SGLANG_VENV)/bin/pip install --quiet "$(TORCH_REQ)")
+	$(SGLANG_VENV)/bin/pip install --quiet -e .
+	$(SGLANG_VENV)/bin/pip install --quiet --no-deps "$(SGLANG_REQ)" -r tests/sglang-requirements.txt
+	touch $@
+
 tables: $(TABLES)/manifest.json
 
 $(TABLES)/manifest.json: | $(STAMP) $(NATIVE_STAMP)
@@ -63,4 +78,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/import_throughput.py
 
 clean:
-	rm -rf $(VENV) data
+	rm -rf $(VENV) $(SGLANG_VENV) data

@@ -1,0 +1,120 @@
+"""The SGLang plugin against SGLang 0.5.23's own code, on CPU with Triton's interpreter, against
+real daemons. SGLang lives in ``.venv-sglang`` (``make test`` builds it: SGLang ``--no-deps`` plus
+``tests/sglang-requirements.txt``); each scenario of ``tests/sglang_engine.py`` runs there in a
+fresh process. Bytes are compared there with ``TableSet.read_rows`` and values with
+``gpu_client.dequantize``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from daemon_helpers import REPO, DaemonProcess
+
+from engram_store.spec import get_spec
+from engram_store.synth import write_synthetic
+
+SGLANG_PYTHON = Path(os.environ.get("ENGRAM_STORE_SGLANG_PYTHON", REPO / ".venv-sglang" / "bin" / "python"))
+pytestmark = pytest.mark.skipif(not SGLANG_PYTHON.exists(),
+                                reason=f"{SGLANG_PYTHON} is absent (make test builds .venv-sglang with sglang==0.5.23)")
+
+SPEC = get_spec("deepseek-v4.1-flash", 0.0002)  # V4.1's geometry (24 heads, 264-byte rows), ~40 MB of tables
+SCENARIO_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("sglang") / "tables"
+    write_synthetic(directory, SPEC, seed=5)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def daemon(tables, tmp_path_factory):
+    d = DaemonProcess(tables, tmp_path_factory.mktemp("sglang-daemon"))
+    try:
+        yield d.start()
+    finally:
+        d.stop()
+
+
+def scenario(name: str, *args: str, address: str, expect_rc: int = 0) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ENGRAM_STORE_", "SGLANG_"))}
+    env |= {"ENGRAM_STORE_ADDR": address, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+            "SGLANG_PLUGINS": "engram_store", "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1",
+            "SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    cmd = [str(SGLANG_PYTHON), str(REPO / "tests" / "sglang_engine.py"), name, *map(str, args)]
+    result = subprocess.run(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                            timeout=SCENARIO_TIMEOUT)
+    out = result.stdout + result.stderr
+    assert result.returncode == expect_rc, out[-6000:]
+    return out
+
+
+def make_checkpoint(ckpt: Path) -> Path:
+    """Two shards: one ordinary tensor; the Engram tables (26 MB, far beyond what readahead around
+    the header brings in) beside one more ordinary tensor."""
+    import torch
+    from safetensors.torch import save_file
+
+    ckpt.mkdir()
+    save_file({"model.layers.0.attn.wq_a.weight": torch.ones(8, 8)}, str(ckpt / "model-00001-of-00002.safetensors"))
+    rows = 100_000
+    rng = np.random.default_rng(0)
+    tensors = {f"model.layers.{layer}.engram.embed.{part}": torch.from_numpy(
+        rng.integers(0, 120, (rows, width), dtype=np.uint8)).view(dtype)
+        for layer in SPEC.layers for part, width, dtype in (("weight", 256, torch.float8_e4m3fn),
+                                                            ("scale", 8, torch.float8_e8m0fnu))}
+    tensors["model.layers.1.engram.wkv.weight"] = torch.ones(4, 4)
+    save_file(tensors, str(ckpt / "model-00002-of-00002-engram.safetensors"))
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def resident(daemon, tables, tmp_path_factory):
+    """The output of the 'resident' scenario (SGLang imports in seconds: one process for all checks)."""
+    return scenario("resident", tables, make_checkpoint(tmp_path_factory.mktemp("sglang-ckpt") / "ckpt"),
+                    address=daemon.unix)
+
+
+def test_plugin_hooks_and_sglang_reads_the_arena(resident):
+    assert "HookRegistry hooked exactly 18 names" in resident
+    assert resident.count("TableSet.read_rows") == 5  # TP=1, TP=2 rank 0 and 1, a row range, the stager
+    assert "_load_rows of Engram tensors is a no-op" in resident
+    assert "engram-store plugin ACTIVE" in resident  # the one unmistakable line
+
+
+def test_model_config_is_checked_against_the_daemon(resident):
+    assert "EngramLayout of the V4.1 config equals" in resident and "mismatch named" in resident
+
+
+def test_checkpoint_engram_tensors_are_never_read(resident):
+    assert resident.count("(never read)") == 2  # the default multi-threaded iterator and the single-threaded one
+
+
+def test_settings_that_keep_tables_out_of_the_arena_are_refused(resident):
+    assert "PEER_SHARDS=1 refused" in resident and "HOST_TABLE=0 refused" in resident
+    assert "per_rank overridden" in resident and "write paths and whole-file loaders refused" in resident
+    assert "a changed signature refused" in resident
+
+
+@pytest.mark.parametrize("how, words", [
+    ("missing", "EngramEmbedding._init_host_table, which this SGLang does not have"),
+    ("version", "supports SGLang 0.5.23, this is SGLang 0.5.24"),
+    ("not-applied", "HookRegistry did not apply engram-store's hooks on sglang.srt.layers.engram.EngramEmbedding._load_rows"),
+])
+def test_a_changed_sglang_stops_the_process(daemon, tables, how, words):
+    """SGLang's load_plugins logs and swallows a plugin's Exception: the plugin exits instead
+    (at load), or raises from the model build (a hook HookRegistry could not apply)."""
+    out = scenario("renamed", tables, how, address=daemon.unix, expect_rc=1)
+    assert words in out and "EngineUnsupported" in out and "AssertionError" not in out, out[-3000:]
+    assert ("engram-store plugin ACTIVE" in out) == (how == "not-applied")
+
+
+def test_a_cached_daemon_is_refused_with_the_reason(tables, tmp_path):
+    with DaemonProcess(tables, tmp_path, dram_bytes="1MiB") as d:
+        out = scenario("cached", tables, address=d.unix)
+    assert "cached daemon refused" in out
