@@ -17,6 +17,11 @@ Checks (CUDA / without CUDA):
                 registered read-only (EngramStoreTables.register_cuda):    runs it on CPU under Triton's
                 rows byte-exact vs TableSet.read_rows, GB/s; skipped      interpreter)
                 with the reason when vLLM does not import
+  sglang-kernel SGLang's own engram_gather (the host-table gather of its  / skipped (tests/test_sglang_plugin.py
+                forward and decode graphs) at the registered arena's       runs its kernel on CPU under Triton's
+                weights/scales block addresses, as the SGLang plugin       interpreter)
+                sets them: bf16 equal to dequantize(read_rows), plain and
+                sort_ids, GB/s; skipped with the reason without SGLang
   e2e           bench/e2e.py --quick overheads (b, c vs a)               / same, tiny model on CPU
   raw-ids       raw->compressed on the GPU equals numpy (real DeepSeek-V4 / same on CPU, decode
                 map), and the prefetcher's added time per decode step     batch 8
@@ -235,6 +240,42 @@ def check_vllm_kernel(spec, ts: TableSet, address: str, device) -> list[dict]:
     return out_rows
 
 
+def check_sglang_kernel(spec, ts: TableSet, address: str, device) -> list[dict]:
+    """SGLang's gather kernel reading the daemon's arena at the addresses the SGLang plugin gives it."""
+    if device.type != "cuda":
+        return [row("sglang-kernel", None, "", "no CUDA device (tests/test_sglang_plugin.py runs it on CPU, interpreted)")]
+    try:
+        from sglang.kernels.ops.embeddings.engram_gather import engram_gather
+        from sglang.srt.layers.engram import _registered_device_ptr
+    except Exception as exc:
+        return [row("sglang-kernel", None, "", f"SGLang does not import here ({type(exc).__name__}: {exc})")]
+    from engram_store.integrations.tables import EngramStoreTables
+    from gpu_client.dequant import dequantize
+
+    tables = EngramStoreTables.connect(address)
+    if not tables.register_cuda():
+        return [row("sglang-kernel", False, "", "cudaHostRegister refused the arena")]
+    layer = spec.layers[-1]
+    fmt = spec.row_format
+    weight, scales = tables.views(layer)  # the plugin's host table: _host_table_ptrs = these two blocks
+    w_ptr, s_ptr = _registered_device_ptr(weight.data_ptr()), _registered_device_ptr(scales.data_ptr())
+    out_rows = []
+    for label, n, sort_ids in (("decode-256", 256 * 24, False), ("decode-256 sorted", 256 * 24, True),
+                               ("prefill-8192", 8192 * 24, False)):
+        ids = torch.from_numpy(np.random.default_rng(4).integers(0, spec.rows(layer), n)).to(device)
+        out = torch.empty((n, fmt.dim), dtype=torch.bfloat16, device=device)
+
+        def launch():
+            engram_gather(w_ptr, s_ptr, ids, out, fmt.dim, fmt.scale_block, sort_ids=sort_ids)
+
+        per = _timeit(launch, device)
+        want = dequantize(torch.from_numpy(ts.read_rows(layer, ids.cpu().numpy())).unsqueeze(1), spec)
+        out_rows.append(row(f"sglang-kernel {label}", bool(torch.equal(out.cpu(), want)),
+                            f"{n * fmt.row_bytes / per / 1e9:.2f} GB/s",
+                            f"{n} rows, {per * 1e6:.0f} us, bf16 == dequantize(read_rows)"))
+    return out_rows
+
+
 def check_raw_ids(device, cpu_only: bool) -> list[dict]:
     """Raw ids on the device: the map's gather equals numpy's, and what raw ids add to a decode step's submit()."""
     from engram_store.tokens import RawIds, TokenMap
@@ -301,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += check_gather(spec, daemon, device)
             rows += check_kvikio(ts, device)
             rows += check_vllm_kernel(spec, ts, resident.ready["unix"], device)
+            rows += check_sglang_kernel(spec, ts, resident.ready["unix"], device)
             for c in (local, daemon, cold):
                 c.close()
         ts.close()
