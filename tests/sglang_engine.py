@@ -358,8 +358,6 @@ def resident_pages(path: str) -> tuple[int, int]:
 def scenario_loader(tables_dir: str, ckpt_dir: str) -> None:
     """SGLang's loader iterators (the default multi-threaded one, and the single-threaded one) through
     the plugin yield every other tensor, unchanged, and never read the Engram ones."""
-    import mmap
-
     from sglang.srt.model_loader import loader
 
     load_plugin()
@@ -376,7 +374,8 @@ def scenario_loader(tables_dir: str, ckpt_dir: str) -> None:
         assert names and not any(".engram.embed." in n for n in names), sorted(names)
         assert "model.layers.1.engram.wkv.weight" in names and names["model.layers.0.attn.wq_a.weight"] == 64.0
         resident, pages = resident_pages(engram_shard)
-        assert resident * mmap.PAGESIZE <= 4 << 20, f"{resident} of {pages} pages of the Engram shard were read"
+        # safe_open's header read brings in 4-8 MiB of read-ahead here; reading the tables would bring all 53 MB
+        assert resident <= pages // 4, f"{resident} of {pages} pages of the Engram shard were read"
         ok(f"{name} iterator yielded {sorted(names)}; Engram shard {resident} of {pages} pages in the page cache "
            "(never read)")
 

@@ -55,20 +55,21 @@ def scenario(name: str, *args: str, address: str, expect_rc: int = 0) -> str:
 
 
 def make_checkpoint(ckpt: Path) -> Path:
-    """Two shards: one ordinary tensor; the Engram tables (26 MB, far beyond what readahead around
-    the header brings in) beside one more ordinary tensor."""
+    """Two shards: two ordinary tensors (one of an Engram layer's gate); the Engram tables alone (53 MB,
+    far beyond what readahead around the header brings in; a tensor read beside them would bring its
+    read-around in too)."""
     import torch
     from safetensors.torch import save_file
 
     ckpt.mkdir()
-    save_file({"model.layers.0.attn.wq_a.weight": torch.ones(8, 8)}, str(ckpt / "model-00001-of-00002.safetensors"))
+    save_file({"model.layers.0.attn.wq_a.weight": torch.ones(8, 8), "model.layers.1.engram.wkv.weight": torch.ones(4, 4)},
+              str(ckpt / "model-00001-of-00002.safetensors"))
     rows = 100_000
     rng = np.random.default_rng(0)
     tensors = {f"model.layers.{layer}.engram.embed.{part}": torch.from_numpy(
         rng.integers(0, 120, (rows, width), dtype=np.uint8)).view(dtype)
         for layer in SPEC.layers for part, width, dtype in (("weight", 256, torch.float8_e4m3fn),
                                                             ("scale", 8, torch.float8_e8m0fnu))}
-    tensors["model.layers.1.engram.wkv.weight"] = torch.ones(4, 4)
     save_file(tensors, str(ckpt / "model-00002-of-00002-engram.safetensors"))
     return ckpt
 
