@@ -204,17 +204,33 @@ def suffix_tokens_torch(spec: ModelSpec, tokens, cu_seqlens=None, history=None, 
     return torch.where(blocked, torch.full_like(tok, spec.pad_id), tok)
 
 
+_DEVICE_CONSTANTS: dict[tuple, tuple] = {}  # (spec geometry, layer, device) -> (multipliers, primes, offsets)
+
+
+def _layer_constants(spec: ModelSpec, layer: int, dev) -> tuple:
+    """A layer's multipliers, primes and offsets on ``dev``, made once per (spec, layer, device):
+    building them per call is three host-to-device copies per layer per step, each waiting for
+    the GPU queue, which would undo the layer-ahead overlap."""
+    key = (spec.name, spec.table_base, spec.orders, spec.heads, spec.multipliers[layer], layer, str(dev))
+    found = _DEVICE_CONSTANTS.get(key)
+    if found is None:
+        import torch
+
+        found = (torch.tensor(spec.multipliers_array(layer), device=dev), torch.tensor(spec.primes(layer), device=dev),
+                 torch.tensor(spec.offsets(layer), device=dev))
+        _DEVICE_CONSTANTS[key] = found
+    return found
+
+
 def hash_suffix_torch(spec: ModelSpec, layer: int, tok: "torch.Tensor") -> "torch.Tensor":
     import torch
 
-    dev = tok.device
-    prod = tok * torch.tensor(spec.multipliers_array(layer), device=dev)
+    multipliers, primes, offsets = _layer_constants(spec, layer, tok.device)
+    prod = tok * multipliers
     mix = [prod[:, 0]]
     for k in range(1, spec.max_ngram):  # over look-back positions (<= 3), not tokens
         mix.append(mix[-1] ^ prod[:, k])
     orders = torch.stack([mix[n - 1] for n in spec.orders], dim=1)  # [T, n_orders]
-    primes = torch.tensor(spec.primes(layer), device=dev)
-    offsets = torch.tensor(spec.offsets(layer), device=dev)
     rows = torch.remainder(orders[:, :, None], primes) + offsets
     return rows.reshape(tok.shape[0], spec.rows_per_token)
 
