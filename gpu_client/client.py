@@ -25,6 +25,7 @@ Errors are ``engram_store.errors`` classes carrying the daemon's message.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, Callable, TypeVar
@@ -32,6 +33,8 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 
 from engram_store import errors
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _SCHEMES = ("unix://", "grpc://", "grpcs://")
@@ -127,6 +130,7 @@ class EngramClient:
         self._transport: Any = None
         self._closed = False
         self.generation = 0  # goes up on every (re)connect
+        self._close_hooks: list[Callable[[Any], None]] = []
 
     @classmethod
     def connect(cls, address: str, *, shm_bytes: int = 0, connect_timeout: float = 5.0,
@@ -173,8 +177,7 @@ class EngramClient:
                 raise errors.Unavailable("this EngramClient is closed")
             if self._transport is None or self._transport.broken:
                 if self._transport is not None:
-                    self._transport.close()
-                    self._transport = None
+                    self._close_transport()
                 self._transport = self._open()
                 self.generation += 1
             return self._transport
@@ -262,12 +265,28 @@ class EngramClient:
         """The daemon's counters (store_* from the store, unix_* / grpc_* per transport, hit_ratio)."""
         return self._with_transport(lambda t: t.stats())
 
+    def add_close_hook(self, hook: Callable[[Any], None]) -> None:
+        """Call ``hook(transport)`` before a transport is closed (a reconnect, or ``close``), while
+        its shared region and arena are still mapped: e.g. to ``cudaHostUnregister`` them. A hook
+        must not call this client; an exception from it is logged and the close goes on."""
+        with self._lock:
+            self._close_hooks.append(hook)
+
+    def _close_transport(self) -> None:
+        """Close the current transport (the lock held), running the close hooks first."""
+        transport, self._transport = self._transport, None
+        for hook in list(self._close_hooks):
+            try:
+                hook(transport)
+            except Exception:
+                log.exception("close hook %r failed", hook)
+        transport.close()
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
             if self._transport is not None:
-                self._transport.close()
-                self._transport = None
+                self._close_transport()
 
     def __enter__(self) -> "EngramClient":
         return self

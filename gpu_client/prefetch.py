@@ -371,20 +371,46 @@ class EngramPrefetcher:
         self._region_ptr, self._region_bytes = region.ctypes.data, region.nbytes
         self._owns_region = bool(registered)  # None: registered by someone else in this process
         self._region_generation = getattr(client, "generation", 0)
+        if not getattr(self, "_hooked", False) and hasattr(client, "add_close_hook"):
+            client.add_close_hook(self._region_closing)
+            self._hooked = True
         return "staged-shm"
 
+    def _region_closing(self, transport: Any) -> None:
+        """The client is about to close ``transport`` (a reconnect): unregister its shared region
+        while it is still mapped. A region unmapped while registered keeps its old pages pinned,
+        and a new region mapped at the same address would then be DMA'd from those stale pages."""
+        if self._region_ptr is None or getattr(transport, "region", None) is None \
+                or transport.region.ctypes.data != self._region_ptr:
+            return
+        self._stream.synchronize()  # no copy may still be reading it
+        if self._owns_region:
+            unregister_host_memory(self._region_ptr)
+        self._region_ptr = None
+        self.path = "staged-pinned"  # until _use_region registers the new connection's region
+
     def _use_region(self, rows: int) -> bool:
-        """Whether a lookup of ``rows`` rows goes through the registered shared region (it fits, same connection)."""
-        if self._region_ptr is None or rows * (8 + self.spec.row_bytes) > self._region_bytes // 4:
-            return False
-        if getattr(self.client, "generation", 0) != self._region_generation:  # the daemon restarted
-            if self._owns_region:
+        """Whether a lookup of ``rows`` rows goes through the registered shared region (it fits, same
+        connection). After a reconnect (the close hook unregistered the old region) the new
+        connection's region is registered here first."""
+        if self._region_ptr is None or getattr(self.client, "generation", 0) != self._region_generation:
+            if not self._cuda or not hasattr(self.client, "add_close_hook"):
+                return False
+            if self._region_ptr is not None and self._owns_region:  # a client without the hook's call
                 unregister_host_memory(self._region_ptr)
+            self._region_ptr = None
             self.path = self._staged_path(self.client)
             if self.path != "staged-shm":
                 self._region_ptr = None
                 return False
-        return True
+        return rows * (8 + self.spec.row_bytes) <= self._region_bytes // 4
+
+    def _rows_in_region(self, rows: np.ndarray) -> bool:
+        """Whether ``rows`` (a lookup's answer) lie in the shared region registered now: a lookup
+        submitted before a reconnect is answered from the new connection's region."""
+        ptr = self._region_ptr
+        return (ptr is not None and getattr(self.client, "generation", 0) == self._region_generation
+                and ptr <= rows.ctypes.data and rows.ctypes.data + rows.nbytes <= ptr + self._region_bytes)
 
     def _submit_lookups(self, fut: PrefetchFuture) -> None:
         try:
@@ -451,6 +477,18 @@ class EngramPrefetcher:
                 rows = handle.wait()
                 if not self._cuda:
                     np.copyto(dev.numpy(), rows.reshape(T, R, rb))
+                    return
+                if not self._rows_in_region(rows):  # reconnected meanwhile: not DMA-able, copy via pinned staging
+                    if self._last_copy[fut.slot][li] is not None:
+                        self._last_copy[fut.slot][li].synchronize()
+                    staging = self._staging[fut.slot, li, :T]
+                    np.copyto(staging.numpy(), rows.reshape(T, R, rb))
+                    with torch.cuda.stream(self._stream):
+                        self._stream.wait_event(self._consumed[fut.slot])
+                        dev.copy_(staging, non_blocking=True)
+                        fut._copied[li] = torch.cuda.Event()
+                        fut._copied[li].record(self._stream)
+                    fut._copied[li].synchronize()
                     return
                 with torch.cuda.stream(self._stream):
                     self._stream.wait_event(self._consumed[fut.slot])
