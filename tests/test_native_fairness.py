@@ -24,7 +24,7 @@ except ImportError:  # optional build; the Python reader serves the same request
 pytestmark = pytest.mark.skipif(_unixfast is None, reason="_unixfast not built")
 
 ROW_BYTES, WEIGHT_BYTES, ROWS, LAYER = 24, 16, 1000, 3
-REGION_BYTES = 4 << 20
+REGION_BYTES = 16 << 20
 SMALL = 8192  # a decode-sized lookup: at most FAIR_PIECE_ROWS
 
 
