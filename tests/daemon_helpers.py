@@ -173,3 +173,22 @@ def expected(tables: TableSet, layer: int, ids: np.ndarray) -> np.ndarray:
     ids = np.asarray(ids)
     return tables.read_rows(layer, ids.reshape(-1)).reshape(ids.shape + (tables.row_bytes,))
 
+
+def sigstop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait (bounded) until every thread of it is stopped: kill() returns
+    before the signal takes hold on running threads, and one could still answer a lookup."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    states: list[str] = []
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that just ended
+                continue
+        if states and all(state in "Tt" for state in states):
+            return
+        time.sleep(0.001)  # polling the process state, not waiting blindly
+    raise AssertionError(f"process {pid} not stopped 10 s after SIGSTOP: thread states {states}")

@@ -32,30 +32,13 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from engine_helpers import evict, model_config, ok, resident_pages, snapshot  # noqa: E402
 
 torch.library.define("torchvision::nms", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
 torch.library.define("torchvision::qnms", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
 
 ENGRAM = "sglang.srt.layers.engram"
 WEIGHT_UTILS = "sglang.srt.model_loader.weight_utils"
-
-
-def ok(what: str) -> None:
-    print(f"OK {what}", flush=True)
-
-
-def snapshot() -> dict:
-    """Every attribute of every loaded sglang module and of the classes defined there, by identity."""
-    seen = {}
-    for name, mod in list(sys.modules.items()):
-        if not name.startswith("sglang") or mod is None:
-            continue
-        for attr, value in list(vars(mod).items()):
-            seen[(name, attr)] = id(value)
-            if isinstance(value, type) and value.__module__ == name:
-                for cattr, cvalue in list(vars(value).items()):
-                    seen[(f"{name}.{value.__name__}", cattr)] = id(cvalue)
-    return seen
 
 
 def load_plugin() -> set:
@@ -65,9 +48,9 @@ def load_plugin() -> set:
     import sglang.srt.model_loader.loader  # noqa: F401
     from sglang.srt.plugins import load_plugins
 
-    before = snapshot()
+    before = snapshot("sglang")
     load_plugins()
-    after = snapshot()
+    after = snapshot("sglang")
     return {key for key, value in after.items() if key in before and before[key] != value}
 
 
@@ -78,15 +61,6 @@ def shim():
     torch.cuda.current_device = lambda: 0
     E._sorted_host_reads = lambda device: True
     return E
-
-
-def model_config(spec, **override):
-    """The Engram fields of a DeepSeek-V4.1 ``text_config`` for ``spec`` (as SGLang reads them)."""
-    fields = dict(engram_layer_ids=list(spec.layers), engram_num_embeddings=[spec.rows(layer) for layer in spec.layers],
-                  engram_max_ngram_size=spec.max_ngram, engram_n_heads=spec.heads, engram_head_dim=spec.row_format.dim,
-                  engram_compressed_vocab_size=spec.compressed_vocab, engram_pad_token_id=spec.pad_id,
-                  engram_vocab_size=spec.table_base)
-    return types.SimpleNamespace(**(fields | override))
 
 
 def build(E, layout, index: int, tp_size: int = 1, tp_rank: int = 0):
@@ -337,24 +311,6 @@ def scenario_renamed(tables_dir: str, how: str) -> None:
     raise AssertionError("load_plugins returned")
 
 
-def resident_pages(path: str) -> tuple[int, int]:
-    """(pages of ``path`` in the page cache, pages of ``path``), by mincore(2)."""
-    import ctypes
-    import mmap
-
-    size = os.path.getsize(path)
-    pages = -(-size // mmap.PAGESIZE)
-    vec = (ctypes.c_ubyte * pages)()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
-        array = np.frombuffer(mm, np.uint8)
-        if libc.mincore(array.ctypes.data, size, vec) != 0:
-            raise OSError(ctypes.get_errno(), "mincore failed")
-        del array
-    return sum(v & 1 for v in vec), pages
-
-
 def scenario_loader(tables_dir: str, ckpt_dir: str) -> None:
     """SGLang's loader iterators (the default multi-threaded one, and the single-threaded one) through
     the plugin yield every other tensor, unchanged, and never read the Engram ones."""
@@ -365,11 +321,7 @@ def scenario_loader(tables_dir: str, ckpt_dir: str) -> None:
     engram_shard = next(p for p in shards if "engram" in p)
     for name, iterate in (("buffered multi-thread", lambda: loader.buffered_multi_thread_safetensors_weights_iterator(
             shards, max_workers=2)), ("single-thread", lambda: loader.safetensors_weights_iterator(shards))):
-        for path in shards:
-            fd = os.open(path, os.O_RDONLY)
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+        evict(shards)
         names = {n: float(t.float().sum()) for n, t in iterate()}
         assert names and not any(".engram.embed." in n for n in names), sorted(names)
         assert "model.layers.1.engram.wkv.weight" in names and names["model.layers.0.attn.wq_a.weight"] == 64.0

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, expected, make_tables
+from daemon_helpers import DaemonProcess, expected, make_tables, sigstop
 
 from engram_store import errors
 from engram_store.daemon import shm, wire
@@ -22,25 +22,6 @@ from gpu_client.client import EngramClient
 RECONNECT = 1.0  # reconnect_timeout of the tests' clients
 SLACK = 8.0  # above the deadline a loaded host may add (never a speed claim: a bound on a hang)
 MAX_LOST = 300  # the proxy's crash loop ends (its socket closes) after this many lost lookups
-
-
-def _sigstop(pid: int) -> None:
-    """SIGSTOP ``pid`` and wait (bounded) until every thread of it is stopped: kill() returns
-    before the signal takes hold, and a daemon thread could still answer a lookup."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        states = []
-        for task in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{task}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except FileNotFoundError:  # a thread that just ended
-                continue
-        if states and all(state in "Tt" for state in states):
-            return
-        time.sleep(0.001)  # polling the process state, not waiting blindly
-    raise AssertionError(f"daemon {pid} did not stop within 10 s of SIGSTOP")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +34,7 @@ def test_timeout_is_each_calls_deadline_over_unix(tables, tmp_path):
     with DaemonProcess(tables.directory, tmp_path, extra=["--grpc", ""]) as d, \
             EngramClient.connect(d.unix, timeout=0.5, reconnect_timeout=0) as client:
         np.testing.assert_array_equal(client.lookup(1, ids), expected(tables, 1, ids))
-        _sigstop(d.pid)
+        sigstop(d.pid)
         try:
             t0 = time.monotonic()
             with pytest.raises(errors.DeadlineExceeded, match=r"within 0\.5s \(timeout\)"):
@@ -69,7 +50,7 @@ def test_wait_gives_up_on_a_daemon_that_is_gone(tables, tmp_path):
     d = DaemonProcess(tables.directory, tmp_path, extra=["--grpc", ""]).start()
     try:
         with EngramClient.connect(d.unix, connect_timeout=0.2, reconnect_timeout=RECONNECT) as client:
-            _sigstop(d.pid)  # the lookup stays unanswered until the daemon dies
+            sigstop(d.pid)  # the lookup stays unanswered until the daemon dies
             handle = client.submit(1, ids)
             d.kill()
             t0 = time.monotonic()

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, expected, make_tables, raw_connect, read_result
+from daemon_helpers import DaemonProcess, expected, make_tables, raw_connect, read_result, sigstop
 
 from engram_store import errors
 from engram_store._proto import engram_store_pb2 as pb
@@ -243,23 +243,6 @@ def test_grpc_reply_bytes_are_capped_and_a_stalled_stream_is_cancelled(tables, t
             stalled.cancel()
 
 
-def _wait_stopped(pid: int) -> None:
-    """Until every thread of ``pid`` is stopped (SIGSTOP reaches a running thread a little later)."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except FileNotFoundError:
-                pass
-        if states and all(s in "tT" for s in states):
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"daemon {pid} not stopped after SIGSTOP: {states}")
-
-
 def test_a_stopped_daemon_gives_a_deadline_error(tables, tmp_path):
     with DaemonProcess(tables.directory, tmp_path) as d:
         t = UnixTransport(d.socket_path, SHM, timeout=1.0)
@@ -267,9 +250,8 @@ def test_a_stopped_daemon_gives_a_deadline_error(tables, tmp_path):
         out = np.empty((20, tables.row_bytes), np.uint8)
         try:
             t.lookup_into(1, ids, out)
-            os.kill(d.pid, signal.SIGSTOP)
+            sigstop(d.pid)
             try:
-                _wait_stopped(d.pid)
                 t0 = time.monotonic()
                 with pytest.raises(errors.DeadlineExceeded, match="did not answer within 1s"):
                     t.lookup_into(1, ids, out)

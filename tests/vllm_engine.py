@@ -25,26 +25,9 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from engine_helpers import evict, model_config, ok, resident_pages, snapshot  # noqa: E402
 
 ENGRAM = "vllm.models.deepseek_v41.common.engram"
-
-
-def ok(what: str) -> None:
-    print(f"OK {what}", flush=True)
-
-
-def snapshot() -> dict:
-    """Every attribute of every loaded vllm module and of the classes defined there, by identity."""
-    seen = {}
-    for name, mod in list(sys.modules.items()):
-        if not name.startswith("vllm") or mod is None:
-            continue
-        for attr, value in list(vars(mod).items()):
-            seen[(name, attr)] = id(value)
-            if isinstance(value, type) and value.__module__ == name:
-                for cattr, cvalue in list(vars(value).items()):
-                    seen[(f"{name}.{value.__name__}", cattr)] = id(cvalue)
-    return seen
 
 
 def load_plugin() -> set:
@@ -56,9 +39,9 @@ def load_plugin() -> set:
     import vllm.models.deepseek_v41.common.engram  # noqa: F401
     import vllm.plugins
 
-    before = snapshot()
+    before = snapshot("vllm")
     vllm.plugins.load_general_plugins()
-    after = snapshot()
+    after = snapshot("vllm")
     return {key for key, value in after.items() if key in before and before[key] != value}
 
 
@@ -91,15 +74,6 @@ def init_distributed() -> None:
         ps.init_distributed_environment(world_size=1, rank=0, distributed_init_method="file://" + store,
                                         local_rank=0, backend="gloo")
         ps.initialize_model_parallel(tensor_model_parallel_size=1, backend="gloo")
-
-
-def model_config(spec, **override):
-    """The Engram fields of a DeepSeek-V4.1 ``text_config`` for ``spec`` (as vLLM reads them)."""
-    fields = dict(engram_layer_ids=list(spec.layers), engram_num_embeddings=[spec.rows(layer) for layer in spec.layers],
-                  engram_max_ngram_size=spec.max_ngram, engram_n_heads=spec.heads, engram_head_dim=spec.row_format.dim,
-                  engram_compressed_vocab_size=spec.compressed_vocab, engram_pad_token_id=spec.pad_id,
-                  engram_vocab_size=spec.table_base)
-    return types.SimpleNamespace(**(fields | override))
 
 
 def build(E, layout, index: int):
@@ -266,24 +240,6 @@ def scenario_mismatch(tables_dir: str) -> None:
         raise AssertionError("a config with a row count off by one was accepted")
 
 
-def resident_pages(path: str) -> tuple[int, int]:
-    """(pages of ``path`` in the page cache, pages of ``path``), by mincore(2)."""
-    import ctypes
-    import mmap
-
-    size = os.path.getsize(path)
-    pages = -(-size // mmap.PAGESIZE)
-    vec = (ctypes.c_ubyte * pages)()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
-        array = np.frombuffer(mm, np.uint8)
-        if libc.mincore(array.ctypes.data, size, vec) != 0:
-            raise OSError(ctypes.get_errno(), "mincore failed")
-        del array
-    return sum(v & 1 for v in vec), pages
-
-
 def scenario_loader(tables_dir: str, ckpt_dir: str) -> None:
     """vLLM's default loader through the plugin yields the checkpoint's other tensors and
     never reads the Engram ones (their pages stay out of the page cache); eager is refused."""
@@ -296,11 +252,7 @@ def scenario_loader(tables_dir: str, ckpt_dir: str) -> None:
 
     load_plugin()
     shards = sorted(os.path.join(ckpt_dir, f) for f in os.listdir(ckpt_dir) if f.endswith(".safetensors"))
-    for path in shards:
-        fd = os.open(path, os.O_RDONLY)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+    evict(shards)
     loader = DefaultModelLoader(LoadConfig(load_format="safetensors"))
     source = DefaultModelLoader.Source(ckpt_dir, revision=None, prefix="")
     names = {name: tensor.sum().item() for name, tensor in loader._get_weights_iterator(source)}
