@@ -26,6 +26,7 @@ import logging
 import os
 import resource
 import signal
+import time
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -40,6 +41,8 @@ from .config import DaemonConfig, preflight
 from .stats import DaemonStats, combined_snapshot
 
 log = logging.getLogger(__name__)
+
+STOP_RESERVE_SECONDS = 0.5  # of drain_seconds, kept for closing the store after the listeners
 
 StoreOpener = Callable[[DaemonConfig], RowStore]
 
@@ -222,17 +225,23 @@ class Daemon:
     async def _shutdown(self) -> None:
         loop = asyncio.get_running_loop()
         drain = self.config.drain_seconds
+        # Listeners get drain_seconds less half a second: closing the pool and the store and the
+        # interpreter's exit come after them, and the whole stop must end within drain_seconds + 1.
+        listen = max(0.0, drain - STOP_RESERVE_SECONDS)
         waits = []
         if self.unix is not None:
-            waits.append(loop.run_in_executor(None, self.unix.stop, drain))
+            waits.append(loop.run_in_executor(None, self.unix.stop, listen))
         if self.grpc is not None:
-            waits.append(self.grpc.stop(drain))
+            waits.append(self.grpc.stop(listen))
+        t0 = time.monotonic()
         done = await asyncio.gather(*waits, return_exceptions=True)
         busy = done[0] if self.unix is not None and isinstance(done[0], int) else 0
         for result in done:
             if isinstance(result, BaseException):
                 log.error("listener shutdown failed: %s", result)
+        t1 = time.monotonic()
         await loop.run_in_executor(None, self.pool.shutdown, True)
+        t2 = time.monotonic()
         if self.metrics is not None:
             self.metrics.stop()
         if busy:  # a lookup may still read the store: leave it to process exit
@@ -241,7 +250,8 @@ class Daemon:
             self.store.close()
             self.store = None
         _remove(self.config.ready_file)
-        log.info("stopped")
+        log.info("stopped (listeners %.2fs, lookup pool %.2fs, metrics and store %.2fs)", t1 - t0, t2 - t1,
+                 time.monotonic() - t2)
 
 
 def _remove(path: str) -> None:
