@@ -115,7 +115,10 @@ def test_an_arena_with_corrupt_pages_is_not_read_in_place(tmp_path):
     with DaemonProcess(tmp_path / "t", tmp_path / "run") as d:
         with pytest.raises(errors.StorageError, match=rf"layer {layer} pages \[3, 4\).*repair the table set"):
             EngramStoreTables.connect(d.unix)
+        with EngramClient.connect(d.grpc, token_file=d.token_file) as remote:  # remote clients are told too
+            assert remote.info()["bad_pages"] == {str(layer): [[3, 4]]}
         with EngramClient.connect(d.unix) as client:
+            assert client.info()["bad_pages"] == {str(layer): [[3, 4]]}
             assert client.arena is not None  # the daemon still offers it; the gather declines it
             assert ArenaGather.for_client(client, ts.spec, torch.device("cpu")) is None
             with pytest.raises(errors.StorageError, match="page 3"):

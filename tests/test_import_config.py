@@ -115,6 +115,8 @@ def test_map_reaches_a_prefetcher_through_the_daemon(imported, tmp_path):
         try:
             info = client.info()
             assert info["token_map"]["classes"] == 99_092 and Path(info["token_map"]["directory"]).is_dir()
+            with EngramClient.connect(daemon.grpc, token_file=daemon.token_file) as remote:  # gRPC Info names it too
+                assert remote.info()["token_map"] == info["token_map"]
             tokens = [455, 6367, 129_264, 99_052, 7, 5]  # " The", " THE", the image, " Thé", ...
             with EngramPrefetcher(client, "cpu", max_tokens=64, raw_ids=True) as pf:  # the map from Info
                 fut = pf.submit(Step.from_lists(["r"], [tokens]))

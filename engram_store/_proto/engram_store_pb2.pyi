@@ -51,7 +51,7 @@ class LayerInfo(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("layers", "row_bytes", "mode", "spec_json", "max_request_rows", "chunk_bytes", "protocol_version", "version")
+    __slots__ = ("layers", "row_bytes", "mode", "spec_json", "max_request_rows", "chunk_bytes", "protocol_version", "version", "bad_pages_json", "token_map_json")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,8 @@ class InfoReply(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    BAD_PAGES_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MAP_JSON_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedCompositeFieldContainer[LayerInfo]
     row_bytes: int
     mode: str
@@ -68,7 +70,9 @@ class InfoReply(_message.Message):
     chunk_bytes: int
     protocol_version: int
     version: str
-    def __init__(self, layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., row_bytes: _Optional[int] = ..., mode: _Optional[str] = ..., spec_json: _Optional[str] = ..., max_request_rows: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., protocol_version: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    bad_pages_json: str
+    token_map_json: str
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., row_bytes: _Optional[int] = ..., mode: _Optional[str] = ..., spec_json: _Optional[str] = ..., max_request_rows: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., protocol_version: _Optional[int] = ..., version: _Optional[str] = ..., bad_pages_json: _Optional[str] = ..., token_map_json: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

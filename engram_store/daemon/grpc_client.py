@@ -198,4 +198,6 @@ def _info_dict(reply: pb.InfoReply) -> dict[str, Any]:
     return {"layers": layers, "rows": {str(li.layer): li.rows for li in reply.layers}, "row_bytes": reply.row_bytes,
             "mode": reply.mode, "spec": json.loads(reply.spec_json) if reply.spec_json else {},
             "max_request_rows": reply.max_request_rows, "chunk_bytes": reply.chunk_bytes,
-            "protocol_version": reply.protocol_version, "version": reply.version}
+            "protocol_version": reply.protocol_version, "version": reply.version,
+            "bad_pages": json.loads(reply.bad_pages_json) if reply.bad_pages_json else {},
+            "token_map": json.loads(reply.token_map_json) if reply.token_map_json else None}

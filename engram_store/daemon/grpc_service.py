@@ -243,7 +243,8 @@ class EngramStoreService:
             layers=[pb.LayerInfo(layer=int(k), rows=v) for k, v in info["rows"].items()],
             row_bytes=info["row_bytes"], mode=info["mode"], spec_json=json.dumps(info["spec"]),
             max_request_rows=self.config.max_request_rows, chunk_bytes=self.config.grpc_chunk_bytes,
-            protocol_version=wire.VERSION, version=__version__)
+            protocol_version=wire.VERSION, version=__version__, bad_pages_json=json.dumps(info.get("bad_pages") or {}),
+            token_map_json=json.dumps(info["token_map"]) if info.get("token_map") else "")
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
         try:
