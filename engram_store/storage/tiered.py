@@ -38,26 +38,22 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError, InvalidRequest, RowOutOfRange, StorageError, TableFormatError, UnknownLayer
-from ..manifest import Manifest, load_page_crcs
+from ..errors import ConfigError, InvalidRequest, RowOutOfRange, StorageError, UnknownLayer
+from ..manifest import Manifest
 from .arena import LAYER_SHIFT, ROW_MASK, Gatherer, ResidentArena, RowCache, resident_layout
 from .base import ArenaInfo
 from .checksums import implementation as checksum_implementation
 from .gds import make_bulk_reader
 from .integrity import PageHealth
 from .nvme import DEFAULT_CHUNK_PAGES, DEFAULT_MAX_COALESCE_PAGES, DEFAULT_QUEUE_DEPTH, LayerFile, NvmeTier, PageReader
-from .policy import POLICIES, policy_bytes_per_slot
+from .opening import MAX_QUEUE_DEPTH, check_open_args, open_layer  # noqa: F401  (MAX_QUEUE_DEPTH: config checks it)
+from .policy import policy_bytes_per_slot
 from .profile import DEFAULT_CAPACITY, AccessSampler, merge_hottest, read_profile, write_profile
 from .scrub import Scrubber
 from .stats import LookupStats, StoreCounters
-from .syscalls import open_direct
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "resident", "cached")
-GDS_CHOICES = ("auto", "on", "off")
-MAX_QUEUE_DEPTH = 256
-MAX_COALESCE_PAGES = 64
 CACHE_BYTES_PER_SLOT = 8 + 4  # slot key + free-stack entry, besides the policy's own
 
 
@@ -102,27 +98,15 @@ class TieredStore:
         ``scrub_bytes_per_second``: cached mode, read and check every page in the background at
         this rate (0: no scrub; pages are checked when read either way).
         """
-        if mode not in MODES:
-            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if policy not in POLICIES:
-            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        if gds not in GDS_CHOICES:
-            raise ConfigError(f"gds must be one of {', '.join(GDS_CHOICES)}, got {gds!r}")
-        if not isinstance(dram_bytes, int) or dram_bytes < 0:
-            raise ConfigError(f"dram_bytes must be a non-negative integer, got {dram_bytes!r}")
-        if not isinstance(queue_depth, int) or not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
-            raise ConfigError(f"queue_depth must be an integer in 1..{MAX_QUEUE_DEPTH}, got {queue_depth!r}")
-        if not isinstance(max_coalesce_pages, int) or not 1 <= max_coalesce_pages <= MAX_COALESCE_PAGES:
-            raise ConfigError(f"max_coalesce_pages must be an integer in 1..{MAX_COALESCE_PAGES}, got {max_coalesce_pages!r}")
-        if not isinstance(scrub_bytes_per_second, int) or scrub_bytes_per_second < 0:
-            raise ConfigError(f"scrub_bytes_per_second must be a non-negative integer, got {scrub_bytes_per_second!r}")
+        check_open_args(mode=mode, policy=policy, gds=gds, dram_bytes=dram_bytes, queue_depth=queue_depth,
+                        max_coalesce_pages=max_coalesce_pages, scrub_bytes_per_second=scrub_bytes_per_second)
         try:
             page_reader = PageReader(queue_depth, reader)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         directory = Path(directory)
         manifest = Manifest.load(directory)
-        files = {e.layer: _open_layer(directory, e) for e in manifest.layers}
+        files = {e.layer: open_layer(directory, e) for e in manifest.layers}
         health = PageHealth({k: lf.layout for k, lf in files.items()}, {k: lf.path for k, lf in files.items()})
         table_pages = sum(e.layout.pages for e in manifest.layers)
         nvme = NvmeTier(files, page_reader, max_coalesce_pages=max_coalesce_pages,
@@ -501,28 +485,3 @@ class TieredStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _open_layer(directory: Path, entry) -> LayerFile:
-    path = directory / entry.file
-    layout = entry.layout
-    try:
-        opened = open_direct(path)
-    except FileNotFoundError:
-        return _broken(entry, path, layout, f"data file {path} is missing; re-import or re-synth the table set")
-    except OSError as exc:
-        return _broken(entry, path, layout, f"cannot open {path}: {exc}")
-    if opened.size != entry.file_bytes:
-        opened.close()
-        return _broken(entry, path, layout, f"{path} has {opened.size} bytes, the manifest says {entry.file_bytes} "
-                                            "(truncated?); re-import or re-synth the table set")
-    try:
-        crcs = load_page_crcs(directory, entry)
-    except TableFormatError as exc:
-        opened.close()
-        return _broken(entry, path, layout, str(exc))
-    return LayerFile(entry.layer, str(path), layout, opened, crcs=crcs)
-
-
-def _broken(entry, path: Path, layout, why: str) -> LayerFile:
-    log.error("layer %d unavailable: %s", entry.layer, why)
-    return LayerFile(entry.layer, str(path), layout, None, why)
