@@ -38,6 +38,7 @@ from .errors import EngramStoreError, InvalidRequest, TableFormatError
 
 if TYPE_CHECKING:
     import torch
+    from .spec import ModelSpec
 
 BLOCKED = -1  # a token that breaks the n-gram: it and every older one of a suffix hash as pad
 MM_PAD_BASE = 1_000_000  # SGLang's multimodal pad ids start here; read as image tokens under the image rule
@@ -291,3 +292,27 @@ def load_token_map(source: str | os.PathLike) -> TokenMap:
     if path.suffix == ".i32":
         return TokenMap.from_array(np.fromfile(path, dtype=_MAP_DTYPE))
     return TokenMap.from_tokenizer(path)
+
+
+def raw_ids_for(spec: "ModelSpec", info: dict[str, Any], token_map: "TokenMap | str | None", block_images: bool) -> RawIds:
+    """The raw-id rule of a prefetcher: the map (given, or the one the daemon's Info points to) and the image rule."""
+    entry = info.get("token_map")
+    if token_map is None:
+        if not entry or not entry.get("directory"):
+            raise InvalidRequest("raw_ids=True needs the table set's token map: the store's Info names none "
+                                 "(a remote or in-process store, or a table set imported without tokenizer.json); "
+                                 "pass token_map= (a TokenMap, a table-set directory or a tokenizer.json)")
+        tm = read_token_map(entry["directory"], entry)
+    else:
+        tm = token_map if isinstance(token_map, TokenMap) else load_token_map(token_map)
+    if entry and entry.get("sha256") not in (None, tm.sha256):
+        raise InvalidRequest(f"the token map given (sha256 {tm.sha256[:12]}..) is not the table set's "
+                             f"({entry['sha256'][:12]}..): its row ids would differ")
+    if tm.classes != spec.compressed_vocab:
+        raise InvalidRequest(f"the token map has {tm.classes} classes, model {spec.name!r} hashes over "
+                             f"{spec.compressed_vocab}")
+    raw = RawIds(tm, spec.image_token_id, block_images, spec.pad_id if spec.pad_token_id is None else spec.pad_token_id)
+    if raw.pad_id != spec.pad_id:
+        raise InvalidRequest(f"the token map sends pad token {raw.pad_token_id} to {raw.pad_id}, model "
+                             f"{spec.name!r} pads with {spec.pad_id}")
+    return raw

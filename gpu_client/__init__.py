@@ -18,7 +18,7 @@ _EXPORTS = {
     "LocalClient": ".local",
     "MemoryTables": ".local",
     "EngramPrefetcher": ".prefetch",
-    "PrefetchFuture": ".prefetch",
+    "PrefetchFuture": ".future",
     "Step": ".step",
     "dequantize": ".dequant",
     "ArenaGather": ".resident",

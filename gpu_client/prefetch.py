@@ -48,8 +48,9 @@ from engram_store.errors import EngramStoreError, InvalidRequest, ResourceExhaus
 from engram_store.hashing import (hash_suffix_torch, history_from_lookback_numpy, history_from_lookback_torch,
                                   next_history_torch, suffix_tokens_torch)
 from engram_store.spec import ModelSpec
-from engram_store.tokens import RawIds, TokenMap, load_token_map, read_token_map
+from engram_store.tokens import TokenMap, raw_ids_for
 
+from .future import PrefetchFuture
 from .step import RequestHistory, Step
 from .resident import ArenaGather, readonly_tensor, register_host_memory, unregister_host_memory
 
@@ -57,56 +58,6 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-
-
-class PrefetchFuture:
-    """The rows of one submitted step; ``wait(layer)`` blocks only until that layer is on the device."""
-
-    def __init__(self, owner: "EngramPrefetcher", slot: int, num_tokens: int, ids: list) -> None:
-        self._owner = owner
-        self.slot = slot  # which buffer set holds the rows
-        self.num_tokens = num_tokens
-        self._ids = ids  # per layer: int64 row ids [T * rows_per_token] (host for staged, device for resident)
-        self._ids_ready = None  # CUDA event: ids copied to the host
-        self._handles: list = [None] * len(owner.layers)  # staged-shm: lookups in flight in the daemon
-        self._ready = [threading.Event() for _ in owner.layers]
-        self._copied: list = [None] * len(owner.layers)  # CUDA events: rows on the device
-        self._error: BaseException | None = None
-        self._claimed = [False] * len(owner.layers)
-        self._lock = threading.Lock()
-
-    def done(self) -> bool:
-        return all(e.is_set() for e in self._ready)
-
-    def wait(self, layer: int) -> "torch.Tensor":
-        """uint8 ``[num_tokens, rows_per_token, row_bytes]`` on the device (a view of buffer set ``slot``)."""
-        import torch
-
-        li = self._owner._layer_index(layer)
-        if not self._ready[li].is_set() and self._claim(li):  # lazy (no prefetch) or not yet started
-            self._owner._fetch(self, li)
-        self._ready[li].wait()
-        if self._error is not None:
-            raise self._error
-        if self._copied[li] is not None:
-            torch.cuda.current_stream(self._owner.device).wait_event(self._copied[li])
-        return self._owner.buffer(self.slot, layer)[: self.num_tokens]
-
-    def wait_all(self) -> None:
-        for layer in self._owner.layers:
-            self.wait(layer)
-
-    def _settle(self) -> None:
-        """Wait (host side) until every layer has landed or failed, fetching unclaimed ones; never raises."""
-        for li, ready in enumerate(self._ready):
-            if not ready.is_set() and self._claim(li):
-                self._owner._fetch(self, li)
-            ready.wait()
-
-    def _claim(self, li: int) -> bool:
-        with self._lock:
-            claimed, self._claimed[li] = self._claimed[li], True
-            return not claimed
 
 
 class EngramPrefetcher:
@@ -146,7 +97,7 @@ class EngramPrefetcher:
         self.validate = validate
         self._cuda = self.device.type == "cuda"
         self._history = RequestHistory(self.spec, self.device, max_rollback=max_rollback)
-        self.raw = _raw_ids(self.spec, info, token_map, block_images) if raw_ids else None
+        self.raw = raw_ids_for(self.spec, info, token_map, block_images) if raw_ids else None
         self._raw_table = None if self.raw is None else self.raw.device_table(self.device)
         self._arena = ArenaGather.for_client(client, self.spec, self.device) if resident in (None, True) else None
         if resident and self._arena is None:
@@ -511,26 +462,3 @@ class EngramPrefetcher:
                 fut._copied[li] = self._last_copy[fut.slot][li] = torch.cuda.Event()
                 fut._copied[li].record(self._stream)
 
-
-def _raw_ids(spec: ModelSpec, info: dict[str, Any], token_map: "TokenMap | str | None", block_images: bool) -> RawIds:
-    """The raw-id rule of a prefetcher: the map (given, or the one the daemon's Info points to) and the image rule."""
-    entry = info.get("token_map")
-    if token_map is None:
-        if not entry or not entry.get("directory"):
-            raise InvalidRequest("raw_ids=True needs the table set's token map: the store's Info names none "
-                                 "(a remote or in-process store, or a table set imported without tokenizer.json); "
-                                 "pass token_map= (a TokenMap, a table-set directory or a tokenizer.json)")
-        tm = read_token_map(entry["directory"], entry)
-    else:
-        tm = token_map if isinstance(token_map, TokenMap) else load_token_map(token_map)
-    if entry and entry.get("sha256") not in (None, tm.sha256):
-        raise InvalidRequest(f"the token map given (sha256 {tm.sha256[:12]}..) is not the table set's "
-                             f"({entry['sha256'][:12]}..): its row ids would differ")
-    if tm.classes != spec.compressed_vocab:
-        raise InvalidRequest(f"the token map has {tm.classes} classes, model {spec.name!r} hashes over "
-                             f"{spec.compressed_vocab}")
-    raw = RawIds(tm, spec.image_token_id, block_images, spec.pad_id if spec.pad_token_id is None else spec.pad_token_id)
-    if raw.pad_id != spec.pad_id:
-        raise InvalidRequest(f"the token map sends pad token {raw.pad_token_id} to {raw.pad_id}, model "
-                             f"{spec.name!r} pads with {spec.pad_id}")
-    return raw

@@ -1,0 +1,61 @@
+"""The rows of one step submitted to an :class:`~gpu_client.prefetch.EngramPrefetcher`: a small future."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from .prefetch import EngramPrefetcher
+
+
+class PrefetchFuture:
+    """The rows of one submitted step; ``wait(layer)`` blocks only until that layer is on the device."""
+
+    def __init__(self, owner: "EngramPrefetcher", slot: int, num_tokens: int, ids: list) -> None:
+        self._owner = owner
+        self.slot = slot  # which buffer set holds the rows
+        self.num_tokens = num_tokens
+        self._ids = ids  # per layer: int64 row ids [T * rows_per_token] (host for staged, device for resident)
+        self._ids_ready = None  # CUDA event: ids copied to the host
+        self._handles: list = [None] * len(owner.layers)  # staged-shm: lookups in flight in the daemon
+        self._ready = [threading.Event() for _ in owner.layers]
+        self._copied: list = [None] * len(owner.layers)  # CUDA events: rows on the device
+        self._error: BaseException | None = None
+        self._claimed = [False] * len(owner.layers)
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return all(e.is_set() for e in self._ready)
+
+    def wait(self, layer: int) -> "torch.Tensor":
+        """uint8 ``[num_tokens, rows_per_token, row_bytes]`` on the device (a view of buffer set ``slot``)."""
+        import torch
+
+        li = self._owner._layer_index(layer)
+        if not self._ready[li].is_set() and self._claim(li):  # lazy (no prefetch) or not yet started
+            self._owner._fetch(self, li)
+        self._ready[li].wait()
+        if self._error is not None:
+            raise self._error
+        if self._copied[li] is not None:
+            torch.cuda.current_stream(self._owner.device).wait_event(self._copied[li])
+        return self._owner.buffer(self.slot, layer)[: self.num_tokens]
+
+    def wait_all(self) -> None:
+        for layer in self._owner.layers:
+            self.wait(layer)
+
+    def _settle(self) -> None:
+        """Wait (host side) until every layer has landed or failed, fetching unclaimed ones; never raises."""
+        for li, ready in enumerate(self._ready):
+            if not ready.is_set() and self._claim(li):
+                self._owner._fetch(self, li)
+            ready.wait()
+
+    def _claim(self, li: int) -> bool:
+        with self._lock:
+            claimed, self._claimed[li] = self._claimed[li], True
+            return not claimed
