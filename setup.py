@@ -8,9 +8,9 @@ fast path (``_unixfast``, which needs ``_gather``) to Python (each logs so).
 from setuptools import Extension, setup
 
 setup(ext_modules=[
-    Extension("engram_store.storage._pread", ["engram_store/storage/_pread.c"], optional=True),
-    Extension("engram_store.storage._gather", ["engram_store/storage/_gather.c"],
-              depends=["engram_store/storage/_gather_api.h"], optional=True),
+    Extension("engram_store.native._pread", ["engram_store/native/_pread.c"], optional=True),
+    Extension("engram_store.native._gather", ["engram_store/native/_gather.c"],
+              depends=["engram_store/native/_gather_api.h"], optional=True),
     Extension("engram_store.daemon._unixfast", ["engram_store/daemon/_unixfast.c"],
-              depends=["engram_store/storage/_gather_api.h"], optional=True),
+              depends=["engram_store/native/_gather_api.h"], optional=True),
 ])

@@ -50,9 +50,10 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import e2e  # noqa: E402
 import tokens as tokens_bench  # noqa: E402  (bench/tokens.py)
+
 from engram_store import TableSet, get_spec  # noqa: E402
 from engram_store.hashing import row_ids_numpy, row_ids_torch  # noqa: E402
-from engram_store.synth import write_synthetic  # noqa: E402
+from engram_store.tools.synth import write_synthetic  # noqa: E402
 from gpu_client import EngramClient, EngramPrefetcher, LocalClient, Step  # noqa: E402
 from gpu_client.resident import ArenaGather, readonly_tensor, register_host_memory, unregister_host_memory  # noqa: E402
 

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from engram_store import get_spec  # noqa: E402
-from engram_store.synth import write_synthetic  # noqa: E402
+from engram_store.tools.synth import write_synthetic  # noqa: E402
 from gpu_client import EngramClient, EngramPrefetcher, LocalClient  # noqa: E402
 from gpu_client.examples.tiny_engram import TinyConfig, TinyEngramModel, decode, prefill, prompt_chunks  # noqa: E402
 

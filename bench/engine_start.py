@@ -64,7 +64,7 @@ def child_checkpoint(ckpt: Path) -> dict:
 def child_daemon(address: str) -> dict:
     import torch  # noqa: F401  (an engine has it loaded; the checkpoint way imports it before its clock too)
 
-    import engram_store.daemon.unix_client  # noqa: F401
+    import engram_store.client.unix_transport  # noqa: F401
     from engram_store.integrations.tables import EngramStoreTables
 
     t0 = time.perf_counter()
@@ -143,8 +143,8 @@ def main(argv=None) -> int:
     from daemon_helpers import DaemonProcess
     from import_throughput import evict, make_checkpoint
 
-    from engram_store.importer import import_checkpoint
     from engram_store.spec import get_spec
+    from engram_store.tools.importer import import_checkpoint
 
     spec = get_spec(args.model, args.scale)
     tmp = tempfile.TemporaryDirectory(prefix="engine-start-", dir=args.workdir)

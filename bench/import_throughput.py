@@ -67,7 +67,7 @@ def verify_import(ckpt: Path, tables: Path, spec, rows_per_layer: int = 2000) ->
     import torch
     from safetensors import safe_open
 
-    from engram_store.tableset import TableSet
+    from engram_store.format.tableset import TableSet
 
     ts = TableSet.open(tables)
     checked = 0
@@ -98,8 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args(argv)
 
-    from engram_store.importer import import_checkpoint
     from engram_store.spec import get_spec
+    from engram_store.tools.importer import import_checkpoint
 
     spec = get_spec(args.model, args.scale)
     work = Path(tempfile.mkdtemp(prefix="import-bench-", dir=args.dir or Path.cwd()))

@@ -85,7 +85,7 @@ def torch_backend(ctx: BenchContext) -> Backend:
     """torch.index_select on plain in-process tensors (loaded once per table set)."""
     import torch
 
-    from engram_store.tableset import TableSet
+    from engram_store.format.tableset import TableSet
 
     if ctx.tables not in _TORCH_TABLES:
         ts = TableSet.open(ctx.tables)
@@ -261,7 +261,7 @@ def run_point(backends: list[Backend], warm: list, timed: list, row_bytes: int) 
 
 def policy_hits(policy: str, requests: list, layer_rows: dict[int, int], slots: int, count_from: int) -> float:
     """Hit rate of a policy through the store's own RowCache (no I/O: 1-byte rows)."""
-    from engram_store.storage.arena import RowCache
+    from engram_store.storage.row_cache import RowCache
 
     cache = RowCache(layer_rows, 1, slots, policy, huge=False)
     hits = total = 0
@@ -302,7 +302,7 @@ def hit_rates(args, layer_rows: dict[int, int]) -> list[dict]:
 
 
 def dram_for(mode: str, layer_rows: dict[int, int], row_bytes: int, policy: str) -> int:
-    from engram_store.storage.policy import policy_bytes_per_slot
+    from engram_store.storage.policies import policy_bytes_per_slot
     from engram_store.storage.tiered import CACHE_BYTES_PER_SLOT
 
     if mode == "resident":
@@ -341,7 +341,8 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     from _common import ensure_tables
-    from engram_store.manifest import Manifest
+
+    from engram_store.format.manifest import Manifest
 
     tables = ensure_tables(args, "lookup-bench")
     manifest = Manifest.load(tables)

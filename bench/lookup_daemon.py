@@ -59,7 +59,7 @@ def _make_lookup(backend: str, tables: str, address: str, dram_bytes: int, token
     if backend == "torch":
         import torch
 
-        from engram_store.tableset import TableSet
+        from engram_store.format.tableset import TableSet
 
         ts = TableSet.open(tables)
         tensors = {layer: torch.from_numpy(np.ascontiguousarray(ts.read_rows(layer, np.arange(ts.rows(layer)))))
@@ -69,7 +69,7 @@ def _make_lookup(backend: str, tables: str, address: str, dram_bytes: int, token
             torch.index_select(tensors[layer], 0, torch.from_numpy(ids), out=torch.from_numpy(out))
 
         return torch_lookup, ts.close
-    from gpu_client.client import EngramClient
+    from engram_store.client.client import EngramClient
 
     client = EngramClient.connect(address, shm_bytes=256 << 20, spin_us=SPIN_US if backend == "unix-spin" else 0,
                                   token_file=token_file or None)
@@ -259,7 +259,7 @@ NOISY_CLIENTS = 2
 
 def _noisy_loop(address: str, layer: int, layer_rows: int, rows: int, shm_bytes: int, started, stop) -> None:
     """A client process that loops ``rows``-row lookups until ``stop`` is set."""
-    from gpu_client.client import EngramClient
+    from engram_store.client.client import EngramClient
 
     ids = np.random.default_rng(99).integers(0, layer_rows, rows)
     with EngramClient.connect(address, shm_bytes=shm_bytes) as client:
@@ -271,7 +271,7 @@ def _noisy_loop(address: str, layer: int, layer_rows: int, rows: int, shm_bytes:
 
 def noisy_neighbour(address: str, layer_rows: dict, row_bytes: int, size: int, noisy_rows: int, requests: int) -> dict:
     """Honest decode p50/p99 (ms) alone, then beside NOISY_CLIENTS processes looping ``noisy_rows``-row lookups."""
-    from gpu_client.client import EngramClient
+    from engram_store.client.client import EngramClient
 
     layer = sorted(layer_rows)[0]
     rng = np.random.default_rng(5)
@@ -320,7 +320,7 @@ def daemon_backend_factory(transport: str, backend_cls):
         workdir = Path(tempfile.mkdtemp(prefix="engram-bench-daemon-"))
         mode = "resident" if ctx.mode == "resident" else "cached"
         proc, ready = start_daemon(str(ctx.tables), workdir, ctx.dram_bytes, mode)
-        from gpu_client.client import EngramClient
+        from engram_store.client.client import EngramClient
 
         client = EngramClient.connect(ready["unix"] if transport == "unix" else f"grpc://{ready['grpc']}",
                                       shm_bytes=256 << 20, token_file=str(make_token_file(workdir)))
@@ -343,7 +343,7 @@ def ensure_tables(args, workdir: Path) -> str:
     if args.tables:
         return args.tables
     from engram_store.spec import get_spec
-    from engram_store.synth import write_synthetic
+    from engram_store.tools.synth import write_synthetic
 
     out = workdir / "tables"
     write_synthetic(out, get_spec(args.model, scale=args.scale), seed=1)

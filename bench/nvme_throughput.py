@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from _common import ensure_tables, run_in_workdir  # bench/ is on sys.path when run as a script
 
 QUICK_QDS = (1, 16)
@@ -42,13 +41,13 @@ DEFAULT_QDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 def random_iops(path: Path, qd: int, seconds: float, backend: str) -> dict:
     """Random 4 KiB O_DIRECT reads through PageReader for ``seconds``; with the native
     reader, through ``read_rows`` (a ring of queue-depth slots, as the store reads)."""
-    from engram_store.storage.nvme import PageReader
-    from engram_store.storage.syscalls import aligned_buffer, as_array, open_direct
+    from engram_store.native.syscalls import aligned_buffer, as_array, open_direct
+    from engram_store.storage.readers import open_reader
 
     f = open_direct(path)
-    reader = PageReader(qd, backend)
+    reader = open_reader(qd, backend)
     batch = max(64 * qd, 2048)
-    native = reader.backend == "native"
+    native = reader.streams_rows
     buf = aligned_buffer((min(qd, 256) if native else batch) * 4096)
     as_array(buf)[::4096] = 0  # fault the buffer in once, as the store's pooled buffers are
     out = np.empty((batch, 8), dtype=np.uint8)
@@ -71,7 +70,7 @@ def random_iops(path: Path, qd: int, seconds: float, backend: str) -> dict:
     finally:
         reader.close()
         f.close()
-    return {"iops": reads / dt, "gbps": reads * 4096 / dt / 1e9, "direct": f.direct, "backend": reader.backend}
+    return {"iops": reads / dt, "gbps": reads * 4096 / dt / 1e9, "direct": f.direct, "backend": reader.name}
 
 
 def fio(path: Path, rw: str, bs: str, qd: int, seconds: float) -> dict | None:
@@ -116,12 +115,13 @@ def cold_lookups(tables: Path, layer: int, qd: int, seconds: float, batch_rows: 
 
 def sequential(path: Path, seconds: float) -> dict:
     """Whole-file 1 MiB O_DIRECT reads with the resident fill's bulk reader."""
+    from engram_store.native.syscalls import aligned_buffer, open_direct
     from engram_store.storage.gds import posix_bulk_reader
-    from engram_store.storage.nvme import LayerFile, PageReader
-    from engram_store.storage.syscalls import aligned_buffer, open_direct
+    from engram_store.storage.layer_file import LayerFile
+    from engram_store.storage.readers import open_reader
 
     f = open_direct(path)
-    reader = PageReader(8)
+    reader = open_reader(8)
     read = posix_bulk_reader(reader)
     lf = LayerFile(0, str(path), None, f)
     chunk = 64 << 20
@@ -159,7 +159,7 @@ def page_checks(tables: Path, layer: int, qd: int, seconds: float, batch_rows: i
 
 def crc32c_rate(seconds: float) -> dict:
     """crc32c of 4 KiB pages in memory (64 MiB at a time, one native call each): GB/s."""
-    from engram_store.storage import checksums
+    from engram_store.format import checksums
 
     data = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
     done, t0 = 0, time.perf_counter()
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     tables = ensure_tables(args, "nvme-bench")
-    from engram_store.manifest import Manifest
+    from engram_store.format.manifest import Manifest
 
     manifest = Manifest.load(tables)
     entry = max(manifest.layers, key=lambda e: e.file_bytes)

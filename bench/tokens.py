@@ -29,8 +29,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engram_store.spec import get_spec  # noqa: E402
-from engram_store.synth import write_synthetic  # noqa: E402
 from engram_store.tokens import TokenMap  # noqa: E402
+from engram_store.tools.synth import write_synthetic  # noqa: E402
 
 
 def default_tokenizer() -> Path | None:

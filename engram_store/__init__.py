@@ -1,14 +1,20 @@
 """engram-store: a tiered DRAM/NVMe store for Engram embedding tables.
 
-The package imports no GPU code and has no import-time side effects.
+The package imports no GPU code and has no import-time side effects. Its layers,
+bottom up (``tests/test_layering.py`` keeps them so): ``errors``, ``spec``,
+``native`` (syscalls, C extensions, the row gather), ``format`` (table files, the
+arena layout), ``tokens``/``hashing``, ``wire`` (frames, gRPC); then ``storage``
+(the DRAM and NVMe tiers) and ``tools`` (import, synth); ``daemon`` over storage;
+``client`` over the base layers only; ``gpu_client`` (torch) over client;
+``integrations`` (the vLLM and SGLang plugins) over both.
 """
 
 from .errors import EngramStoreError
+from .format.tableset import TableSet
 from .spec import MODELS, ModelSpec, RowFormat, get_spec
-from .tableset import TableSet
+from .version import __version__
 
-__all__ = ["EngramStoreError", "MODELS", "ModelSpec", "RowFormat", "TableSet", "get_spec", "TieredStore"]
-__version__ = "0.1.0"
+__all__ = ["EngramStoreError", "MODELS", "ModelSpec", "RowFormat", "TableSet", "get_spec", "TieredStore", "__version__"]
 
 
 def __getattr__(name: str):

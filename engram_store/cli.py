@@ -18,7 +18,7 @@ import numpy as np
 
 from .errors import EngramStoreError
 
-COMMAND_MODULES = ["engram_store.cli", "engram_store.daemon.commands"]
+COMMAND_MODULES = ["engram_store.cli", "engram_store.daemon.commands", "engram_store.client.commands"]
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +31,10 @@ def _int_list(text: str) -> list[int]:
 
 
 def _cmd_synth(args) -> int:
-    from .importer import output_bytes
     from .progress import Progress
     from .spec import get_spec
-    from .synth import write_synthetic
+    from .tools.importer import output_bytes
+    from .tools.synth import write_synthetic
 
     spec = get_spec(args.model, args.scale)
     bar = Progress(f"synth {spec.name}", output_bytes(spec), enabled=args.progress)
@@ -48,9 +48,9 @@ def _cmd_synth(args) -> int:
 def _cmd_import(args) -> int:
     from pathlib import Path
 
-    from .importer import checkpoint_spec, import_checkpoint, output_bytes
     from .progress import Progress
     from .spec import get_spec
+    from .tools.importer import checkpoint_spec, import_checkpoint, output_bytes
 
     spec = get_spec(args.model) if args.model else checkpoint_spec(Path(args.ckpt))  # the pad is checked again with the map
     bar = Progress(f"import {spec.name}", output_bytes(spec), enabled=args.progress)
@@ -63,7 +63,7 @@ def _cmd_import(args) -> int:
 
 
 def _cmd_info(args) -> int:
-    from .tableset import TableSet
+    from .format.tableset import TableSet
 
     ts = TableSet.open(args.dir)
     print(json.dumps({
@@ -75,7 +75,7 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from .tableset import TableSet
+    from .format.tableset import TableSet
 
     ts = TableSet.open(args.dir)
     bad = ts.verify(args.layer)
@@ -130,11 +130,11 @@ def _cmd_tokens(args) -> int:
 def _hash_inputs(args):
     """(spec, RawIds or None, tokenizer or None) for `hash` from --tables / --tokenizer / --model."""
     from .spec import get_spec
-    from .tokens import RawIds, TOKENIZER_FILE, TokenMap, load_token_map, load_tokenizer
+    from .tokens import TOKENIZER_FILE, RawIds, TokenMap, load_token_map, load_tokenizer
 
     spec, tm, tokenizer = get_spec(args.model, args.scale), None, None
     if args.tables:
-        from .manifest import Manifest
+        from .format.manifest import Manifest
 
         manifest = Manifest.load(args.tables)
         spec = manifest.spec

@@ -38,6 +38,7 @@ from .errors import EngramStoreError, InvalidRequest, TableFormatError
 
 if TYPE_CHECKING:
     import torch
+
     from .spec import ModelSpec
 
 BLOCKED = -1  # a token that breaks the n-gram: it and every older one of a suffix hash as pad
@@ -220,11 +221,11 @@ def write_token_map(directory: str | os.PathLike, tm: TokenMap, tokenizer_json: 
                     write=None) -> dict[str, Any]:
     """Write the map (and a copy of the tokenizer) into ``directory``; the manifest entry.
 
-    ``write(name, data)`` writes one file (a :class:`~engram_store.writer.TableSetWriter`'s
+    ``write(name, data)`` writes one file (a :class:`~engram_store.format.writer.TableSetWriter`'s
     ``add_file``, so the files are published atomically with the table set).
     """
     if write is None:
-        from .writer import write_file_atomic
+        from .format.writer import write_file_atomic
 
         def write(name: str, data: bytes) -> None:
             write_file_atomic(Path(directory) / name, data)

@@ -1,10 +1,11 @@
-"""Client side of engram-store for inference workers.
+"""The torch side of the client, for inference workers: prefetch into device buffers.
 
 Importing this package loads neither torch nor CUDA; each name below is
 imported on first use:
 
-* ``EngramClient`` — talks to the daemon (``unix://`` or ``grpc://``);
-* ``LocalClient`` — the same surface over tables in process memory;
+* ``EngramClient`` — talks to the daemon (``unix://`` or ``grpc://``), and
+  ``LocalClient`` — the same surface over tables in process memory: both from
+  :mod:`engram_store.client` (no torch), re-exported here;
 * ``EngramPrefetcher`` / ``Step`` — layer-ahead prefetch into device buffers;
 * ``dequantize`` — FP8 e4m3 rows with E8M0 block scales to bf16.
 """
@@ -14,9 +15,9 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "EngramClient": ".client",
-    "LocalClient": ".local",
-    "MemoryTables": ".local",
+    "EngramClient": "engram_store.client.client",
+    "LocalClient": "engram_store.client.local",
+    "MemoryTables": "engram_store.client.local",
     "EngramPrefetcher": ".prefetch",
     "PrefetchFuture": ".future",
     "Step": ".step",

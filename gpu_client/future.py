@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from .prefetch import EngramPrefetcher
+    from gpu_client.prefetch import EngramPrefetcher
 
 
 class PrefetchFuture:

@@ -45,14 +45,18 @@ from typing import TYPE_CHECKING, Any, Hashable, Sequence
 import numpy as np
 
 from engram_store.errors import EngramStoreError, InvalidRequest, ResourceExhausted, StorageError
-from engram_store.hashing import (hash_suffix_torch, history_from_lookback_numpy, history_from_lookback_torch,
-                                  next_history_torch, suffix_tokens_torch)
+from engram_store.hashing import (
+    hash_suffix_torch,
+    history_from_lookback_numpy,
+    history_from_lookback_torch,
+    next_history_torch,
+    suffix_tokens_torch,
+)
 from engram_store.spec import ModelSpec
 from engram_store.tokens import TokenMap, raw_ids_for
-
-from .future import PrefetchFuture
-from .step import RequestHistory, Step
-from .resident import ArenaGather, readonly_tensor, register_host_memory, unregister_host_memory
+from gpu_client.future import PrefetchFuture
+from gpu_client.resident import ArenaGather, readonly_tensor, register_host_memory, unregister_host_memory
+from gpu_client.step import RequestHistory, Step
 
 if TYPE_CHECKING:
     import torch

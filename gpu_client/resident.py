@@ -27,11 +27,9 @@ import logging
 import warnings
 from typing import TYPE_CHECKING, Any
 
-
 from engram_store.errors import InvalidRequest, StorageError
+from engram_store.format.arena_layout import ArenaInfo, ArenaView
 from engram_store.spec import ModelSpec
-from engram_store.storage.arena_layout import ArenaView
-from engram_store.storage.base import ArenaInfo
 
 if TYPE_CHECKING:
     import torch

@@ -1,11 +1,11 @@
 """Generate the checked-in Python code for proto/engram_store.proto.
 
-    python proto/generate.py                 # writes engram_store/_proto/
+    python proto/generate.py                 # writes engram_store/wire/_proto/
     python proto/generate.py --out DIR       # writes elsewhere (the drift test uses this)
 
 Uses grpc_tools.protoc (the ``test`` extra). The generated grpc module imports
 its messages as a top-level module; the import is rewritten to be relative so
-the code works inside the ``engram_store._proto`` package.
+the code works inside the ``engram_store.wire._proto`` package.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO = ROOT / "proto" / "engram_store.proto"
-DEFAULT_OUT = ROOT / "engram_store" / "_proto"
+DEFAULT_OUT = ROOT / "engram_store" / "wire" / "_proto"
 GENERATED = ("engram_store_pb2.py", "engram_store_pb2.pyi", "engram_store_pb2_grpc.py")
 
 

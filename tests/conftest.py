@@ -17,7 +17,7 @@ from typing import Callable
 import pytest
 
 from engram_store import TableSet, get_spec
-from engram_store.synth import write_synthetic
+from engram_store.tools.synth import write_synthetic
 
 
 @pytest.fixture(scope="module")

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from engram_store.daemon import wire
+from engram_store.format.tableset import TableSet
 from engram_store.spec import get_spec
-from engram_store.synth import write_synthetic
-from engram_store.tableset import TableSet
+from engram_store.tools.synth import write_synthetic
+from engram_store.wire import frames as wire
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 60.0  # generous: a loaded CI box; a healthy start takes about a second
@@ -146,7 +146,7 @@ class DaemonProcess:
 
 def raw_connect(path: str, shm_bytes: int = 1 << 20) -> tuple[socket.socket, wire.Frame, bytes, list[int]]:
     """Handshake by hand: returns the socket, the WELCOME frame, its payload and the fds (caller closes)."""
-    from engram_store.daemon import shm
+    from engram_store.native import shm
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(30)
@@ -161,7 +161,7 @@ def raw_connect(path: str, shm_bytes: int = 1 << 20) -> tuple[socket.socket, wir
 
 
 def read_result(sock: socket.socket) -> tuple[wire.Frame, bytes]:
-    from engram_store.daemon import shm
+    from engram_store.native import shm
 
     frame = wire.Frame.unpack(shm.recv_exact(sock, wire.FRAME.size))
     payload = shm.recv_exact(sock, frame.payload_bytes) if frame.payload_bytes else b""

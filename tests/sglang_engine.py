@@ -112,9 +112,10 @@ def gather_kernel(E, w_ptr: int, s_ptr: int, ids: np.ndarray, dim: int, row_lo: 
 def scenario_lookup(tables_dir: str) -> None:
     """Discovery, exact hooks, the arena as the shared host table (TP=1 and TP=2), SGLang's kernel
     at _table_ptrs(), its scheduler staging gather, _load_rows a no-op."""
-    from engram_store.integrations.sglang import hooks
-    from engram_store.tableset import TableSet
     from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from engram_store.format.tableset import TableSet
+    from engram_store.integrations.sglang import hooks
 
     changed = load_plugin()
     engram_cls = f"{ENGRAM}.EngramEmbedding"
@@ -209,8 +210,8 @@ def scenario_lookup(tables_dir: str) -> None:
 def scenario_mismatch(tables_dir: str) -> None:
     """SGLang's EngramLayout of a V4.1 config equals our spec; a row count off by one is named."""
     from engram_store.errors import ModelMismatch
+    from engram_store.format.tableset import TableSet
     from engram_store.spec import get_spec
-    from engram_store.tableset import TableSet
 
     load_plugin()
     E = shim()
@@ -239,7 +240,7 @@ def scenario_mismatch(tables_dir: str) -> None:
 def scenario_refusals(tables_dir: str) -> None:
     """Peer shards, a disabled host table, dummy weights and whole-file loaders are refused."""
     from engram_store.errors import EngineUnsupported
-    from engram_store.tableset import TableSet
+    from engram_store.format.tableset import TableSet
 
     load_plugin()
     E = shim()
@@ -304,7 +305,7 @@ def scenario_renamed(tables_dir: str, how: str) -> None:
 
         HookRegistry._patched.discard(f"{ENGRAM}.EngramEmbedding._load_rows")
         E.EngramEmbedding._load_rows = E.EngramEmbedding._load_rows.__wrapped__
-        E.EngramLayout.from_config(model_config(__import__("engram_store.tableset").tableset.TableSet.open(
+        E.EngramLayout.from_config(model_config(__import__("engram_store.format.tableset").tableset.TableSet.open(
             tables_dir).spec))
         raise AssertionError("a half-hooked SGLang built a layout")
     load_plugin()
@@ -335,7 +336,7 @@ def scenario_loader(tables_dir: str, ckpt_dir: str) -> None:
 def scenario_cached(tables_dir: str) -> None:
     """A cached-mode daemon: the model build stops with the reason."""
     from engram_store.errors import EngineUnsupported
-    from engram_store.tableset import TableSet
+    from engram_store.format.tableset import TableSet
 
     load_plugin()
     E = shim()

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
+from engram_store.format.tableset import TableSet
 from engram_store.spec import get_spec
-from engram_store.synth import synth_rows, write_synthetic
-from engram_store.tableset import TableSet
+from engram_store.tools.synth import synth_rows, write_synthetic
 
 SEED = 11
 TINY = get_spec("tiny")

@@ -16,8 +16,9 @@ import pytest
 from daemon_helpers import DaemonProcess, expected, make_tables, sigstop
 
 from engram_store import errors
-from engram_store.daemon import shm, wire
-from gpu_client.client import EngramClient
+from engram_store.client.client import EngramClient
+from engram_store.native import shm
+from engram_store.wire import frames as wire
 
 RECONNECT = 1.0  # reconnect_timeout of the tests' clients
 SLACK = 8.0  # above the deadline a loaded host may add (never a speed claim: a bound on a hang)

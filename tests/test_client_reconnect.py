@@ -11,7 +11,7 @@ import pytest
 from daemon_helpers import DaemonProcess, expected, make_tables, make_token_file
 
 from engram_store import errors
-from gpu_client.client import EngramClient
+from engram_store.client.client import EngramClient
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +83,8 @@ def test_clients_see_unavailable_while_the_daemon_starts(tables, tmp_path):
     once it is ready, with the right bytes."""
     import grpc
 
-    from engram_store._proto import engram_store_pb2 as pb
-    from engram_store._proto import engram_store_pb2_grpc as pb_grpc
+    from engram_store.wire._proto import engram_store_pb2 as pb
+    from engram_store.wire._proto import engram_store_pb2_grpc as pb_grpc
 
     port = _free_port()
     daemon = DaemonProcess(tables.directory, tmp_path, extra=["--grpc", f"127.0.0.1:{port}"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from daemon_helpers import DaemonProcess, expected, make_tables
 
-from gpu_client.client import EngramClient
+from engram_store.client.client import EngramClient
 
 
 def test_hook_sees_the_old_region_mapped_before_a_reconnect(tmp_path):

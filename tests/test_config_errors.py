@@ -24,11 +24,13 @@ import numpy as np
 import pytest
 from daemon_helpers import REPO, daemon_command, make_tables, make_token_file
 
-from engram_store import errors, writer
-from engram_store.importer import output_bytes
-from engram_store.manifest import MANIFEST
+from engram_store import errors
+from engram_store.format import writer
+from engram_store.format.manifest import MANIFEST
 from engram_store.spec import get_spec
-from engram_store.synth import write_synthetic
+from engram_store.tools.importer import output_bytes
+from engram_store.tools.synth import write_synthetic
+
 
 @pytest.fixture(scope="module")
 def decoy(tmp_path_factory) -> Path:

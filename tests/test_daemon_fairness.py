@@ -19,12 +19,12 @@ import pytest
 from daemon_helpers import DaemonProcess, expected, make_tables, raw_connect, read_result, sigstop
 
 from engram_store import errors
-from engram_store._proto import engram_store_pb2 as pb
-from engram_store._proto import engram_store_pb2_grpc as pb_grpc
+from engram_store.client.client import EngramClient
+from engram_store.client.unix_transport import UnixTransport
 from engram_store.daemon import limits
-from engram_store.daemon.unix_client import UnixTransport
-from engram_store.daemon.wire import DType, Frame, Op, Status
-from gpu_client.client import EngramClient
+from engram_store.wire._proto import engram_store_pb2 as pb
+from engram_store.wire._proto import engram_store_pb2_grpc as pb_grpc
+from engram_store.wire.frames import DType, Frame, Op, Status
 
 SHM = 1 << 20
 NOBODY = 65534

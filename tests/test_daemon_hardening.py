@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from daemon_helpers import DaemonProcess, expected, make_tables, raw_connect, read_result
 
-from engram_store.daemon import wire
-from engram_store.daemon.wire import DType, Frame, Op, Status
-from gpu_client.client import EngramClient
+from engram_store.client.client import EngramClient
+from engram_store.wire import frames as wire
+from engram_store.wire.frames import DType, Frame, Op, Status
 
 SHM = 1 << 20
 
@@ -183,7 +183,7 @@ def _fuzz_lookups(path: str, rng: np.random.Generator, n: int) -> int:
 
 
 def _fuzz_grpc(target: str, rng: np.random.Generator, n: int, metadata) -> None:
-    from engram_store._proto import engram_store_pb2 as pb
+    from engram_store.wire._proto import engram_store_pb2 as pb
 
     with grpc.insecure_channel(target) as channel:
         raw = channel.unary_unary("/engram_store.v1.EngramStore/Lookup")  # bytes in, bytes out
@@ -238,7 +238,7 @@ def _rss(pid: int) -> int:
 
 KILLED_CLIENT = """
 import sys, numpy as np
-from gpu_client.client import EngramClient
+from engram_store.client.client import EngramClient
 c = EngramClient.connect(sys.argv[1], shm_bytes=8 << 20)
 handles = [c.submit(1, np.random.default_rng(i).integers(0, int(sys.argv[2]), 20000)) for i in range(5)]
 print("submitted", flush=True)
@@ -262,8 +262,8 @@ def test_client_killed_mid_request(daemon, tables, baseline):
 
 
 def test_grpc_status_codes_mean_something(daemon, tables):
-    from engram_store._proto import engram_store_pb2 as pb
-    from engram_store._proto import engram_store_pb2_grpc as pb_grpc
+    from engram_store.wire._proto import engram_store_pb2 as pb
+    from engram_store.wire._proto import engram_store_pb2_grpc as pb_grpc
 
     def ids(*values, dtype="<i8"):
         return np.array(values, dtype=dtype).tobytes()

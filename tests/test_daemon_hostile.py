@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from daemon_helpers import DaemonProcess, expected, make_tables, raw_connect, read_result
 
-from engram_store.daemon.wire import DType, Frame, Op, Status
-from engram_store.storage import syscalls
-from gpu_client.client import EngramClient
+from engram_store.client.client import EngramClient
+from engram_store.native import syscalls
+from engram_store.wire.frames import DType, Frame, Op, Status
 
 SHM = 1 << 20
 

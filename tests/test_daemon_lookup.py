@@ -13,12 +13,12 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
-from daemon_helpers import REPO, DaemonProcess, daemon_command, expected, make_tables
+from daemon_helpers import REPO, DaemonProcess, expected, make_tables
 
 from engram_store import errors
+from engram_store.client.client import EngramClient
 from engram_store.daemon import fastpath
 from engram_store.spec import ModelSpec
-from gpu_client.client import EngramClient
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +201,7 @@ def test_one_client_shared_by_threads(daemon, tables, transport):
 
 
 def _client_process(address: str, token_file: str, tables_dir: str, seed: int, queue) -> None:
-    from engram_store.tableset import TableSet
+    from engram_store.format.tableset import TableSet
 
     tables = TableSet.open(tables_dir)
     try:
@@ -251,7 +251,7 @@ def test_metrics_endpoint_and_cli(daemon, tables):
         assert nvme and float(nvme.group(1)) > 0 and "engram_store_cache_occupancy_ratio" in text
     else:
         assert re.search(r"^engram_store_arena_bytes (\S+)$", text, re.M)
-    cmd = daemon_command()
+    cmd = [sys.executable, "-m", "engram_store"]  # stats and lookup are client commands of the main CLI
     out = subprocess.run(cmd + ["stats", daemon.unix], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0 and "unix_rows" in out.stdout, out.stderr
     out = subprocess.run(cmd + ["stats", f"http://{daemon.ready['metrics']}"], capture_output=True, text=True,

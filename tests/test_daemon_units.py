@@ -12,12 +12,12 @@ import pytest
 from daemon_helpers import DaemonProcess, make_tables
 
 from engram_store import errors
-from engram_store.daemon import wire
-from engram_store.daemon.client_region import Extents
+from engram_store.client.region import Extents
 from engram_store.daemon.config import load_config
 from engram_store.daemon.service import sd_notify
 from engram_store.daemon.stats import TransportStats
-from engram_store.daemon.wire import Frame, Op, Status
+from engram_store.wire import frames as wire
+from engram_store.wire.frames import Frame, Op, Status
 
 
 def test_frame_layout_round_trips():
@@ -97,9 +97,9 @@ def test_latency_histogram_buckets():
 
 
 def test_grpc_is_unavailable_until_the_store_is_attached(tmp_path):
-    from engram_store._proto import engram_store_pb2 as pb
-    from engram_store._proto import engram_store_pb2_grpc as pb_grpc
     from engram_store.daemon.grpc_service import EngramStoreService, GrpcServer
+    from engram_store.wire._proto import engram_store_pb2 as pb
+    from engram_store.wire._proto import engram_store_pb2_grpc as pb_grpc
 
     token = tmp_path / "grpc.token"
     token.write_text("t" * 32)

@@ -99,9 +99,8 @@ def test_mapping_outlives_the_daemon(tables, tmp_path):
 def test_an_arena_with_corrupt_pages_is_not_read_in_place(tmp_path):
     """Rows of a page failing its checksum are zeros in the arena: engines must not map it,
     the prefetcher must not gather from it (lookups through the daemon refuse those rows)."""
+    from engram_store.format.manifest import Manifest
     from gpu_client import ArenaGather, EngramClient
-
-    from engram_store.manifest import Manifest
 
     ts = make_tables(tmp_path / "t", seed=14)
     layer = ts.layers[0]

@@ -17,7 +17,7 @@ import pytest
 from daemon_helpers import DaemonProcess, expected, make_tables
 
 from engram_store import errors
-from gpu_client.client import EngramClient
+from engram_store.client.client import EngramClient
 
 ATTEMPTS = 3
 

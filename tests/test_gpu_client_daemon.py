@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from daemon_helpers import DaemonProcess
+from test_gpu_client_prefetch import Reference, check
+
 from engram_store import TableSet, get_spec
 from gpu_client import EngramClient, EngramPrefetcher, Step
-from test_gpu_client_prefetch import Reference, check
 
 SPEC = get_spec("tiny")
 

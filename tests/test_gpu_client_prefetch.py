@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engram_store import TableSet, get_spec
+from engram_store import TableSet, TieredStore, get_spec
 from engram_store.errors import InvalidRequest, ResourceExhausted, StorageError
 from engram_store.hashing import row_ids_numpy
 from gpu_client import EngramPrefetcher, LocalClient, Step
@@ -207,7 +207,7 @@ def test_over_the_tiered_store(tables, mode):
     """The daemon's engine in process: cached mode reads cold rows from the NVMe tier in the background thread."""
     ref = Reference(tables[1])
     rng = np.random.default_rng(4)
-    with LocalClient.open(tables[0], store="tiered", dram_bytes=16 << 20, mode=mode) as client:
+    with LocalClient(TieredStore.open(tables[0], dram_bytes=16 << 20, mode=mode)) as client:
         with EngramPrefetcher(client, max_tokens=64) as pf:
             assert pf.path == ("resident-cpu" if mode == "resident" else "staged")
             ids = list(range(4))

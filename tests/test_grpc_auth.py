@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import time
 from concurrent import futures
 
 import grpc
 import numpy as np
 import pytest
-from daemon_helpers import REPO, DaemonProcess, daemon_command, expected, make_tables
+from daemon_helpers import REPO, DaemonProcess, expected, make_tables
 
 from engram_store import errors
-from engram_store._proto import engram_store_pb2 as pb
-from engram_store._proto import engram_store_pb2_grpc as pb_grpc
-from engram_store.daemon import lookup_codec
-from engram_store.daemon.grpc_client import GrpcTransport, copy_chunks
-from gpu_client.client import EngramClient
+from engram_store.client.client import EngramClient
+from engram_store.client.grpc_transport import GrpcTransport, copy_chunks
+from engram_store.wire import grpc_codec as lookup_codec
+from engram_store.wire._proto import engram_store_pb2 as pb
+from engram_store.wire._proto import engram_store_pb2_grpc as pb_grpc
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,7 @@ def test_health_needs_no_token(daemon):
 
 
 def test_cli_takes_the_token_file(daemon, tables):
-    cmd = daemon_command()
+    cmd = [sys.executable, "-m", "engram_store"]
     out = subprocess.run(cmd + ["lookup", daemon.grpc, "--layer", "1", "--rows", "2"], capture_output=True, text=True,
                          timeout=60, cwd=REPO)
     assert out.returncode == 2 and "UNAUTHENTICATED" in out.stderr, out.stderr

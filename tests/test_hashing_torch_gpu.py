@@ -33,7 +33,7 @@ def test_cuda_row_ids_equal_numpy(name):
 
 
 def test_cuda_prefetch_matches_cpu(tmp_path):
-    from engram_store.synth import write_synthetic
+    from engram_store.tools.synth import write_synthetic
     from gpu_client import EngramPrefetcher, LocalClient, Step
 
     spec = get_spec("tiny")

@@ -8,13 +8,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+from interrupt import kill_mid_write
 from safetensors.torch import save_file
 
 from engram_store import TableSet, get_spec
 from engram_store.errors import CheckpointImportError, TableFormatError
-from engram_store.importer import import_checkpoint
-
-from interrupt import kill_mid_write
+from engram_store.tools.importer import import_checkpoint
 
 TINY = get_spec("tiny")
 

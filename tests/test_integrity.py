@@ -19,15 +19,15 @@ import pytest
 from daemon_helpers import DaemonProcess, expected
 
 from engram_store import errors
-from engram_store.layout import PAGE_BYTES
-from engram_store.manifest import MANIFEST, Manifest
+from engram_store.format import checksums
+from engram_store.format.layout import PAGE_BYTES
+from engram_store.format.manifest import MANIFEST, Manifest
+from engram_store.format.tableset import TableSet
 from engram_store.spec import get_spec
-from engram_store.storage import checksums
-from engram_store.storage.arena import fill_split
-from engram_store.storage.nvme import native_reader
+from engram_store.storage.readers.aio import native_reader
+from engram_store.storage.resident import fill_split
 from engram_store.storage.tiered import TieredStore
-from engram_store.synth import synth_rows, write_synthetic
-from engram_store.tableset import TableSet
+from engram_store.tools.synth import synth_rows, write_synthetic
 
 SPEC = get_spec("tiny")
 SEED = 5

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engram_store._proto import engram_store_pb2 as pb
-from engram_store.daemon import lookup_codec
+from engram_store.wire import grpc_codec as lookup_codec
+from engram_store.wire._proto import engram_store_pb2 as pb
 
 CASES = [(0, 0, 0, 0, 0), (1, 0, 1, 1, 1), (300, 7, 5, 60, 12), (1 << 20, 123456789, 3000, 264, 1 << 40)]
 

@@ -13,8 +13,8 @@ import threading
 import numpy as np
 import pytest
 
-from engram_store.daemon import wire
-from engram_store.daemon.wire import DType, Frame, Op
+from engram_store.wire import frames as wire
+from engram_store.wire.frames import DType, Frame, Op
 
 try:
     from engram_store.daemon import _unixfast

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-GENERATED = ROOT / "engram_store" / "_proto"
+GENERATED = ROOT / "engram_store" / "wire" / "_proto"
 
 
 def test_generated_code_is_up_to_date(tmp_path):
@@ -24,8 +24,8 @@ def test_generated_code_is_up_to_date(tmp_path):
 
 
 def test_generated_code_works_with_the_installed_runtime():
-    from engram_store._proto import engram_store_pb2 as pb
-    from engram_store._proto import engram_store_pb2_grpc as pb_grpc
+    from engram_store.wire._proto import engram_store_pb2 as pb
+    from engram_store.wire._proto import engram_store_pb2_grpc as pb_grpc
 
     req = pb.LookupRequest(layer=14, row_ids=b"\x01" * 16, dtype=pb.INT32)
     assert pb.LookupRequest.FromString(req.SerializeToString()) == req
@@ -39,9 +39,9 @@ def test_service_implements_every_rpc_of_the_proto():
     proto declares, and none comes from the generated base (whose methods answer UNIMPLEMENTED)."""
     import inspect
 
-    from engram_store._proto import engram_store_pb2 as pb
-    from engram_store._proto import engram_store_pb2_grpc as pb_grpc
     from engram_store.daemon.grpc_service import EngramStoreService
+    from engram_store.wire._proto import engram_store_pb2 as pb
+    from engram_store.wire._proto import engram_store_pb2_grpc as pb_grpc
 
     (service,) = pb.DESCRIPTOR.services_by_name.values()
     assert list(service.methods), "the proto declares no RPCs"
@@ -56,8 +56,8 @@ def test_service_implements_every_rpc_of_the_proto():
 def test_add_service_registers_every_rpc_and_refuses_a_missing_one():
     """The daemon registers its service from the proto's descriptor (not the generated base
     class, whose methods answer UNIMPLEMENTED): every RPC is wired, a missing one fails at start."""
-    from engram_store._proto import engram_store_pb2 as pb
     from engram_store.daemon.grpc_service import EngramStoreService, add_service
+    from engram_store.wire._proto import engram_store_pb2 as pb
 
     class Recorder:
         def __init__(self):

@@ -15,7 +15,7 @@ import pytest
 from daemon_helpers import REPO, DaemonProcess
 
 from engram_store.spec import get_spec
-from engram_store.synth import write_synthetic
+from engram_store.tools.synth import write_synthetic
 
 SGLANG_PYTHON = Path(os.environ.get("ENGRAM_STORE_SGLANG_PYTHON", REPO / ".venv-sglang" / "bin" / "python"))
 pytestmark = pytest.mark.skipif(not SGLANG_PYTHON.exists(),

@@ -7,8 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engram_store import get_spec
-from engram_store import hashing
+from engram_store import get_spec, hashing
 from gpu_client import EngramPrefetcher, LocalClient, Step
 
 SPEC = get_spec("tiny")

@@ -6,14 +6,14 @@ import threading
 
 import numpy as np
 import pytest
+from storage_helpers import SEED, TINY, cache_budget, make_tables
 
 from engram_store import TieredStore
 from engram_store.errors import ConfigError
-from engram_store.storage.arena import RowCache
+from engram_store.storage.policies import make_policy
 from engram_store.storage.policies.s3fifo import GhostSet, Ring, S3FifoPolicy
-from engram_store.storage.policy import make_policy
-from engram_store.synth import synth_rows
-from storage_helpers import SEED, TINY, cache_budget, make_tables
+from engram_store.storage.row_cache import RowCache
+from engram_store.tools.synth import synth_rows
 
 
 def rows_bytes(rows: np.ndarray, rb: int = 8) -> np.ndarray:

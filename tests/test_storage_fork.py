@@ -11,11 +11,11 @@ import os
 
 import numpy as np
 import pytest
-
-from engram_store.storage.nvme import native_reader
-from engram_store.storage.tiered import TieredStore
-from engram_store.tableset import TableSet
 from storage_helpers import make_tables
+
+from engram_store.format.tableset import TableSet
+from engram_store.storage.readers.aio import native_reader
+from engram_store.storage.tiered import TieredStore
 
 pytestmark = pytest.mark.skipif(native_reader() is None, reason="native reader _pread not built")
 

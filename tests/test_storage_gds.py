@@ -6,12 +6,12 @@ import logging
 
 import numpy as np
 import pytest
+from storage_helpers import FLASH, check_rows, make_tables
 
 from engram_store import TieredStore
 from engram_store.errors import ConfigError
 from engram_store.storage.gds import make_bulk_reader, probe_kvikio
-from engram_store.storage.nvme import PageReader
-from storage_helpers import FLASH, check_rows, make_tables
+from engram_store.storage.readers import open_reader
 
 
 def test_posix_reader_is_used_and_logged_without_kvikio(caplog):
@@ -19,12 +19,12 @@ def test_posix_reader_is_used_and_logged_without_kvikio(caplog):
     if probe.available:
         pytest.skip("kvikio and CUDA are present: the fallback path is not taken here")
     with caplog.at_level(logging.INFO, logger="engram_store.storage.gds"):
-        _, name = make_bulk_reader(PageReader(4), "auto")
+        _, name = make_bulk_reader(open_reader(4), "auto")
     assert name == "posix" and "POSIX" in caplog.text and probe.reason in caplog.text
     with pytest.raises(ConfigError, match="gds=on"):
-        make_bulk_reader(PageReader(4), "on")
+        make_bulk_reader(open_reader(4), "on")
     with pytest.raises(ConfigError):
-        make_bulk_reader(PageReader(4), "maybe")
+        make_bulk_reader(open_reader(4), "maybe")
 
 
 def test_resident_fill_through_kvikio(tmp_path):

@@ -8,12 +8,15 @@ import os
 
 import numpy as np
 import pytest
-
-from engram_store.layout import PageLayout
-from engram_store.storage import syscalls
-from engram_store.storage.nvme import LayerFile, NvmeTier, PageReader, native_reader
-from engram_store.synth import synth_rows
 from storage_helpers import FLASH, SEED, make_tables
+
+from engram_store.format.layout import PageLayout
+from engram_store.native import syscalls
+from engram_store.storage.layer_file import LayerFile
+from engram_store.storage.nvme import NvmeTier
+from engram_store.storage.readers import open_reader
+from engram_store.storage.readers.aio import native_reader
+from engram_store.tools.synth import synth_rows
 
 
 @pytest.fixture()
@@ -41,7 +44,7 @@ def test_open_direct_falls_back_and_logs(caplog, tmp_path):
     with open(path, "wb") as fh:
         fh.write(b"\1" * 8192)
     try:
-        with caplog.at_level(logging.WARNING, logger="engram_store.storage.syscalls"):
+        with caplog.at_level(logging.WARNING, logger="engram_store.native.syscalls"):
             f = syscalls.open_direct(path)
         try:
             if not f.direct:
@@ -67,7 +70,7 @@ def test_page_reader_reads_every_extent(data_file, backend, qd):
         pytest.skip("native reader _pread not built (pure-Python fallback covered by 'threads')")
     path, data = data_file
     f = syscalls.open_direct(path)
-    reader = PageReader(qd, backend)
+    reader = open_reader(qd, backend)
     try:
         pages = np.array([5, 0, 63, 7, 8, 9, 40], dtype=np.int64)
         lengths = np.array([1, 1, 1, 3, 1, 1, 2], dtype=np.int64) * 4096
@@ -97,7 +100,7 @@ def test_nvme_tier_reads_each_page_once(tmp_path, coalesce, backend):
     layout = PageLayout(FLASH.rows(layer), FLASH.row_bytes)
     path = tables / f"layer_{layer:03d}.bin"
     lf = LayerFile(layer, str(path), layout, syscalls.open_direct(path))
-    tier = NvmeTier({layer: lf}, PageReader(16, backend), max_coalesce_pages=coalesce, chunk_pages=64)
+    tier = NvmeTier({layer: lf}, open_reader(16, backend), max_coalesce_pages=coalesce, chunk_pages=64)
     try:
         rng = np.random.default_rng(2)
         rows = np.unique(np.concatenate([np.arange(0, 200), rng.integers(0, layout.rows, 500), [layout.rows - 1]]))
@@ -139,7 +142,7 @@ def test_memfd_seal_makes_it_read_only():
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("impl", ["native", "numpy"])
 def test_gatherer_matches_numpy_take(threads, impl):
-    from engram_store.storage import arena
+    from engram_store.native import gather as arena
 
     g = arena.Gatherer(threads)
     if impl == "native" and g._native is None:
@@ -178,7 +181,7 @@ def test_native_gather_pool_under_concurrent_callers():
     on their own threads; every result is exact."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from engram_store.storage import arena
+    from engram_store.native import gather as arena
 
     if arena.native_gather() is None:
         pytest.skip("native gather _gather not built")
@@ -201,7 +204,7 @@ def test_native_gather_pool_under_concurrent_callers():
 def test_native_gather_pool_after_fork():
     """A child forked after the parent used the pool (workers not copied) gathers correctly
     and starts its own workers."""
-    from engram_store.storage import arena
+    from engram_store.native import gather as arena
 
     native = arena.native_gather()
     if native is None:

@@ -6,11 +6,11 @@ import logging
 
 import numpy as np
 import pytest
+from storage_helpers import TINY, cache_budget, check_rows, make_tables
 
 from engram_store import TieredStore
 from engram_store.errors import ConfigError
 from engram_store.storage.profile import AccessSampler, merge_hottest, read_profile
-from storage_helpers import TINY, cache_budget, check_rows, make_tables
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from storage_helpers import FLASH, TINY, cache_budget, check_rows, make_tables
 
 from engram_store import TieredStore
 from engram_store.errors import ConfigError, InvalidRequest, RowOutOfRange, StorageError, UnknownLayer
 from engram_store.storage.base import RowStore
-from storage_helpers import FLASH, TINY, cache_budget, check_rows, make_tables
 
 MODES = {
     "resident": dict(dram_bytes=1 << 30),

@@ -14,7 +14,7 @@ import pytest
 from engram_store import errors
 from engram_store.spec import get_spec
 from engram_store.storage.tiered import TieredStore
-from engram_store.synth import synth_rows, write_synthetic
+from engram_store.tools.synth import synth_rows, write_synthetic
 
 SPEC = get_spec("tiny")
 SEED = 9

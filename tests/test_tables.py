@@ -6,14 +6,13 @@ import sys
 
 import numpy as np
 import pytest
+from interrupt import kill_mid_write
 
 from engram_store import TableSet, get_spec
 from engram_store.errors import RowOutOfRange, TableFormatError, UnknownLayer
-from engram_store.layout import PageLayout
-from engram_store.manifest import Manifest
-from engram_store.synth import synth_rows, write_synthetic
-
-from interrupt import kill_mid_write
+from engram_store.format.layout import PageLayout
+from engram_store.format.manifest import Manifest
+from engram_store.tools.synth import synth_rows, write_synthetic
 
 TINY = get_spec("tiny")
 

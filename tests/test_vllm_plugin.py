@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from daemon_helpers import REPO, DaemonProcess
 
+from engram_store.format.tableset import TableSet
 from engram_store.spec import get_spec
-from engram_store.synth import write_synthetic
-from engram_store.tableset import TableSet
+from engram_store.tools.synth import write_synthetic
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (make test installs vllm==0.33.0 --no-deps)")

@@ -93,8 +93,8 @@ def token_batch(spec, seed: int, tokens: int = 48):
 # --- scenarios -----------------------------------------------------------------------------
 def scenario_lookup(tables_dir: str) -> None:
     """Discovery, exact patches, zero-copy views, vLLM's lookup/forward and raw kernel, TP=1 and TP=2."""
+    from engram_store.format.tableset import TableSet
     from engram_store.integrations.vllm import patches
-    from engram_store.tableset import TableSet
     from gpu_client.dequant import dequantize
 
     changed = load_plugin()
@@ -184,7 +184,7 @@ def scenario_write_paths(tables_dir: str) -> None:
     from vllm.model_executor.model_loader.reload import inplace
 
     from engram_store.errors import EngineUnsupported
-    from engram_store.tableset import TableSet
+    from engram_store.format.tableset import TableSet
 
     load_plugin()
     spec = TableSet.open(tables_dir).spec
@@ -214,8 +214,8 @@ def scenario_write_paths(tables_dir: str) -> None:
 def scenario_mismatch(tables_dir: str) -> None:
     """vLLM's EngramLayout of a V4.1 config equals our spec; a row count off by one is named."""
     from engram_store.errors import ModelMismatch
+    from engram_store.format.tableset import TableSet
     from engram_store.spec import get_spec
-    from engram_store.tableset import TableSet
 
     load_plugin()
     E = shim()
@@ -275,7 +275,7 @@ def scenario_loader(tables_dir: str, ckpt_dir: str) -> None:
 def scenario_hold(tables_dir: str) -> None:
     """Map through the plugin, answer, then wait: after the test restarts the daemon on other
     tables, this process's views must still hold the rows it mapped (read on stdin's word)."""
-    from engram_store.tableset import TableSet
+    from engram_store.format.tableset import TableSet
 
     load_plugin()
     ts = TableSet.open(tables_dir)

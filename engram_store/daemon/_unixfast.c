@@ -53,7 +53,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../storage/_gather_api.h"
+#include "../native/_gather_api.h"
 
 #define MAGIC 0x52474E45u
 #define VERSION 1
@@ -393,7 +393,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__unixfast(void) {
     /* PyCapsule_Import walks attributes: the submodule must be imported first. */
-    PyObject *gather_module = PyImport_ImportModule("engram_store.storage._gather");
+    PyObject *gather_module = PyImport_ImportModule("engram_store.native._gather");
     if (gather_module == NULL) return NULL;
     Py_DECREF(gather_module);
     gather_api = PyCapsule_Import(ENGRAM_GATHER_CAPSULE, 0);

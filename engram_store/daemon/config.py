@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from ..errors import ConfigError, EngramStoreError
-from ..storage.policy import POLICIES
+from ..storage.policies import POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -381,10 +381,10 @@ def _check_socket(config: DaemonConfig) -> None:
 
 def _check_tables(config: DaemonConfig) -> None:
     """The manifest (not the data) against the DRAM settings and the warm-up profile."""
-    from ..manifest import Manifest
-    from ..storage.arena import resident_layout
-    from ..storage.policy import policy_bytes_per_slot
+    from ..format.manifest import Manifest
+    from ..storage.policies import policy_bytes_per_slot
     from ..storage.profile import read_profile
+    from ..storage.resident import resident_layout
     from ..storage.tiered import CACHE_BYTES_PER_SLOT
 
     if not config.tables:

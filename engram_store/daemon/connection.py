@@ -35,8 +35,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .. import errors
-from . import fastpath, limits, shm, wire
-from .wire import DType, Frame, Op, Status
+from ..native import shm
+from ..wire import frames as wire
+from ..wire.frames import DType, Frame, Op, Status
+from . import fastpath, limits
 
 if TYPE_CHECKING:
     from .server import UnixServer

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import wire
+from ..wire import frames as wire
 from .config import DaemonConfig
 
 log = logging.getLogger(__name__)

@@ -29,10 +29,13 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from .. import __version__, errors
-from .._proto import engram_store_pb2 as pb
+from .. import errors
 from ..storage.base import RowStore
-from . import limits, lookup_codec, wire
+from ..version import __version__
+from ..wire import frames as wire
+from ..wire import grpc_codec as lookup_codec
+from ..wire._proto import engram_store_pb2 as pb
+from . import limits
 from .config import DaemonConfig, parse_hostport, read_token
 from .stats import TransportStats
 

@@ -1,7 +1,8 @@
-"""Stand-alone entry point for the daemon subcommands (``python -m engram_store.daemon``).
+"""Stand-alone entry point of the daemon (``python -m engram_store.daemon serve``).
 
-The main CLI (``engram-store``) registers the same subcommands through
-``engram_store.daemon.commands.register``.
+The main CLI (``engram-store``) registers the same ``serve`` through
+``engram_store.daemon.commands.register``, and the client commands ``stats`` and
+``lookup`` (:mod:`engram_store.client.commands`) beside it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from . import commands
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engram_store.daemon",
-                                     description="engram-store daemon: serve tables, inspect a running daemon")
+                                     description="engram-store daemon: serve a table set")
     commands.register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     try:

@@ -46,11 +46,11 @@ from typing import Any, Callable
 
 from .. import errors
 from ..storage.base import RowStore
+from ..wire.frames import Frame, Op, Status
 from . import fastpath, limits
 from .config import DaemonConfig
 from .connection import FD_LIMIT_ERRNOS, Connection
 from .stats import DaemonStats
-from .wire import Frame, Op, Status
 
 log = logging.getLogger(__name__)
 

@@ -26,17 +26,18 @@ import logging
 import os
 import resource
 import signal
-import time
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from .. import __version__, errors
-from ..manifest import Manifest
+from .. import errors
+from ..format.manifest import Manifest
+from ..format.tableset import TableSet
+from ..format.writer import write_file_atomic
 from ..storage.base import RowStore
-from ..tableset import TableSet
-from ..writer import write_file_atomic
-from . import wire
+from ..version import __version__
+from ..wire import frames as wire
 from .config import DaemonConfig, preflight
 from .stats import DaemonStats, combined_snapshot
 

@@ -6,7 +6,7 @@
     weight, scales = tables.views(14, row_start, row_end)   # float8_e4m3fn [n, 256], uint8 [n, 8]
     tables.register_cuda()                                  # once per process, on GPU hosts
 
-The resident arena is in the engines' layout (``engram_store.storage.arena_layout``):
+The resident arena is in the engines' layout (``engram_store.format.arena_layout``):
 per layer a block of payloads and a block of scales, so any TP rank's row range
 of either is one contiguous slice, the two tensors vLLM's and SGLang's kernels
 read. The views are zero-copy and read-only (the arena memfd is sealed against
@@ -28,8 +28,8 @@ import warnings
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import ConfigError, ModelMismatch, StorageError, UnknownLayer
+from ..format.arena_layout import ArenaView
 from ..spec import ModelSpec
-from ..storage.arena_layout import ArenaView
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +62,7 @@ class EngramStoreTables:
         if not address.startswith("unix://"):
             raise ConfigError(f"engine tables need the daemon's Unix socket (unix:///path/to.sock), got {address!r}: "
                               "the arena is shared memory of this host, gRPC cannot pass it")
-        from ..daemon.unix_client import UnixTransport
+        from ..client.unix_transport import UnixTransport
 
         transport = UnixTransport(address[len("unix://"):], HELLO_REGION_BYTES, connect_timeout)
         try:

@@ -7,39 +7,13 @@ remote client) can stand in for it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from .arena_layout import ArenaLayer, ArenaLayout
+from ..format.arena_layout import ArenaInfo, ArenaLayer, ArenaLayout
 
-__all__ = ["ArenaInfo", "ArenaLayer", "ArenaLayout", "RowStore"]
-
-
-@dataclass(frozen=True)
-class ArenaInfo:
-    """A read-only shareable arena (resident mode only).
-
-    ``fd`` is a memfd sealed against writes, shrink and grow: a process that
-    receives it can map it ``PROT_READ`` only. ``layout`` says where each layer's
-    weights and scales sit (the engines' layout, see :mod:`.arena_layout`).
-    ``huge_pages`` says what backs it: ``"hugetlb"`` (reserved huge pages),
-    ``"thp"`` (transparent huge pages for shmem) or ``"none"`` (4 KiB pages).
-    The store owns the fd; callers that pass it on (SCM_RIGHTS) must not close it.
-    """
-
-    fd: int
-    layout: ArenaLayout
-    huge_pages: str = "none"
-
-    @property
-    def size(self) -> int:  # bytes to map
-        return self.layout.size
-
-    @property
-    def layers(self) -> tuple[ArenaLayer, ...]:
-        return self.layout.layers
+__all__ = ["ArenaInfo", "ArenaLayer", "ArenaLayout", "RowStore"]  # ArenaInfo and the layout: engram_store.format.arena_layout
 
 
 @runtime_checkable

@@ -20,7 +20,7 @@ import threading
 import numpy as np
 
 from ..errors import CorruptRows
-from ..layout import PAGE_BYTES, PageLayout
+from ..format.layout import PAGE_BYTES, PageLayout
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,12 @@ import time
 
 import numpy as np
 
-from ..layout import PAGE_BYTES
-from .checksums import bad_pages as check_pages
+from ..format.checksums import bad_pages as check_pages
+from ..format.layout import PAGE_BYTES
+from ..native.syscalls import aligned_buffer
 from .integrity import PageHealth
-from .nvme import LayerFile, PageReader
-from .syscalls import aligned_buffer
+from .layer_file import LayerFile
+from .readers import PageReader
 
 log = logging.getLogger(__name__)
 

@@ -39,16 +39,20 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError, InvalidRequest, RowOutOfRange, StorageError, UnknownLayer
-from ..manifest import Manifest
-from .arena import LAYER_SHIFT, ROW_MASK, Gatherer, ResidentArena, RowCache, resident_layout
-from .base import ArenaInfo
-from .checksums import implementation as checksum_implementation
+from ..format.arena_layout import ArenaInfo
+from ..format.checksums import implementation as checksum_implementation
+from ..format.manifest import Manifest
+from ..native.gather import Gatherer
 from .gds import make_bulk_reader
 from .integrity import PageHealth
-from .nvme import DEFAULT_CHUNK_PAGES, DEFAULT_MAX_COALESCE_PAGES, DEFAULT_QUEUE_DEPTH, LayerFile, NvmeTier, PageReader
-from .opening import MAX_QUEUE_DEPTH, check_open_args, open_layer  # noqa: F401  (MAX_QUEUE_DEPTH: config checks it)
-from .policy import policy_bytes_per_slot
+from .layer_file import LayerFile, open_layer
+from .nvme import DEFAULT_CHUNK_PAGES, DEFAULT_MAX_COALESCE_PAGES, NvmeTier
+from .opening import MAX_QUEUE_DEPTH, check_open_args  # noqa: F401  (MAX_QUEUE_DEPTH: config checks it)
+from .policies import policy_bytes_per_slot
 from .profile import DEFAULT_CAPACITY, AccessSampler, merge_hottest, read_profile, write_profile
+from .readers import DEFAULT_QUEUE_DEPTH, open_reader
+from .resident import ResidentArena, resident_layout
+from .row_cache import LAYER_SHIFT, ROW_MASK, RowCache
 from .scrub import Scrubber
 from .stats import LookupStats, StoreCounters
 
@@ -101,7 +105,7 @@ class TieredStore:
         check_open_args(mode=mode, policy=policy, gds=gds, dram_bytes=dram_bytes, queue_depth=queue_depth,
                         max_coalesce_pages=max_coalesce_pages, scrub_bytes_per_second=scrub_bytes_per_second)
         try:
-            page_reader = PageReader(queue_depth, reader)
+            page_reader = open_reader(queue_depth, reader)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         directory = Path(directory)
@@ -142,7 +146,7 @@ class TieredStore:
         if scrub_bytes_per_second and cache is not None:
             store._scrub = Scrubber(healthy, page_reader, health, scrub_bytes_per_second).start()
         log.info("opened %s: %s mode, %d layers (%d unavailable), reader %s, queue depth %d, page checks crc32c "
-                 "(%s)%s", directory, store.mode, len(files), len(files) - len(healthy), page_reader.backend,
+                 "(%s)%s", directory, store.mode, len(files), len(files) - len(healthy), page_reader.name,
                  queue_depth, checksum_implementation(),
                  f", {health.pages} corrupt pages refused" if health.pages else "")
         if warmup is not None:

@@ -158,7 +158,7 @@ def _digest(chunks: list[torch.Tensor]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from gpu_client.local import LocalClient
+    from engram_store.client.local import LocalClient
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tables", help="table set directory (in-process tables)")
@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if bool(args.tables) == bool(args.daemon):
         ap.error("give exactly one of --tables and --daemon")
     if args.daemon:
-        from gpu_client.client import EngramClient
+        from engram_store.client.client import EngramClient
 
         client = EngramClient.connect(args.daemon)
     else:

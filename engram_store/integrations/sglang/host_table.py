@@ -4,7 +4,7 @@ SGLang's shared host-table layout keeps each Engram layer whole in host memory o
 every TP rank, registered with the GPU, and hands its kernels two addresses: the
 ``[rows, dim]`` FP8 payloads and the ``[rows, dim // 32]`` E8M0 scales. The
 daemon's resident arena holds exactly these two blocks per layer
-(``engram_store.storage.arena_layout``), so here the host table *is* the arena:
+(``engram_store.format.arena_layout``), so here the host table *is* the arena:
 the layer's ``weight`` / ``scale`` parameters are read-only views of it, and
 ``_host_table_ptrs`` are the (registered) addresses of its two blocks. SGLang's
 own forward gather, decode CUDA graphs and scheduler staging

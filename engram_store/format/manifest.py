@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import TableFormatError
+from ..errors import TableFormatError
+from ..spec import ModelSpec
 from .layout import PAGE_BYTES, PageLayout
-from .spec import ModelSpec
 
 FORMAT_NAME = "engram-store-tables"
 FORMAT_VERSION = 2

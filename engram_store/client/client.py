@@ -158,12 +158,12 @@ class EngramClient:
     # --- connection management ------------------------------------------------
     def _open(self) -> Any:
         if self.address.startswith("unix://"):
-            from engram_store.daemon.unix_client import UnixTransport
+            from engram_store.client.unix_transport import UnixTransport
 
             timeout = {} if self.timeout is None else {"timeout": self.timeout}
             return UnixTransport(self.address[len("unix://"):], self.shm_bytes, self.connect_timeout,
                                  spin_seconds=self.spin_us / 1e6, **timeout)
-        from engram_store.daemon.grpc_client import GrpcTransport
+        from engram_store.client.grpc_transport import GrpcTransport
 
         target = self.address.split("://", 1)[1]
         if self.address.startswith("grpcs://") and not self.tls_ca:
@@ -249,7 +249,7 @@ class EngramClient:
 
     @property
     def arena(self):
-        """The daemon's resident arena mapped read-only (``engram_store.storage.arena_layout.ArenaView``:
+        """The daemon's resident arena mapped read-only (``engram_store.format.arena_layout.ArenaView``:
         ``layout``, ``blocks(L) -> (weights, scales)``, ``gather_into(L, ids, out)``) when the
         daemon is resident and local, else None."""
         return self._with_transport(lambda t: t.arena)

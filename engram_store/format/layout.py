@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import TableFormatError
+from ..errors import TableFormatError
 
 PAGE_BYTES = 4096
 

@@ -6,7 +6,7 @@ Engram layer of the spec, checks them against the spec (and ``config.json``'s
 engram fields when present) and streams them, a block of rows at a time, into
 264-byte rows (payload then scales). Memory stays bounded by the block size;
 a reader thread keeps the next block in flight while the current one is
-written. Any error leaves no output (see :mod:`engram_store.writer`).
+written. Any error leaves no output (see :mod:`engram_store.format.writer`).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from typing import Iterator
 
 import numpy as np
 
-from .errors import CheckpointImportError, SpecError
-from .layout import PageLayout
-from .manifest import Manifest
+from ..errors import CheckpointImportError, SpecError
+from ..format.layout import PageLayout
+from ..format.manifest import Manifest
+from ..format.writer import Progress, TableSetWriter
+from ..spec import ModelSpec, config_mismatches, engram_config, spec_from_config
+from ..tokens import TokenMap, write_token_map
 from .safetensors_io import TensorRef, read_header
-from .spec import ModelSpec, config_mismatches, engram_config, spec_from_config
-from .tokens import TokenMap, write_token_map
-from .writer import Progress, TableSetWriter
 
 log = logging.getLogger(__name__)
 

@@ -33,11 +33,11 @@ from typing import Any
 import numpy as np
 
 from .. import errors
-from ..storage import syscalls
-from ..storage.arena_layout import ArenaLayout, ArenaView
-from . import shm, wire
-from .client_region import Extents
-from .wire import Frame, Op, Status
+from ..format.arena_layout import ArenaLayout, ArenaView
+from ..native import shm, syscalls
+from ..wire import frames as wire
+from ..wire.frames import Frame, Op, Status
+from .region import Extents
 
 # Rows per LOOKUP frame. Splitting one request over several frames (and so over the
 # daemon's workers) measured slower on a 2-core host: random row gathers are bound by

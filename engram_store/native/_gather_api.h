@@ -1,4 +1,4 @@
-/* The C interface of engram_store.storage._gather for other extension modules.
+/* The C interface of engram_store.native._gather for other extension modules.
  *
  * A module that gathers rows without the GIL (the daemon's native Unix path)
  * imports it once with PyCapsule_Import(ENGRAM_GATHER_CAPSULE, 0) and so shares
@@ -10,7 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define ENGRAM_GATHER_CAPSULE "engram_store.storage._gather._C_API"
+#define ENGRAM_GATHER_CAPSULE "engram_store.native._gather._C_API"
 
 typedef struct {
     /* out[i] = src[idx[i]] for n rows of row_bytes bytes, src holding `rows` rows, on up

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from .. import errors
-from ..storage import syscalls
+from . import syscalls
 
 REGION_SEALS = syscalls.F_SEAL_SHRINK | syscalls.F_SEAL_GROW | syscalls.F_SEAL_SEAL  # fixed size, for good
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CheckpointImportError
+from ..errors import CheckpointImportError
 
 MAX_HEADER_BYTES = 100 << 20
 _LEN = struct.Struct("<Q")  # header length in bytes, little endian

@@ -7,7 +7,7 @@ daemon client does, so the prefetcher, the tiny model and the benchmarks run
 unchanged against either.
 
 :class:`MemoryTables` loads a table set into one sealed read-only memfd laid out
-exactly like the daemon's resident arena (:mod:`engram_store.storage.arena_layout`:
+exactly like the daemon's resident arena (:mod:`engram_store.format.arena_layout`:
 the engines' weights and scales blocks), so the resident fast path can be
 exercised without a daemon.
 """
@@ -17,16 +17,18 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from engram_store.errors import InvalidRequest, RowOutOfRange, UnknownLayer
+from engram_store.format.arena_layout import ArenaInfo, ArenaLayout, ArenaView
+from engram_store.format.tableset import TableSet
+from engram_store.native import syscalls
 from engram_store.spec import ModelSpec
-from engram_store.storage import syscalls
-from engram_store.storage.arena_layout import ArenaLayout, ArenaView
-from engram_store.storage.base import ArenaInfo, RowStore
-from engram_store.tableset import TableSet
+
+if TYPE_CHECKING:
+    from engram_store.storage.base import RowStore
 
 log = logging.getLogger(__name__)
 
@@ -144,20 +146,11 @@ class LocalClient:
         self._arena: ArenaView | None = None
 
     @classmethod
-    def open(cls, directory: str | os.PathLike, *, store: str = "memory", **tiered: Any) -> "LocalClient":
-        """A client over the table set at ``directory``.
-
-        ``store="memory"``: loaded whole into process memory (:class:`MemoryTables`);
-        ``store="tiered"``: an in-process ``engram_store.TieredStore`` (``tiered`` are its
-        ``open`` arguments, e.g. ``dram_bytes=``, ``mode=``), the daemon's engine without the daemon.
-        """
-        if store == "memory":
-            return cls(MemoryTables.load(directory))
-        if store == "tiered":
-            from engram_store import TieredStore
-
-            return cls(TieredStore.open(directory, **tiered))
-        raise InvalidRequest(f"store must be 'memory' or 'tiered', got {store!r}")
+    def open(cls, directory: str | os.PathLike) -> "LocalClient":
+        """A client over the table set at ``directory``, loaded whole into process memory
+        (:class:`MemoryTables`). For the daemon's engine without the daemon, wrap an
+        in-process store: ``LocalClient(engram_store.TieredStore.open(directory, ...))``."""
+        return cls(MemoryTables.load(directory))
 
     def lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> None:
         self.store.lookup_into(layer, row_ids, out)

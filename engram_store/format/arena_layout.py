@@ -105,6 +105,31 @@ class ArenaLayout:
             raise InvalidRequest(f"malformed arena layout {d!r}: {exc}") from None
 
 
+@dataclass(frozen=True)
+class ArenaInfo:
+    """A read-only shareable arena (resident mode only).
+
+    ``fd`` is a memfd sealed against writes, shrink and grow: a process that
+    receives it can map it ``PROT_READ`` only. ``layout`` says where each layer's
+    weights and scales sit (the engines' layout, :class:`ArenaLayout`).
+    ``huge_pages`` says what backs it: ``"hugetlb"`` (reserved huge pages),
+    ``"thp"`` (transparent huge pages for shmem) or ``"none"`` (4 KiB pages).
+    The store owns the fd; callers that pass it on (SCM_RIGHTS) must not close it.
+    """
+
+    fd: int
+    layout: ArenaLayout
+    huge_pages: str = "none"
+
+    @property
+    def size(self) -> int:  # bytes to map
+        return self.layout.size
+
+    @property
+    def layers(self) -> tuple[ArenaLayer, ...]:
+        return self.layout.layers
+
+
 class ArenaView:
     """An arena mapped read-only into this process, with its layout.
 
@@ -155,7 +180,7 @@ class ArenaView:
         """``out[i]`` = row ``row_ids[i]`` as stored (payload then scales), straight from
         the arena; ``threads`` copy a large request (1 by default: a caller's compute needs
         the other cores). Raises ``RowOutOfRange`` before copying anything on a bad id."""
-        from .arena import shared_gatherer
+        from ..native.gather import shared_gatherer
 
         weights, scales = self.blocks(layer)
         ids = np.asarray(row_ids).reshape(-1)

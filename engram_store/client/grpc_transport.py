@@ -22,10 +22,11 @@ import grpc
 import numpy as np
 
 from .. import errors
-from .._proto import engram_store_pb2 as pb
-from .._proto import engram_store_pb2_grpc as pb_grpc
-from . import lookup_codec, wire
-from .unix_client import _check_ids, _check_out
+from ..wire import frames as wire
+from ..wire import grpc_codec as lookup_codec
+from ..wire._proto import engram_store_pb2 as pb
+from ..wire._proto import engram_store_pb2_grpc as pb_grpc
+from .unix_transport import _check_ids, _check_out
 
 MAX_MESSAGE_BYTES = 256 << 20  # explicit client limits; the daemon sends at most one chunk per message
 TOKEN_FILE_ENV = "ENGRAM_STORE_GRPC_TOKEN_FILE"  # the daemon's config key of the same name, read by clients too

@@ -1,5 +1,5 @@
 """Client-side bookkeeping of the shared region: its allocator. (The mapped arena is
-``engram_store.storage.arena_layout.ArenaView``.)"""
+``engram_store.format.arena_layout.ArenaView``.)"""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 :class:`TableSetWriter` is used by both ``synth`` and ``import``. Rows are fed
 per layer as a stream of uint8 ``[n, row_bytes]`` blocks; the writer lays them
 out in pages, writes the crc32c of every 4 KiB page to the layer's ``.crc``
-file beside it (see :mod:`engram_store.manifest`), and publishes the directory
+file beside it (see :mod:`engram_store.format.manifest`), and publishes the directory
 only in :meth:`TableSetWriter.commit`. Leaving the ``with`` block without commit
 (an exception, Ctrl-C) removes the temp directory; a killed process leaves
 only a ``.tmp-*`` directory that holds no manifest and never opens.
@@ -31,11 +31,11 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .errors import InsufficientSpace, TableFormatError
+from ..errors import InsufficientSpace, TableFormatError
+from ..spec import ModelSpec
+from .checksums import page_crcs
 from .layout import PageLayout
 from .manifest import MANIFEST, LayerEntry, Manifest, PageCrcHeader, crc_file_name, layer_file_name
-from .spec import ModelSpec
-from .storage.checksums import page_crcs
 
 log = logging.getLogger(__name__)
 

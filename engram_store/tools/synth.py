@@ -13,9 +13,9 @@ from typing import Iterator
 
 import numpy as np
 
-from .manifest import Manifest
-from .spec import ModelSpec
-from .writer import Progress, TableSetWriter
+from ..format.manifest import Manifest
+from ..format.writer import Progress, TableSetWriter
+from ..spec import ModelSpec
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -58,7 +58,7 @@ def synth_blocks(spec: ModelSpec, seed: int, layer: int, block_rows: int) -> Ite
 def write_synthetic(out: str | Path, spec: ModelSpec, seed: int = 0, *, overwrite: bool = False,
                     progress: Progress | None = None, block_rows: int = 1 << 17, group: str | None = None) -> Manifest:
     """Write the synthetic table set of ``spec`` and ``seed`` to ``out`` (atomically), readable
-    by ``group`` (default: the writer's group; see :mod:`engram_store.writer`)."""
+    by ``group`` (default: the writer's group; see :mod:`engram_store.format.writer`)."""
     with TableSetWriter(out, spec, source={"kind": "synthetic", "seed": seed}, overwrite=overwrite, group=group) as w:
         for layer in spec.layers:
             w.write_layer(layer, synth_blocks(spec, seed, layer, block_rows), progress)

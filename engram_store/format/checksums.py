@@ -17,7 +17,7 @@ import logging
 
 import numpy as np
 
-from ..layout import PAGE_BYTES
+from .layout import PAGE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ POLY = 0x82F63B78  # crc32c, reflected
 @functools.cache
 def _native():
     try:
-        from . import _pread
+        from ..native import _pread
     except ImportError as exc:
         log.warning("native crc32c (_pread) not built (%s); page checksums use numpy (slow)", exc)
         return None

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._proto import engram_store_pb2 as pb
+from ._proto import engram_store_pb2 as pb
 
 _ROWS_TAG = b"\x0a"  # field 1 (rows), wire type 2 (length-delimited)
 _UINT64_MAX = (1 << 64) - 1

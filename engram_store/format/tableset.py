@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import RowOutOfRange, TableFormatError, UnknownLayer
+from ..errors import RowOutOfRange, TableFormatError, UnknownLayer
+from .checksums import page_crcs
 from .layout import PAGE_BYTES
 from .manifest import Manifest, load_page_crcs
-from .storage.checksums import page_crcs
 
 VERIFY_CHUNK_BYTES = 64 << 20  # bytes read and checked at a time by verify
 

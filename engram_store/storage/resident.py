@@ -1,0 +1,158 @@
+"""The resident DRAM tier: the whole table set in one sealed memfd, in the engines' layout.
+
+Every layer is loaded once at start, in the engines' layout
+(:mod:`engram_store.format.arena_layout`: a block of all payloads, then a block
+of all scales, each 2 MiB aligned), by large sequential reads whose 4 KiB pages
+are checked against their crc32c (one native call per 64 MiB chunk) and split
+into the two blocks as they arrive. The rows of a page that fails (or of a chunk
+whose read fails) are left zero in the arena and reported, so the store refuses
+them; a bad page never stops the fill. The memfd is then sealed (no write,
+shrink or grow) so that any process receiving it can map it read-only, gather
+rows by itself, or hand the blocks to an engine's kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+
+from ..errors import StorageError
+from ..format.arena_layout import ArenaInfo, ArenaLayout
+from ..format.checksums import bad_pages as check_pages
+from ..format.layout import PAGE_BYTES
+from ..native.syscalls import aligned_buffer, as_array, create_memfd, map_fd, seal_read_only, shmem_thp
+from ..spec import RowFormat
+from .layer_file import LayerFile
+
+log = logging.getLogger(__name__)
+
+FILL_CHUNK_BYTES = 64 << 20
+
+
+BulkRead = Callable[[LayerFile, int, int, object], None]  # (layer file, file offset, nbytes, dest buffer)
+
+
+OnBadPages = Callable[[int, np.ndarray, str], None]  # (layer, page numbers, who found them)
+
+
+def resident_layout(layer_rows: list[tuple[int, int]], row_format: RowFormat) -> ArenaLayout:
+    """Where each ``(layer, rows)`` goes in the resident arena (the engines' layout)."""
+    return ArenaLayout.plan(layer_rows, row_format.dim, row_format.scale_count)
+
+
+class ResidentArena:
+    """The whole table set in a sealed memfd, in the engines' layout. Read-only after :meth:`build`."""
+
+    def __init__(self, memfd, mm, layout: ArenaLayout, huge_pages: str) -> None:
+        self.memfd = memfd
+        self._mm = mm
+        self.layout = layout
+        self.huge_pages = huge_pages
+        data = as_array(mm)
+        self.blocks = {a.layer: (data[a.weight_offset: a.weight_offset + a.rows * a.weight_bytes].reshape(a.rows, a.weight_bytes),
+                                 data[a.scale_offset: a.scale_offset + a.rows * a.scale_bytes].reshape(a.rows, a.scale_bytes))
+                       for a in layout.layers}
+
+    @classmethod
+    def build(cls, files: list[LayerFile], row_format: RowFormat, bulk_read: BulkRead, *, huge: bool = True,
+              chunk_bytes: int = FILL_CHUNK_BYTES, on_bad: OnBadPages | None = None) -> "ResidentArena":
+        """Allocate, fill from ``files`` (healthy layers only), seal, map read-only. Pages
+        that fail their crc32c are reported to ``on_bad`` (their rows stay zero)."""
+        layout = resident_layout([(lf.layer, lf.layout.rows) for lf in files], row_format)
+        size = layout.size
+        memfd = create_memfd("engram-arena", size, huge=huge)
+        t0 = time.perf_counter()
+        mm = map_fd(memfd.fd, size, writable=True, huge=huge)
+        try:
+            data = as_array(mm)
+            for lf, a in zip(files, layout.layers):
+                weights = data[a.weight_offset: a.weight_offset + a.rows * a.weight_bytes].reshape(a.rows, a.weight_bytes)
+                scales = data[a.scale_offset: a.scale_offset + a.rows * a.scale_bytes].reshape(a.rows, a.scale_bytes)
+                bad = fill_split(weights, scales, lf, bulk_read, chunk_bytes)
+                if len(bad) and on_bad is not None:
+                    on_bad(lf.layer, bad, "the resident fill")
+            del data, weights, scales
+        except BaseException:
+            mm.close()
+            memfd.close()
+            raise
+        mm.close()  # sealing against writes needs every writable mapping gone
+        seal_read_only(memfd.fd)
+        seconds = time.perf_counter() - t0
+        huge_pages = "hugetlb" if memfd.hugetlb else ("thp" if huge and shmem_thp() else "none")
+        log.info("resident arena: %d layers in the engines' layout, %.1f MiB filled in %.2fs (%.0f MB/s), "
+                 "huge pages: %s%s", len(files), size / 2**20, seconds, size / max(seconds, 1e-9) / 1e6, huge_pages,
+                 "" if huge_pages != "none" else " (reserve huge pages or set shmem THP to advise: GPU lookups "
+                 "over 4 KiB pages are much slower; see README)")
+        return cls(memfd, map_fd(memfd.fd, size, writable=False, huge=huge, populate=True), layout, huge_pages)
+
+    def info(self) -> ArenaInfo:
+        return ArenaInfo(self.memfd.fd, self.layout, self.huge_pages)
+
+    @property
+    def nbytes(self) -> int:
+        return self.memfd.size
+
+    def close(self) -> None:
+        self.blocks = {}
+        try:
+            self._mm.close()
+        except BufferError:
+            log.debug("resident arena still referenced by a caller's array; unmapped when that is freed")
+        self.memfd.close()
+
+
+def fill_split(weights: np.ndarray, scales: np.ndarray, lf: LayerFile, bulk_read: BulkRead,
+               chunk_bytes: int) -> np.ndarray:
+    """Read ``lf`` front to back in chunks (the next chunk is read and checked while the
+    current one is split) and write each row's payload into ``weights`` (uint8 ``[rows, wb]``)
+    and its scales into ``scales`` (uint8 ``[rows, sb]``). Each chunk's pages are checked
+    against ``lf.crcs`` (when set); returns the int64 page numbers that failed, or whose
+    chunk could not be read (logged), whose rows are left zero."""
+    layout = lf.layout
+    rpp, rb, wb = layout.rows_per_page, layout.row_bytes, weights.shape[1]
+    chunk_pages = max(1, chunk_bytes // PAGE_BYTES)
+    spans = [(p, min(p + chunk_pages, layout.pages)) for p in range(0, layout.pages, chunk_pages)]
+    if not spans:
+        return np.empty(0, dtype=np.int64)
+    buffers = [aligned_buffer(min(chunk_pages, layout.pages) * PAGE_BYTES) for _ in range(min(2, len(spans)))]
+
+    def read(i: int) -> tuple[object, np.ndarray]:
+        p0, p1 = spans[i]
+        buf = buffers[i % len(buffers)]
+        try:
+            bulk_read(lf, p0 * PAGE_BYTES, (p1 - p0) * PAGE_BYTES, buf)
+        except StorageError as exc:
+            log.error("layer %d: pages %d..%d (file offsets %d..%d) unreadable, their rows are refused: %s",
+                      lf.layer, p0, p1 - 1, p0 * PAGE_BYTES, p1 * PAGE_BYTES, exc)
+            return buf, np.arange(p0, p1, dtype=np.int64)
+        if lf.crcs is None:
+            return buf, np.empty(0, dtype=np.int64)
+        return buf, p0 + check_pages(buf, lf.crcs[p0:p1])
+
+    bad_parts = []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-fill") as ex:
+        pending = ex.submit(read, 0)
+        for i, (p0, p1) in enumerate(spans):
+            buf, bad = pending.result()
+            if i + 1 < len(spans):
+                pending = ex.submit(read, i + 1)
+            r0, r1 = p0 * rpp, min(p1 * rpp, layout.rows)
+            pages = as_array(buf, (p1 - p0) * PAGE_BYTES).reshape(p1 - p0, PAGE_BYTES)
+            rows = pages[:, : rpp * rb].reshape((p1 - p0) * rpp, rb)[: r1 - r0]
+            weights[r0:r1] = rows[:, :wb]
+            scales[r0:r1] = rows[:, wb:]
+            if len(bad):  # never leave a corrupt page's bytes where an in-place reader could take them
+                bad_parts.append(bad)
+                bad_rows = (bad[:, None] * rpp + np.arange(rpp)).reshape(-1)
+                bad_rows = bad_rows[bad_rows < layout.rows]
+                weights[bad_rows] = 0
+                scales[bad_rows] = 0
+            del pages, rows
+    for buf in buffers:
+        buf.close()
+    return np.concatenate(bad_parts) if bad_parts else np.empty(0, dtype=np.int64)

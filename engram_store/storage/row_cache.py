@@ -1,0 +1,164 @@
+"""The cached DRAM tier: hot rows of a table set in a slot arena.
+
+A slot arena of ``n_slots`` rows, one int32 row-to-slot array per layer
+(``slot + 1``, 0 when absent; allocated zeroed, so pages of rows never cached
+cost no memory), and an eviction policy (:mod:`.policies`).
+
+Slots are never reused under a reader, by epochs: a lookup registers the
+current epoch while it copies out of slots; evicted slots are retired with the
+epoch of their eviction and go back to the free stack only once every lookup
+that started at or before that epoch has finished.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+
+import numpy as np
+
+from ..native.syscalls import HUGE_PAGE, as_array, create_memfd, map_fd, round_up
+from .policies import make_policy
+
+log = logging.getLogger(__name__)
+
+LAYER_SHIFT = 40  # cache key = layer_index << LAYER_SHIFT | row
+
+
+ROW_MASK = (1 << LAYER_SHIFT) - 1
+
+
+class RowCache:
+    """Hot rows of a table set in a slot arena. Thread-safe (one lock, vectorized work)."""
+
+    def __init__(self, layer_rows: dict[int, int], row_bytes: int, n_slots: int, policy: str = "s3fifo",
+                 *, huge: bool = True) -> None:
+        if n_slots < 1:
+            raise ValueError(f"a row cache needs at least one slot, got {n_slots}")
+        self.row_bytes = row_bytes
+        self.n_slots = n_slots
+        self.layer_index = {layer: i for i, layer in enumerate(sorted(layer_rows))}
+        self.maps = [np.zeros(layer_rows[layer], dtype=np.int32) for layer in sorted(layer_rows)]
+        size = round_up(n_slots * row_bytes, HUGE_PAGE)
+        self.memfd = create_memfd("engram-cache", size, huge=huge)
+        self._mm = map_fd(self.memfd.fd, size, writable=True, huge=huge)
+        self.slots = as_array(self._mm, n_slots * row_bytes).reshape(n_slots, row_bytes)
+        self.slot_key = np.full(n_slots, -1, dtype=np.int64)
+        self.free = np.arange(n_slots - 1, -1, -1, dtype=np.int32)  # a stack: free[:free_top]
+        self.free_top = n_slots
+        self.limbo: collections.deque[tuple[int, np.ndarray]] = collections.deque()
+        self.limbo_slots = 0
+        self.epoch = 0
+        self.active: dict[int, int] = {}
+        self.policy = make_policy(policy, n_slots)
+        self.admit_limit = max(1, n_slots // 4)
+        self.lock = threading.Lock()
+        self.admitted = 0
+        self.evicted = 0
+        self.not_admitted = 0
+
+    # --- readers -------------------------------------------------------
+    def begin(self, layer: int, rows: np.ndarray) -> tuple[int, np.ndarray]:
+        """Register a reader; returns its epoch token and ``slot + 1`` per row (0 = miss).
+        The slots stay valid until :meth:`end` is called with the token."""
+        li = self.layer_index[layer]
+        with self.lock:
+            token = self.epoch
+            self.active[token] = self.active.get(token, 0) + 1
+            found = self.maps[li][rows]
+            hit = found[found > 0] - 1
+            if len(hit):
+                self.policy.on_hit(hit)
+        return token, found
+
+    def end(self, token: int) -> None:
+        with self.lock:
+            left = self.active[token] - 1
+            if left:
+                self.active[token] = left
+            else:
+                del self.active[token]
+
+    # --- admission -----------------------------------------------------
+    def admit(self, layer: int, rows: np.ndarray, data: np.ndarray, *, main: bool = False) -> int:
+        """Offer rows just read (``rows`` distinct int64, ``data`` their bytes); returns
+        how many were admitted. Rows already cached (a concurrent admission) are skipped."""
+        li = self.layer_index[layer]
+        with self.lock:
+            new = np.flatnonzero(self.maps[li][rows] == 0)
+            if len(new) > self.admit_limit:
+                self.not_admitted += len(new) - self.admit_limit
+                new = new[np.linspace(0, len(new) - 1, self.admit_limit).astype(np.intp)]
+            if not len(new):
+                return 0
+            slots = self._take_free(len(new))
+            if len(slots) < len(new):
+                self._retire(self.policy.evict(len(new) - len(slots), self.slot_key))
+                slots = np.concatenate([slots, self._take_free(len(new) - len(slots))])
+            self.not_admitted += len(new) - len(slots)
+            new = new[: len(slots)]
+            keys = np.int64(li << LAYER_SHIFT) | rows[new]
+            self.slots[slots] = data[new]
+            self.slot_key[slots] = keys
+            self.maps[li][rows[new]] = slots + 1
+            self.policy.insert(slots, keys, main=main)
+            self.admitted += len(slots)
+            return len(slots)
+
+    def _take_free(self, n: int) -> np.ndarray:
+        self._reclaim()
+        n = min(n, self.free_top)
+        taken = self.free[self.free_top - n : self.free_top].copy()
+        self.free_top -= n
+        return taken
+
+    def _retire(self, victims: np.ndarray) -> None:
+        if not len(victims):
+            return
+        keys = self.slot_key[victims]
+        layer_of = keys >> LAYER_SHIFT
+        for li in np.unique(layer_of):
+            self.maps[li][keys[layer_of == li] & ROW_MASK] = 0
+        self.slot_key[victims] = -1
+        self.limbo.append((self.epoch, victims))
+        self.limbo_slots += len(victims)
+        self.epoch += 1
+        self.evicted += len(victims)
+
+    def _reclaim(self) -> None:
+        oldest = min(self.active) if self.active else None
+        while self.limbo and (oldest is None or self.limbo[0][0] < oldest):
+            _, slots = self.limbo.popleft()
+            self.free[self.free_top : self.free_top + len(slots)] = slots
+            self.free_top += len(slots)
+            self.limbo_slots -= len(slots)
+
+    # --- introspection -------------------------------------------------
+    def cached_keys(self) -> np.ndarray:
+        """int64 keys of every cached row (for access profiles)."""
+        with self.lock:
+            return self.slot_key[self.slot_key >= 0].copy()
+
+    @property
+    def used(self) -> int:
+        return self.n_slots - self.free_top - self.limbo_slots
+
+    def metadata_bytes(self) -> int:
+        """Bytes of bookkeeping per slot (slot keys, free stack, policy)."""
+        return self.slot_key.nbytes + self.free.nbytes + self.policy.metadata_bytes()
+
+    def map_bytes(self) -> int:
+        return sum(m.nbytes for m in self.maps)
+
+    @property
+    def nbytes(self) -> int:
+        return self.memfd.size
+
+    def close(self) -> None:
+        self.slots = np.zeros((0, self.row_bytes), dtype=np.uint8)
+        try:
+            self._mm.close()
+        except BufferError:
+            log.debug("row cache still referenced by a caller's array; unmapped when that is freed")
+        self.memfd.close()
