@@ -243,3 +243,14 @@ def test_resident_daemon_starts_with_a_corrupt_page_and_refuses_only_its_rows(ta
         finally:
             unix.close()
             grpc.close()
+
+
+def test_memory_tables_refuse_a_corrupt_page(tables):
+    """The no-daemon baseline checks every page as it loads: a flipped byte stops the load,
+    naming layer and page, instead of serving the row."""
+    from engram_store.client.local import MemoryTables
+
+    MemoryTables.load(tables).close()  # pristine: loads
+    flip(tables, LAYER, 2)
+    with pytest.raises(errors.CorruptRows, match=rf"layer {LAYER}: 1 page\(s\) .* page 2, offset {2 * PAGE_BYTES}"):
+        MemoryTables.load(tables)

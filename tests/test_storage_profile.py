@@ -65,3 +65,41 @@ def test_sampler_ranks_by_frequency():
     assert top[0].tolist() == [1, 5] and top[1].tolist() == [3, 7]
     merged = merge_hottest(np.array([[3, 7], [1, 1]]), top)
     assert merged[:2].tolist() == [[3, 7], [1, 1]] and len(merged) == 5
+
+
+def test_the_daemon_saves_its_profile_at_stop_and_warms_up_from_it(tables, tmp_path):
+    """``save_profile`` = ``warmup_profile``: the first start is cold (no file yet, not a config
+    error), SIGTERM writes the hottest rows atomically, the next start has them cached."""
+    from daemon_helpers import DaemonProcess
+
+    from engram_store.client.client import EngramClient
+
+    profile = tmp_path / "state" / "profile.npy"
+    profile.parent.mkdir()
+    extra = ["--store-mode", "cached", "--save-profile", str(profile), "--warmup-profile", str(profile)]
+    budget = str(cache_budget(TINY, 0.1))
+    hot = np.arange(100, 400, 3)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with DaemonProcess(tables, tmp_path / "a", dram_bytes=budget, extra=extra) as daemon:
+        with EngramClient.connect(daemon.unix) as client:
+            for _ in range(3):
+                client.lookup(1, hot)
+        assert daemon.terminate() == 0
+    pairs = read_profile(profile)
+    assert {(1, int(r)) for r in hot} <= {tuple(map(int, p)) for p in pairs}
+    assert [p.name for p in profile.parent.iterdir()] == ["profile.npy"]  # no temp file left
+    with DaemonProcess(tables, tmp_path / "b", dram_bytes=budget, extra=extra) as daemon:
+        with EngramClient.connect(daemon.unix) as client:
+            assert client.stats()["store_cache_slots_used"] >= len(hot)
+            out = client.lookup(1, hot)
+            assert client.stats()["store_rows_nvme"] == 0
+        check_rows(None, tables, TINY, 1, hot, out)
+
+
+def test_save_profile_needs_a_writable_directory(tables, tmp_path):
+    from engram_store.daemon.config import DaemonConfig, preflight
+
+    config = DaemonConfig(tables=str(tables), socket="", metrics="", save_profile=str(tmp_path / "nope" / "p.npy"))
+    with pytest.raises(ConfigError, match="'save_profile'.*does not exist"):
+        preflight(config)

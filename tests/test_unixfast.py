@@ -73,6 +73,32 @@ def test_constants_agree_with_wire():
     assert (_unixfast.FRAME_SIZE, _unixfast.MAGIC, _unixfast.VERSION) == (wire.FRAME.size, wire.MAGIC, wire.VERSION)
 
 
+def test_the_c_frame_layout_is_checked_field_by_field():
+    """The C module exports each header field's offset and size; frames.py checks them
+    against its own struct declaration, and a difference in any one field is refused."""
+    assert tuple(tuple(f) for f in _unixfast.FRAME_FIELDS) == wire.field_layout()
+    assert [name for name, _, _ in wire.field_layout()] == [name for name, _ in wire.FRAME_FIELDS]
+    assert wire.field_layout()[-1][1] + wire.field_layout()[-1][2] == wire.FRAME.size == _unixfast.FRAME_SIZE
+    swapped = list(_unixfast.FRAME_FIELDS)
+    swapped[7], swapped[8] = ("request_id", 24, 8), ("count", 16, 8)  # same size, two fields' offsets exchanged
+    with pytest.raises(wire.ProtocolError, match=r"request_id.*\(Python\) vs .*request_id', 24"):
+        wire.check_native_layout(swapped, "a test")
+    with pytest.raises(wire.ProtocolError, match="13 fields"):
+        wire.check_native_layout(_unixfast.FRAME_FIELDS[:-1], "a test")
+
+
+def test_one_busy_poll_token_for_native_and_python_connections():
+    token = fastpath.PollToken()
+    assert token.acquire()
+    try:
+        assert not _unixfast.poll_token_try()  # a native connection finds it taken
+        assert not token.acquire()
+    finally:
+        token.release()
+    assert _unixfast.poll_token_try()  # and free again
+    _unixfast.poll_token_release()
+
+
 @pytest.mark.parametrize("busy_poll_ns", [0, 200_000])
 @pytest.mark.parametrize("count", [1, 300, 2500])  # 2,500 rows: split across the gather pool
 def test_served_lookups_are_byte_exact(pair, tables, busy_poll_ns, count):

@@ -22,11 +22,11 @@ import grpc
 import numpy as np
 
 from .. import errors
+from ..format import requests
 from ..wire import frames as wire
 from ..wire import grpc_codec as lookup_codec
 from ..wire._proto import engram_store_pb2 as pb
 from ..wire._proto import engram_store_pb2_grpc as pb_grpc
-from .unix_transport import _check_ids, _check_out
 
 MAX_MESSAGE_BYTES = 256 << 20  # explicit client limits; the daemon sends at most one chunk per message
 TOKEN_FILE_ENV = "ENGRAM_STORE_GRPC_TOKEN_FILE"  # the daemon's config key of the same name, read by clients too
@@ -150,10 +150,9 @@ class GrpcTransport:
         raise err from None
 
     def lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
-        ids = _check_ids(row_ids)
-        flat = _check_out(out, ids.shape, self.row_bytes).reshape(-1)
-        if ids.size > self.max_request_rows:
-            raise errors.ResourceExhausted(f"{ids.size} rows asked; the daemon allows {self.max_request_rows} per request")
+        ids = requests.row_ids(row_ids)
+        flat = requests.rows_out(out, ids.shape, self.row_bytes).reshape(-1)
+        requests.check_count(ids.size, self.max_request_rows)
         request = pb.LookupRequest(layer=layer, row_ids=np.ascontiguousarray(ids.reshape(-1), dtype="<i8").tobytes(),
                                    dtype=pb.INT64)
         rb = self.row_bytes

@@ -21,8 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engram_store.errors import InvalidRequest, RowOutOfRange, UnknownLayer
+from engram_store.errors import CorruptRows, InvalidRequest
+from engram_store.format import requests
 from engram_store.format.arena_layout import ArenaInfo, ArenaLayout, ArenaView
+from engram_store.format.checksums import bad_pages
+from engram_store.format.layout import PAGE_BYTES
 from engram_store.format.tableset import TableSet
 from engram_store.native import syscalls
 from engram_store.spec import ModelSpec
@@ -31,26 +34,6 @@ if TYPE_CHECKING:
     from engram_store.storage.base import RowStore
 
 log = logging.getLogger(__name__)
-
-
-def check_lookup(layers: tuple[int, ...], rows_of, row_bytes: int, layer: int, row_ids: np.ndarray,
-                 out: np.ndarray) -> np.ndarray:
-    """Validate a ``lookup_into`` call per the RowStore contract; return the row ids as flat int64."""
-    if layer not in layers:
-        raise UnknownLayer(f"layer {layer} is not served; layers are {list(layers)}")
-    ids = np.asarray(row_ids)
-    if ids.size and not np.issubdtype(ids.dtype, np.integer):
-        raise InvalidRequest(f"row ids must be integers, got {ids.dtype}")
-    if out.dtype != np.uint8 or out.shape != ids.shape + (row_bytes,) or not out.flags.c_contiguous \
-            or not out.flags.writeable:
-        raise InvalidRequest(f"out must be a writable C-contiguous uint8 array of shape {ids.shape + (row_bytes,)}, "
-                             f"got {out.dtype} {out.shape}")
-    flat = ids.reshape(-1).astype(np.int64, copy=False)
-    if flat.size:
-        lo, hi = int(flat.min()), int(flat.max())
-        if lo < 0 or hi >= rows_of(layer):
-            raise RowOutOfRange(f"layer {layer}: row ids must be in [0, {rows_of(layer)}), got [{lo}, {hi}]")
-    return flat
 
 
 class MemoryTables:
@@ -71,6 +54,7 @@ class MemoryTables:
             os.pwrite(self._fd, np.ascontiguousarray(rows[:, fmt.dim:]), entry.scale_offset)
         syscalls.seal_read_only(self._fd)
         self._view = ArenaView.map_fd(self._fd, layout)
+        self._rows_of = {a.layer: a.rows for a in layout.layers}
         self._arena = ArenaInfo(self._fd, layout)
         self._requests = 0
         self._rows = 0
@@ -84,6 +68,11 @@ class MemoryTables:
             for layer in ts.layers:
                 entry = ts.manifest.layer(layer)
                 pages = np.fromfile(ts.path(layer), dtype=np.uint8)
+                bad = bad_pages(pages, ts.page_crcs(layer))
+                if len(bad):  # never serve a row whose bytes were not verified
+                    raise CorruptRows(f"layer {layer}: {len(bad)} page(s) of {ts.path(layer)} fail their crc32c "
+                                      f"(first: page {int(bad[0])}, offset {int(bad[0]) * PAGE_BYTES}); "
+                                      "run `engram-store verify`, then re-import or re-synth")
                 layers[layer] = entry.layout.unpack(pages, 0, entry.rows)
             return cls(ts.spec, layers)
         finally:
@@ -103,13 +92,11 @@ class MemoryTables:
         return "resident"
 
     def rows(self, layer: int) -> int:
-        if layer not in self.layers:
-            raise UnknownLayer(f"layer {layer} is not served; layers are {list(self.layers)}")
-        return self._view.rows(layer)
+        return self._rows_of[requests.check_layer(layer, self._rows_of)]
 
     def lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> None:
-        flat = check_lookup(self.layers, self.rows, self._row_bytes, layer, row_ids, out)
-        self._view.gather_into(layer, flat, out)
+        layer, flat, out_rows = requests.check_lookup(layer, self._rows_of, None, self._row_bytes, row_ids, out)
+        self._view.gather_into(layer, flat, out_rows)
         self._requests += 1
         self._rows += flat.size
 
@@ -121,6 +108,15 @@ class MemoryTables:
 
     def arena(self) -> ArenaInfo | None:
         return self._arena
+
+    def expect(self, rows: int) -> None:
+        pass  # one thread gathers: nothing to wake
+
+    def layer_errors(self) -> dict[int, str]:
+        return {}  # every layer was read whole, or load() failed
+
+    def bad_pages(self) -> dict[int, list[list[int]]]:
+        return {}  # load() refuses a table set with a corrupt page (CorruptRows)
 
     def stats(self) -> dict[str, int | float]:
         return {"requests": self._requests, "rows_dram": self._rows, "bytes_dram": self._rows * self._row_bytes,

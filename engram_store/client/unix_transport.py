@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from .. import errors
+from ..format import requests
 from ..format.arena_layout import ArenaLayout, ArenaView
 from ..native import shm, syscalls
 from ..wire import frames as wire
@@ -158,8 +159,8 @@ class UnixTransport:
             if not fds:
                 raise wire.ProtocolError("WELCOME arrived without the shared-region fd")
             self.info_cached: dict[str, Any] = json.loads(payload)
-            self._region = shm.map_fd(fds[0], frame.count, writable=True)
-            self.region = shm.as_array(self._region)
+            self._region = syscalls.map_fd(fds[0], frame.count, writable=True, huge=False)
+            self.region = syscalls.as_array(self._region)
             arena = self.info_cached.get("arena")
             if frame.flags & wire.Flag.ARENA and len(fds) > 1 and arena:
                 self.arena = _map_arena(fds[1], arena)
@@ -181,12 +182,11 @@ class UnixTransport:
 
     def submit(self, layer: int, row_ids: np.ndarray, *, block: bool = True) -> UnixPending | None:
         """Start a lookup; returns None instead of blocking when ``block`` is false and the region is full."""
-        ids = _check_ids(row_ids)
+        ids = requests.row_ids(row_ids)
         n = ids.size
-        if n == 0 and layer not in self.info_cached["layers"]:  # the daemon checks non-empty requests
-            raise errors.UnknownLayer(f"layer {layer} is not served; layers are {self.info_cached['layers']}")
-        if n > self.max_request_rows:
-            raise errors.ResourceExhausted(f"{n} rows asked; the daemon allows {self.max_request_rows} per request")
+        if n == 0:  # the daemon checks non-empty requests
+            requests.check_layer(layer, self.info_cached["layers"])
+        requests.check_count(n, self.max_request_rows)
         ids_bytes = wire.align(n * 8)
         need = max(ids_bytes + wire.align(n * self.row_bytes), wire.ALIGN)
         off = self._extents.alloc(need) if block else self._extents.try_alloc(need)
@@ -247,8 +247,9 @@ class UnixTransport:
             raise wire.error_of(frame.status, payload.decode(errors="replace"))
 
     def lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
-        ids = _check_ids(row_ids).reshape(-1)
-        flat = _check_out(out, np.shape(row_ids), self.row_bytes).reshape(-1, self.row_bytes)
+        ids = requests.row_ids(row_ids)
+        flat = requests.rows_out(out, ids.shape, self.row_bytes)
+        ids = ids.reshape(-1)
         if ids.size and ids.size <= self.max_request_rows and (out_off := self._region_offset(out)) is not None \
                 and out_off % 8 == 0 and any(o <= out_off < o + n for o, n in self._reserved.items()):
             self._lookup_in_place(layer, ids, out_off)
@@ -396,23 +397,6 @@ def _connect(sock: socket.socket, path: str, deadline: float) -> socket.socket:
         time.sleep(pause)
         pause = min(2 * pause, CONNECT_BACKOFF_SECONDS[1])
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-
-
-def _check_ids(row_ids: Any) -> np.ndarray:
-    ids = np.asarray(row_ids)
-    if ids.dtype.kind not in "iu":  # np.issubdtype costs ~5 us a call on the hot path
-        raise errors.InvalidRequest(f"row ids must be an integer array, got dtype {ids.dtype}")
-    return ids
-
-
-def _check_out(out: Any, shape: tuple[int, ...], row_bytes: int) -> np.ndarray:
-    want = tuple(shape) + (row_bytes,)
-    if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.shape != want:
-        got = (getattr(out, "dtype", type(out).__name__), getattr(out, "shape", None))
-        raise errors.InvalidRequest(f"out must be a uint8 ndarray of shape {want}, got {got[0]} {got[1]}")
-    if not out.flags.c_contiguous or not out.flags.writeable:
-        raise errors.InvalidRequest("out must be C-contiguous and writable")
-    return out
 
 
 def _map_arena(fd: int, described: dict[str, Any]) -> ArenaView:

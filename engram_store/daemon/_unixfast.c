@@ -41,6 +41,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <stddef.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
@@ -65,7 +66,8 @@
 
 enum { SERVED = 0, FRAME = 1, PEER_EOF = 2 };
 
-/* wire.FRAME, little-endian, no padding. */
+/* engram_store/wire/frames.py FRAME, little-endian, no padding; FRAME_FIELDS exports each field's offset and size
+ * and frames.py checks them against its struct declaration before this module is used. */
 typedef struct __attribute__((packed)) {
     uint32_t magic;
     uint16_t version, op, status;
@@ -77,7 +79,8 @@ typedef struct __attribute__((packed)) {
 _Static_assert(sizeof(frame_t) == 56, "frame_t must match wire.FRAME");
 
 static const engram_gather_api *gather_api;
-static atomic_flag poll_token = ATOMIC_FLAG_INIT; /* held by the one connection busy-polling */
+static atomic_flag poll_token = ATOMIC_FLAG_INIT; /* held by the one connection busy-polling, native or Python
+                                                      (poll_token_try / poll_token_release) */
 
 /* The fair share of every Conn of this process. */
 static _Atomic uint32_t small_active;  /* small lookups gathering now (a futex word) */
@@ -363,7 +366,41 @@ static PyObject *fair_stats(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)
                          (unsigned long long)atomic_load(&pieces_yielded));
 }
 
+static PyObject *poll_token_try(PyObject *self, PyObject *noargs) {
+    return PyBool_FromLong(!atomic_flag_test_and_set(&poll_token));
+}
+
+static PyObject *poll_token_release(PyObject *self, PyObject *noargs) {
+    atomic_flag_clear(&poll_token);
+    Py_RETURN_NONE;
+}
+
+#define FRAME_FIELD(name) Py_BuildValue("(snn)", #name, (Py_ssize_t)offsetof(frame_t, name), \
+                                        (Py_ssize_t)sizeof(((frame_t *)0)->name))
+
+/* ((name, offset, size), ...) of frame_t, in order. */
+static PyObject *frame_fields(void) {
+    PyObject *items[] = {FRAME_FIELD(magic), FRAME_FIELD(version), FRAME_FIELD(op), FRAME_FIELD(status),
+                         FRAME_FIELD(dtype), FRAME_FIELD(flags), FRAME_FIELD(layer), FRAME_FIELD(request_id),
+                         FRAME_FIELD(count), FRAME_FIELD(ids_offset), FRAME_FIELD(out_offset),
+                         FRAME_FIELD(payload_bytes), FRAME_FIELD(reserved)};
+    const Py_ssize_t n = (Py_ssize_t)(sizeof(items) / sizeof(items[0]));
+    PyObject *fields = PyTuple_New(n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (fields == NULL || items[i] == NULL) {
+            for (Py_ssize_t j = i; j < n; j++) Py_XDECREF(items[j]);
+            Py_XDECREF(fields);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(fields, i, items[i]); /* steals the reference */
+    }
+    return fields;
+}
+
 static PyMethodDef module_methods[] = {
+    {"poll_token_try", poll_token_try, METH_NOARGS,
+     "poll_token_try() -> bool: take the process's one busy-poll token if free (native connections share it)"},
+    {"poll_token_release", poll_token_release, METH_NOARGS, "poll_token_release(): give the busy-poll token back"},
     {"fair_stats", fair_stats, METH_NOARGS,
      "fair_stats() -> {'pieces': pieces of large lookups gathered, 'yielded': of them, those that waited for small lookups}"},
     {NULL, NULL, 0, NULL},
@@ -409,7 +446,8 @@ PyMODINIT_FUNC PyInit__unixfast(void) {
         PyModule_AddIntConstant(m, "DTYPE_INT64", DTYPE_INT64) < 0 ||
         PyModule_AddIntConstant(m, "FAIR_PIECE_ROWS", FAIR_PIECE_ROWS) < 0 ||
         PyModule_AddIntConstant(m, "SERVED", SERVED) < 0 || PyModule_AddIntConstant(m, "FRAME", FRAME) < 0 ||
-        PyModule_AddIntConstant(m, "EOF", PEER_EOF) < 0) {
+        PyModule_AddIntConstant(m, "EOF", PEER_EOF) < 0 ||
+        PyModule_AddObject(m, "FRAME_FIELDS", frame_fields()) < 0) {
         Py_DECREF(&ConnType);
         Py_DECREF(m);
         return NULL;

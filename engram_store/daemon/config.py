@@ -99,6 +99,7 @@ class DaemonConfig:
     nvme_queue_depth: int = 64  # NVMe page reads in flight
     huge_pages: bool = True  # back the DRAM tier with huge pages where the host allows
     warmup_profile: str = ""  # access profile loaded into the cache at start ("" = none)
+    save_profile: str = ""  # cached mode: the hottest rows written here at stop, atomically ("" = never)
     scrub_bytes_per_second: int = 32 << 20  # cached mode: background page check rate; 0 = no scrub
     socket: str = "/run/engram-store/engram-store.sock"  # Unix socket path; "" disables it
     socket_mode: int = 0o660  # permission bits of the socket file
@@ -416,7 +417,7 @@ def _check_tables(config: DaemonConfig) -> None:
     if config.dram_bytes < dense and config.dram_bytes < per_slot:
         raise ConfigError(f"config key 'dram_bytes': {config.dram_bytes} bytes hold no cache slot ({per_slot} bytes "
                           "each)")
-    if config.warmup_profile:
+    if config.warmup_profile and not warmup_pending(config):
         try:
             pairs = read_profile(config.warmup_profile)
         except EngramStoreError as exc:
@@ -427,12 +428,29 @@ def _check_tables(config: DaemonConfig) -> None:
                               f"that the table set does not hold ({[e.layer for e in manifest.layers]})")
 
 
+def warmup_pending(config: DaemonConfig) -> bool:
+    """The warm-up profile is the one this daemon saves at stop and none was saved yet
+    (the first start): start with a cold cache instead of refusing the config."""
+    return bool(config.save_profile) and os.path.abspath(config.warmup_profile) == os.path.abspath(
+        config.save_profile) and not os.path.exists(config.save_profile)
+
+
+def _check_save_profile(path: str) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"config key 'save_profile': directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"config key 'save_profile': directory {parent} is not writable by this user")
+
+
 def preflight(config: DaemonConfig) -> None:
     """Check ``config`` against the host without reading table data; ConfigError naming the key.
 
     Reads the manifest, TLS, token and profile files; creates the socket directory; binds the
     gRPC and metrics ports for a moment. Meant to run at start, before the tables are opened."""
     _check_tables(config)
+    if config.save_profile:
+        _check_save_profile(config.save_profile)
     if config.socket:
         _check_socket(config)
     if config.grpc:

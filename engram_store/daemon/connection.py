@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .. import errors
-from ..native import shm
+from ..format import requests
+from ..native import shm, syscalls
 from ..wire import frames as wire
 from ..wire.frames import DType, Frame, Op, Status
 from . import fastpath, limits
@@ -197,7 +198,7 @@ class Connection:
             self.send(Frame(Op.WELCOME, status=Status.RESOURCE_EXHAUSTED).pack(msg.encode()))
             raise ConnectionError(msg) from None
         try:
-            self.array = shm.as_array(self.region)
+            self.array = syscalls.as_array(self.region)
             arena = self.server.store.arena()
             fds = [fd] + ([arena.fd] if arena is not None else [])
             payload = json.dumps(self.server.info()).encode()
@@ -255,7 +256,7 @@ class Connection:
         """Poll the socket briefly before blocking on it (``busy_poll_us``), when no other
         connection is polling: a client's next request then needs no wake-up of this thread."""
         server = self.server
-        if server.busy_poll_seconds and server.poll_token.acquire(blocking=False):
+        if server.busy_poll_seconds and server.poll_token.acquire():
             try:
                 shm.spin_until_readable(self.sock, server.busy_poll_seconds)
             finally:
@@ -268,14 +269,11 @@ class Connection:
     def _check(self, frame: Frame) -> None:
         """Raise the typed error of a request that cannot be served; cheap checks before any work."""
         cfg = self.server.config
-        if frame.layer not in self.server.layers:
-            raise errors.UnknownLayer(f"layer {frame.layer} is not served; layers are {sorted(self.server.layers)}")
+        requests.check_layer(frame.layer, self.server.layers)
         if frame.dtype not in _NUMPY_DTYPE:
             raise errors.InvalidRequest(f"row id dtype code {frame.dtype}: expected "
                                         f"{int(DType.INT64)} (int64) or {int(DType.INT32)} (int32)")
-        if frame.count > cfg.max_request_rows:
-            raise errors.ResourceExhausted(f"{frame.count} rows asked; at most {cfg.max_request_rows} "
-                                           "per request (max_request_rows)")
+        requests.check_count(frame.count, cfg.max_request_rows)
         size = len(self.array)
         ids_end = frame.ids_offset + frame.count * _NUMPY_DTYPE[frame.dtype].itemsize
         out_end = frame.out_offset + frame.count * self.server.store.row_bytes

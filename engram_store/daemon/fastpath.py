@@ -17,11 +17,13 @@ from __future__ import annotations
 import functools
 import logging
 import socket
+import threading
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from ..storage.base import ResidentStore, RowStore
 from ..wire import frames as wire
 from .config import DaemonConfig
 
@@ -33,33 +35,57 @@ SERVED, FRAME, EOF = 0, 1, 2  # what NativeConn.next() returns first
 
 @functools.cache
 def native_module() -> ModuleType | None:
-    """``_unixfast`` if it is built and speaks :mod:`wire`'s frame, else None (logged)."""
+    """``_unixfast`` if it is built, else None (logged). Raises ProtocolError when it was
+    built from another frame layout than :mod:`engram_store.wire.frames` declares."""
     try:
         from . import _unixfast
     except ImportError as exc:
         log.warning("native Unix path _unixfast not built (%s); resident lookups go through Python", exc)
         return None
-    expected = {"FRAME_SIZE": wire.FRAME.size, "MAGIC": wire.MAGIC, "VERSION": wire.VERSION,
-                "OP_LOOKUP": wire.Op.LOOKUP, "OP_RESULT": wire.Op.RESULT, "DTYPE_INT64": wire.DType.INT64,
-                "SERVED": SERVED, "FRAME": FRAME, "EOF": EOF}
-    wrong = {k: (getattr(_unixfast, k, None), int(v)) for k, v in expected.items() if getattr(_unixfast, k, None) != v}
+    wire.check_native_layout(_unixfast.FRAME_FIELDS, "engram_store/daemon/_unixfast.c")  # raises: a stale build
+    expected = {"MAGIC": wire.MAGIC, "VERSION": wire.VERSION, "OP_LOOKUP": wire.Op.LOOKUP, "OP_RESULT": wire.Op.RESULT,
+                "DTYPE_INT64": wire.DType.INT64, "SERVED": SERVED, "FRAME": FRAME, "EOF": EOF}
+    wrong = {k: (getattr(_unixfast, k), int(v)) for k, v in expected.items() if getattr(_unixfast, k) != v}
     if wrong:
-        log.error("_unixfast disagrees with wire.py (native, python): %s; resident lookups go through Python", wrong)
-        return None
+        raise wire.ProtocolError(f"engram_store/daemon/_unixfast.c disagrees with engram_store/wire/frames.py "
+                                 f"(C, Python): {wrong}; rebuild the native modules (pip install -e .)")
     return _unixfast
+
+
+class PollToken:
+    """The one busy-poll token of the process: at most one connection, native or Python,
+    spins on its socket at a time (the others sleep in the kernel). With ``_unixfast``
+    built, the token is the C module's own flag, so its connections and the Python
+    ones share it; without, a lock."""
+
+    def __init__(self) -> None:
+        self._native = native_module()
+        self._lock = threading.Lock()
+
+    def acquire(self) -> bool:
+        """Take the token if it is free; never blocks."""
+        if self._native is not None:
+            return self._native.poll_token_try()
+        return self._lock.acquire(blocking=False)
+
+    def release(self) -> None:
+        if self._native is not None:
+            self._native.poll_token_release()
+        else:
+            self._lock.release()
 
 
 class NativePath:
     """What the native path serves, shared by every connection of one daemon."""
 
-    def __init__(self, module: ModuleType, store: Any, config: DaemonConfig,
+    def __init__(self, module: ModuleType, store: ResidentStore, config: DaemonConfig,
                  views: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
         self.module, self.store, self.config, self.views = module, store, config, views
         self.threads = int(store.gather_threads)
 
     @classmethod
-    def for_store(cls, store: Any, config: DaemonConfig) -> "NativePath | None":
-        if not config.unix_native or not hasattr(store, "resident_views"):
+    def for_store(cls, store: RowStore, config: DaemonConfig) -> "NativePath | None":
+        if not config.unix_native or not isinstance(store, ResidentStore):
             return None
         module = native_module()
         views = store.resident_views() if module is not None else {}

@@ -30,6 +30,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from .. import errors
+from ..format import requests
 from ..storage.base import RowStore
 from ..version import __version__
 from ..wire import frames as wire
@@ -123,8 +124,7 @@ class EngramStoreService:
         self._refusals_logged = 0
 
     def attach(self, store: RowStore) -> None:
-        layer_errors = getattr(store, "layer_errors", None)
-        self.broken_layers = dict(layer_errors()) if layer_errors is not None else {}
+        self.broken_layers = dict(store.layer_errors())
         self.store = store
 
     async def admit(self, request: Any, context: grpc.aio.ServicerContext) -> None:
@@ -152,8 +152,7 @@ class EngramStoreService:
 
     def _request(self, request: pb.LookupRequest) -> tuple[RowStore, np.ndarray]:
         store = self._serving()
-        if request.layer not in store.layers:
-            raise errors.UnknownLayer(f"layer {request.layer} is not served; layers are {list(store.layers)}")
+        requests.check_layer(request.layer, store.layers)
         if request.layer in self.broken_layers:
             raise errors.LayerUnavailable(f"layer {request.layer} is unavailable: {self.broken_layers[request.layer]}")
         dtype = _DTYPES.get(request.dtype)
@@ -163,9 +162,7 @@ class EngramStoreService:
             raise errors.InvalidRequest(f"row_ids holds {len(request.row_ids)} bytes, "
                                         f"not a multiple of {dtype.itemsize} ({dtype})")
         count = len(request.row_ids) // dtype.itemsize
-        if count > self.config.max_request_rows:
-            raise errors.ResourceExhausted(f"{count} rows asked; at most {self.config.max_request_rows} "
-                                           "per request (max_request_rows)")
+        requests.check_count(count, self.config.max_request_rows)
         return store, np.frombuffer(request.row_ids, dtype=dtype)
 
     async def _gather(self, store: RowStore, layer: int, ids: np.ndarray) -> np.ndarray:

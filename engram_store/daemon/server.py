@@ -75,8 +75,8 @@ class UnixServer:
         self._conns: set[Connection] = set()
         self._lock = threading.Lock()
         self._closing = False
-        self.poll_token = threading.Lock()  # held by the one connection busy-polling
-        self.expect: Callable[[int], None] = getattr(store, "expect", lambda rows: None)
+        self.poll_token = fastpath.PollToken()  # held by the one connection busy-polling, native or Python
+        self.expect: Callable[[int], None] = store.expect
         self.busy_poll_seconds = config.busy_poll_us / 1e6
         self.native = fastpath.NativePath.for_store(store, config)
         self.region_budget = limits.ByteBudget(config.max_total_client_shm_bytes, "max_total_client_shm_bytes")

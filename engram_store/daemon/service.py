@@ -35,13 +35,14 @@ from .. import errors
 from ..format.manifest import Manifest
 from ..format.tableset import TableSet
 from ..format.writer import write_file_atomic
-from ..storage.base import RowStore
+from ..storage.base import ProfiledStore, RowStore
 from ..version import __version__
 from ..wire import frames as wire
-from .config import DaemonConfig, preflight
+from .config import DaemonConfig, preflight, warmup_pending
 from .stats import DaemonStats, combined_snapshot
 
 log = logging.getLogger(__name__)
+_UNREAD = object()
 
 STOP_RESERVE_SECONDS = 0.5  # of drain_seconds, kept for closing the store after the listeners
 
@@ -59,7 +60,8 @@ def open_store(config: DaemonConfig) -> RowStore:
 
     store = TieredStore.open(config.tables, dram_bytes=config.dram_bytes, mode=config.store_mode,
                              policy=config.cache_policy, queue_depth=config.nvme_queue_depth,
-                             huge_pages=config.huge_pages, warmup=config.warmup_profile or None,
+                             huge_pages=config.huge_pages,
+                             warmup=None if not config.warmup_profile or warmup_pending(config) else config.warmup_profile,
                              scrub_bytes_per_second=config.scrub_bytes_per_second)
     for layer, ranges in store.bad_pages().items():
         log.error("layer %d: %d corrupt pages (page ranges %s) are refused; the rest is served. Engine plugins "
@@ -105,6 +107,7 @@ class Daemon:
         self.store_opener = store_opener or open_store
         self.stats = DaemonStats()
         self.store: RowStore | None = None
+        self._token_map: Any = _UNREAD  # the manifest's token-map entry, read on first Info
         self.spec: dict[str, Any] = {}
         self.pool = ThreadPoolExecutor(config.worker_count, thread_name_prefix="engram-lookup")
         self.unix = None
@@ -135,21 +138,19 @@ class Daemon:
     def bad_pages(self) -> dict[str, list[list[int]]]:
         """Pages of each layer whose crc32c failed: ``{layer: [[first_page, end_page), ...]}``.
         Their rows are refused; a reader of the resident arena in place must skip them."""
-        bad_pages = getattr(self.store, "bad_pages", None)
-        return {str(layer): ranges for layer, ranges in bad_pages().items()} if bad_pages is not None else {}
+        return {str(layer): ranges for layer, ranges in self.store.bad_pages().items()}
 
     def _token_map_info(self) -> dict[str, Any] | None:
         """The manifest's token-map entry (files, classes, checksums) and the table set's absolute directory:
         same-host clients read and check the map file there (engram_store.tokens.read_token_map)."""
-        if not hasattr(self, "_token_map"):
+        if self._token_map is _UNREAD:
             entry = Manifest.load(self.config.tables).token_map if self.config.tables else None
             self._token_map = None if entry is None else entry | {"directory": os.path.abspath(self.config.tables)}
         return self._token_map
 
     def unavailable_layers(self) -> dict[int, str]:
         """Layers of the table set the store cannot serve, with the reason."""
-        layer_errors = getattr(self.store, "layer_errors", None)
-        return dict(layer_errors()) if layer_errors is not None else {}
+        return dict(self.store.layer_errors())
 
     def stats_snapshot(self) -> dict[str, float]:
         store_stats = self.store.stats() if self.store is not None else {}
@@ -223,6 +224,16 @@ class Daemon:
         sd_notify(f"READY=1\nSTATUS=serving {ready['mode']}\nMAINPID={os.getpid()}")
         log.info("ready: %s", ready)
 
+    def _save_profile(self) -> None:
+        """Cached mode with ``save_profile``: the hottest rows, for the next start's warm-up."""
+        path = self.config.save_profile
+        if not path or self.store.mode != "cached" or not isinstance(self.store, ProfiledStore):
+            return
+        try:
+            self.store.write_profile(path)
+        except OSError as exc:  # the stop goes on: a profile only speeds up the next start
+            log.error("config key 'save_profile': cannot write %s: %s", path, exc)
+
     async def _shutdown(self) -> None:
         loop = asyncio.get_running_loop()
         drain = self.config.drain_seconds
@@ -248,6 +259,7 @@ class Daemon:
         if busy:  # a lookup may still read the store: leave it to process exit
             log.warning("%d Unix clients still busy after %.0fs; exiting without closing the store", busy, drain)
         elif self.store is not None:
+            self._save_profile()
             self.store.close()
             self.store = None
         _remove(self.config.ready_file)

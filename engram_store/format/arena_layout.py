@@ -22,7 +22,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ..errors import InvalidRequest, RowOutOfRange, UnknownLayer
+from ..errors import InvalidRequest, UnknownLayer
+from . import requests
 
 LAYOUT_VERSION = 2  # 1 was dense interleaved rows; 2 is the engines' split layout
 BLOCK_ALIGN = 2 << 20  # every weights and scales block starts on a 2 MiB (huge page) boundary
@@ -183,18 +184,13 @@ class ArenaView:
         from ..native.gather import shared_gatherer
 
         weights, scales = self.blocks(layer)
-        ids = np.asarray(row_ids).reshape(-1)
-        if ids.size and not np.issubdtype(ids.dtype, np.integer):
-            raise InvalidRequest(f"row ids must be integers, got {ids.dtype}")
-        row_bytes = weights.shape[1] + scales.shape[1]
-        if out.dtype != np.uint8 or not out.flags.c_contiguous or not out.flags.writeable or out.size != ids.size * row_bytes:
-            raise InvalidRequest(f"out must be a writable C-contiguous uint8 array of {ids.size} rows of {row_bytes} "
-                                 f"bytes, got {out.dtype} {out.shape}")
+        ids = requests.flat_row_ids(row_ids)
+        out_rows = requests.rows_buffer(out, ids.size, weights.shape[1] + scales.shape[1])
         try:
-            shared_gatherer(max(1, threads)).take_split(weights, scales, ids, out.reshape(-1, row_bytes))
-        except IndexError:
-            raise RowOutOfRange(f"layer {layer}: row ids must be in [0, {weights.shape[0]}), "
-                                f"got [{ids.min()}, {ids.max()}]") from None
+            shared_gatherer(max(1, threads)).take_split(weights, scales, ids, out_rows)
+        except IndexError:  # the gather checks every id before it copies any
+            requests.check_bounds(layer, ids, weights.shape[0])
+            raise
         return out
 
     def close(self) -> None:

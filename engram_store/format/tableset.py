@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import RowOutOfRange, TableFormatError, UnknownLayer
+from ..errors import TableFormatError, UnknownLayer
+from . import requests
 from .checksums import page_crcs
 from .layout import PAGE_BYTES
 from .manifest import Manifest, load_page_crcs
@@ -100,12 +101,8 @@ class TableSet:
     def read_rows(self, layer: int, row_ids) -> np.ndarray:
         """uint8 ``[n, row_bytes]`` for int row ids (flattened)."""
         e = self._entry(layer)
-        ids = np.asarray(row_ids).reshape(-1)
-        if ids.size and not np.issubdtype(ids.dtype, np.integer):
-            raise TypeError(f"row ids must be integers, got {ids.dtype}")
-        ids = ids.astype(np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= e.rows):
-            raise RowOutOfRange(f"layer {layer}: row ids must be in [0, {e.rows}), got [{ids.min()}, {ids.max()}]")
+        ids = requests.flat_row_ids(row_ids)
+        requests.check_bounds(layer, ids, e.rows)
         start = e.layout.byte_offset(ids)
         return self._map(layer)[start[:, None] + np.arange(e.row_bytes)]
 

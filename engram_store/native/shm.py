@@ -16,8 +16,6 @@ import os
 import socket
 import time
 
-import numpy as np
-
 from .. import errors
 from . import syscalls
 
@@ -41,20 +39,6 @@ def create_region(size: int, name: str = "engram-store-client") -> tuple[int, mm
         os.close(fd)
         raise
     return fd, region
-
-
-def map_fd(fd: int, size: int, *, writable: bool) -> mmap.mmap:
-    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    return mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
-
-
-def as_array(region: mmap.mmap, *, writable: bool = True) -> np.ndarray:
-    """The region as a flat uint8 array (no copy)."""
-    arr = np.frombuffer(region, dtype=np.uint8)
-    if not writable:
-        arr = arr.view()
-        arr.setflags(write=False)
-    return arr
 
 
 def release(region: mmap.mmap | None) -> bool:

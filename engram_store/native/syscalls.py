@@ -193,7 +193,11 @@ def seals(fd: int) -> int:
     return fcntl.fcntl(fd, F_GET_SEALS)
 
 
-def as_array(buf, nbytes: int | None = None) -> np.ndarray:
-    """uint8 view of a buffer (mmap or bytearray), no copy."""
+def as_array(buf, nbytes: int | None = None, *, writable: bool = True) -> np.ndarray:
+    """uint8 view of a buffer (mmap or bytearray), no copy; read-only when not ``writable``."""
     arr = np.frombuffer(buf, dtype=np.uint8)
-    return arr if nbytes is None else arr[:nbytes]
+    arr = arr if nbytes is None else arr[:nbytes]
+    if not writable:
+        arr = arr.view()
+        arr.setflags(write=False)
+    return arr

@@ -1,8 +1,17 @@
 """The seams of the storage engine, as Protocols whose docstrings are contracts.
 
-``RowStore`` is what the daemon serves from and what in-process users call;
-``TieredStore`` implements it. Anything with this shape (a test double, a
-remote client) can stand in for it.
+- :class:`RowStore`: what any backend serves; the daemon serves from it and
+  in-process users (``LocalClient``) call it. ``TieredStore`` and ``MemoryTables``
+  implement it; anything with this shape (a test double) can stand in for it.
+- :class:`ResidentStore`: what the daemon's native Unix fast path needs besides:
+  the arena's blocks to gather from in C, and a way to account for what it served.
+  ``TieredStore`` implements it (its views are empty in cached mode).
+- :class:`ProfiledStore`: a store that can write its hottest rows as an access
+  profile (the daemon's ``save_profile``, read back by ``warmup_profile``).
+
+The other seams of the engine sit with their implementations: the page readers
+(:class:`.readers.PageReader`, one module per backend) and the cache policies
+(:class:`.policies.EvictionPolicy`, one module per policy).
 """
 
 from __future__ import annotations
@@ -12,14 +21,15 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from ..format.arena_layout import ArenaInfo, ArenaLayer, ArenaLayout
+from .stats import LookupStats
 
-__all__ = ["ArenaInfo", "ArenaLayer", "ArenaLayout", "RowStore"]  # ArenaInfo and the layout: engram_store.format.arena_layout
+__all__ = ["ArenaInfo", "ArenaLayer", "ArenaLayout", "LookupStats", "ProfiledStore", "ResidentStore", "RowStore"]
 
 
 @runtime_checkable
 class RowStore(Protocol):
     """Serves row bytes of a table set. Thread-safe: any number of threads may call
-    ``lookup_into`` at once.
+    ``lookup_into`` at once; every method may be called from any thread.
 
     Contract of ``lookup_into(layer, row_ids, out)``:
     - ``row_ids``: integer ndarray of any shape (int64 preferred; other integer
@@ -29,29 +39,53 @@ class RowStore(Protocol):
       are allowed. Nothing else in ``out`` and nothing of the store changes
       visibly to other callers.
     - Raises ``UnknownLayer`` / ``RowOutOfRange`` / ``InvalidRequest`` (see
-      ``engram_store.errors``) before touching ``out`` for bad input, and
-      ``StorageError`` when a tier cannot read (other layers keep working).
-    - Blocks until the bytes are there (NVMe reads included).
+      ``engram_store.errors``) before touching ``out`` for bad input,
+      ``CorruptRows`` when a row sits in a page that failed its crc32c (no
+      unverified byte is ever returned) and ``StorageError`` when a tier cannot
+      read (other layers keep working).
+    - Blocks until the bytes are there (NVMe reads included). Returns what the
+      call cost (:class:`LookupStats`: rows from DRAM and NVMe, pages, seconds), or None
+      where the store keeps no per-call counters (``MemoryTables``).
     """
 
     @property
-    def layers(self) -> tuple[int, ...]: ...
+    def layers(self) -> tuple[int, ...]:
+        """The layers the table set has (servable or not: see :meth:`layer_errors`)."""
+        ...
 
     @property
     def row_bytes(self) -> int: ...
 
     @property
-    def mode(self) -> str:  # "resident" or "cached"
+    def mode(self) -> str:
+        """``"resident"`` (every row in DRAM) or ``"cached"`` (a DRAM cache over NVMe)."""
         ...
 
     def rows(self, layer: int) -> int: ...
 
-    def lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> None: ...
+    def lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> LookupStats | None: ...
 
-    def lookup(self, layer: int, row_ids: np.ndarray) -> np.ndarray: ...
+    def lookup(self, layer: int, row_ids: np.ndarray) -> np.ndarray:
+        """``lookup_into`` a new array."""
+        ...
+
+    def expect(self, rows: int) -> None:
+        """A hint, never required: a lookup of ``rows`` rows is about to come (a request
+        frame has arrived), so idle helper threads can wake while the caller parses it.
+        Returns at once; a store with nothing to wake does nothing."""
+        ...
 
     def arena(self) -> ArenaInfo | None:
         """The sealed read-only arena in resident mode, else None."""
+        ...
+
+    def layer_errors(self) -> dict[int, str]:
+        """Layers that cannot be served, with the reason (``{}`` when all can)."""
+        ...
+
+    def bad_pages(self) -> dict[int, list[list[int]]]:
+        """Pages known corrupt, ``{layer: [[first_page, end_page), ...]}``; their rows are
+        refused. A reader of the resident arena in place must skip them itself."""
         ...
 
     def stats(self) -> "dict[str, int | float]":
@@ -60,4 +94,42 @@ class RowStore(Protocol):
         cache_slots_used, arena_bytes, ..."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Wait for lookups in flight, then release files, threads and memory. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class ResidentStore(RowStore, Protocol):
+    """A :class:`RowStore` whose resident arena a caller may gather from with its own
+    native code (the daemon's Unix fast path, ``_unixfast.c``).
+
+    - ``resident_views()``: each servable layer's two blocks in the sealed arena,
+      read-only ``(weights uint8 [rows, dim], scales uint8 [rows, scale_count])``;
+      ``{}`` when there is no arena (cached mode) or after ``close``. A layer with a
+      corrupt page is left out, so that its lookups take ``lookup_into``, which
+      refuses its bad rows. The caller checks every id against ``rows(layer)`` and
+      stops using the views before ``close``.
+    - ``gather_threads``: threads one large gather may use.
+    - ``record_resident_lookup(layer, ids, seconds)``: counts a lookup the caller
+      served from the views (stats, access sampling); any thread, never blocks long.
+    """
+
+    def resident_views(self) -> dict[int, tuple[np.ndarray, np.ndarray]]: ...
+
+    @property
+    def gather_threads(self) -> int: ...
+
+    def record_resident_lookup(self, layer: int, ids: np.ndarray, seconds: float) -> None: ...
+
+
+@runtime_checkable
+class ProfiledStore(RowStore, Protocol):
+    """A :class:`RowStore` that samples its traffic and can write the hottest rows.
+
+    ``write_profile(path)`` writes int64 ``[n, 2]`` (layer, row) pairs, hottest first,
+    as a ``.npy`` file, atomically (temp file, fsync, rename: never a half-written
+    profile); returns n. Raises OSError when the file cannot be written.
+    """
+
+    def write_profile(self, path: str) -> int: ...

@@ -1,9 +1,10 @@
 """Access profiles: files of hot row ids, written from live traffic, read for warm-up.
 
 Format: a ``.npy`` file holding an int64 array of shape ``[n, 2]``, one
-``(layer, row)`` pair per line, hottest first. Written by
-:meth:`TieredStore.write_profile`, read by ``TieredStore.open(..., warmup=PATH)``
-or :meth:`TieredStore.warm_up`.
+``(layer, row)`` pair per line, hottest first. Written atomically by
+:meth:`TieredStore.write_profile` (the daemon does at stop, config ``save_profile``),
+read by ``TieredStore.open(..., warmup=PATH)`` or :meth:`TieredStore.warm_up`
+(config ``warmup_profile``).
 
 :class:`AccessSampler` keeps a bounded ring of sampled keys from live requests
 (a few rows per request, never a Python step per row).
@@ -11,13 +12,14 @@ or :meth:`TieredStore.warm_up`.
 
 from __future__ import annotations
 
+import io
 import os
 import threading
-from pathlib import Path
 
 import numpy as np
 
 from ..errors import ConfigError
+from ..format.writer import write_file_atomic
 
 SAMPLES_PER_REQUEST = 64
 DEFAULT_CAPACITY = 1 << 20  # keys kept (8 MiB)
@@ -76,11 +78,9 @@ def merge_hottest(*parts: np.ndarray) -> np.ndarray:
 
 def write_profile(path: str | os.PathLike, pairs: np.ndarray) -> int:
     """Write ``pairs`` (int64 ``[n, 2]``) atomically; returns n."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        np.save(f, np.ascontiguousarray(pairs, dtype=np.int64))
-    os.replace(tmp, path)
+    data = io.BytesIO()
+    np.save(data, np.ascontiguousarray(pairs, dtype=np.int64))
+    write_file_atomic(path, data.getvalue())
     return len(pairs)
 
 

@@ -38,7 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError, InvalidRequest, RowOutOfRange, StorageError, UnknownLayer
+from ..errors import ConfigError, StorageError
+from ..format import requests
 from ..format.arena_layout import ArenaInfo
 from ..format.checksums import implementation as checksum_implementation
 from ..format.manifest import Manifest
@@ -223,8 +224,9 @@ class TieredStore:
             # has pushed the interpreter's working set out of the CPU caches.
             try:
                 self._gather.take_split(*self._arena.blocks[lf.layer], flat, out2)
-            except IndexError:
-                raise self._out_of_range(lf, flat) from None
+            except IndexError:  # the gather checks every id before it copies any
+                requests.check_bounds(lf.layer, flat, lf.layout.rows)
+                raise
             if self._health.has_bad(lf.layer):
                 bad = self._health.bad_rows(lf.layer, flat)
                 if bad.any():
@@ -234,10 +236,7 @@ class TieredStore:
             seconds = time.perf_counter() - t0
             self._counters.add_dram(n, n * self.row_bytes, seconds)
             return LookupStats(rows=n, rows_dram=n, bytes_dram=n * self.row_bytes, seconds=seconds)
-        if n:
-            lo, hi = int(flat.min()), int(flat.max())
-            if lo < 0 or hi >= lf.layout.rows:
-                raise self._out_of_range(lf, flat)
+        requests.check_bounds(lf.layer, flat, lf.layout.rows)
         st = LookupStats(rows=n)
         try:
             if n:
@@ -333,32 +332,14 @@ class TieredStore:
         raise self._health.refuse(layer, distinct[bad], int(np.count_nonzero(bad[inverse])))
 
     def _layer(self, layer) -> LayerFile:
-        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)) or int(layer) not in self._files:
-            raise UnknownLayer(f"layer {layer!r} is not in this table set; layers are {list(self.layers)}")
-        return self._files[int(layer)]
+        return self._files[requests.check_layer(layer, self._files)]
 
     def _check_request(self, lf: LayerFile, row_ids, out) -> tuple[np.ndarray, np.ndarray]:
-        """Dtypes and shapes (not bounds); returns the flat int64 ids and ``out`` as rows."""
-        ids = row_ids if isinstance(row_ids, np.ndarray) else np.asarray(row_ids)
-        if ids.dtype.kind not in "iu":
-            raise InvalidRequest(f"row ids must be an integer array (int64 preferred), got dtype {ids.dtype}")
-        want = ids.shape + (self.row_bytes,)
-        if not isinstance(out, np.ndarray):
-            raise InvalidRequest(f"out must be a numpy uint8 array of shape {want}, got {type(out).__name__}")
-        if out.dtype != np.uint8 or out.shape != want:
-            raise InvalidRequest(f"out must be uint8 of shape {want} (row_ids.shape + (row_bytes,)), got {out.dtype} {out.shape}")
-        if not out.flags.c_contiguous or not out.flags.writeable:
-            raise InvalidRequest("out must be C-contiguous and writable; pass np.empty(shape, np.uint8) or a contiguous slice")
-        if ids.dtype.kind == "u" and ids.size and int(ids.max()) > np.iinfo(np.int64).max:
-            raise self._out_of_range(lf, ids.reshape(-1))
-        return ids.reshape(-1).astype(np.int64, copy=False), out.reshape(-1, self.row_bytes)
-
-    @staticmethod
-    def _out_of_range(lf: LayerFile, flat: np.ndarray) -> RowOutOfRange:
-        rows = lf.layout.rows
-        lo, hi = int(flat.min()), int(flat.max())
-        bad = lo if lo < 0 else hi
-        return RowOutOfRange(f"layer {lf.layer}: row id {bad} is outside [0, {rows}); ids seen span [{lo}, {hi}]")
+        """Dtypes and shapes (bounds come later, with the gather); returns the flat int64 ids
+        and ``out`` as rows."""
+        ids = requests.row_ids(row_ids)
+        out_rows = requests.rows_out(out, ids.shape, self.row_bytes)
+        return requests.flat_row_ids(ids), out_rows
 
     def arena(self) -> ArenaInfo | None:
         """The sealed read-only arena (resident mode), else None. The store owns the fd."""

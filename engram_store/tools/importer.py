@@ -167,7 +167,7 @@ def import_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, spec: Mod
     token_map = None if tokenizer is None else TokenMap.from_tokenizer(tokenizer)
     spec = checkpoint_spec(ckpt, token_map) if spec is None else spec
     layers = plan(ckpt, spec, token_map)
-    rpp = 4096 // spec.row_bytes
+    rpp = PageLayout(0, spec.row_bytes).rows_per_page  # blocks of whole pages
     block_rows = max(rpp, block_rows // rpp * rpp)
     with TableSetWriter(out, spec, source={"kind": "checkpoint", "path": str(ckpt.resolve())}, overwrite=overwrite,
                         group=group) as w, \

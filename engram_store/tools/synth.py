@@ -13,6 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
+from ..format.layout import PageLayout
 from ..format.manifest import Manifest
 from ..format.writer import Progress, TableSetWriter
 from ..spec import ModelSpec
@@ -48,7 +49,7 @@ def synth_rows(spec: ModelSpec, seed: int, layer: int, row_ids: np.ndarray) -> n
 
 
 def synth_blocks(spec: ModelSpec, seed: int, layer: int, block_rows: int) -> Iterator[np.ndarray]:
-    rpp = 4096 // spec.row_bytes
+    rpp = PageLayout(spec.rows(layer), spec.row_bytes).rows_per_page
     block_rows = max(rpp, block_rows // rpp * rpp)
     total = spec.rows(layer)
     for start in range(0, total, block_rows):

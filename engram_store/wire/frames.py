@@ -32,21 +32,45 @@ MAX_CLIENT_PAYLOAD = 4096  # clients send no payload today; anything larger is g
 MAX_DAEMON_PAYLOAD = 16 << 20  # largest JSON/message payload a client accepts
 ALIGN = 64  # ids and rows in the region start on a cache line
 
-FRAME = struct.Struct(
-    "<I"  # magic: MAGIC, identifies the protocol
-    "H"  # version: VERSION; a mismatch is answered VERSION_MISMATCH then closed
-    "H"  # op: Op
-    "H"  # status: Status (responses), 0 in requests
-    "B"  # dtype: DType of the row ids (LOOKUP), 0 otherwise
-    "B"  # flags: Flag bits (WELCOME: an arena fd follows)
-    "i"  # layer: Engram layer id (LOOKUP)
-    "Q"  # request_id: chosen by the client, echoed in the RESULT
-    "Q"  # count: row ids (LOOKUP / RESULT) or region bytes (HELLO / WELCOME)
-    "Q"  # ids_offset: byte offset of the row ids in the shared region
-    "Q"  # out_offset: byte offset where the rows go in the shared region
-    "I"  # payload_bytes: bytes following this header
-    "I"  # reserved: 0
+FRAME_FIELDS = (  # (name, struct code), in order: the one declaration of the frame header
+    ("magic", "I"),  # MAGIC, identifies the protocol
+    ("version", "H"),  # VERSION; a mismatch is answered VERSION_MISMATCH then closed
+    ("op", "H"),  # Op
+    ("status", "H"),  # Status (responses), 0 in requests
+    ("dtype", "B"),  # DType of the row ids (LOOKUP), 0 otherwise
+    ("flags", "B"),  # Flag bits (WELCOME: an arena fd follows)
+    ("layer", "i"),  # Engram layer id (LOOKUP)
+    ("request_id", "Q"),  # chosen by the client, echoed in the RESULT
+    ("count", "Q"),  # row ids (LOOKUP / RESULT) or region bytes (HELLO / WELCOME)
+    ("ids_offset", "Q"),  # byte offset of the row ids in the shared region
+    ("out_offset", "Q"),  # byte offset where the rows go in the shared region
+    ("payload_bytes", "I"),  # bytes following this header
+    ("reserved", "I"),  # 0
 )
+FRAME = struct.Struct("<" + "".join(code for _, code in FRAME_FIELDS))
+
+
+def field_layout() -> tuple[tuple[str, int, int], ...]:
+    """``(name, byte offset, byte size)`` of every header field, as :data:`FRAME` packs them."""
+    out, offset = [], 0
+    for name, code in FRAME_FIELDS:
+        size = struct.calcsize("<" + code)
+        out.append((name, offset, size))
+        offset += size
+    return tuple(out)
+
+
+def check_native_layout(native_fields, where: str) -> None:
+    """Raise ProtocolError unless ``native_fields`` (a C module's ``FRAME_FIELDS``:
+    ``((name, offset, size), ...)``) is exactly :func:`field_layout`."""
+    ours = field_layout()
+    theirs = tuple(tuple(f) for f in native_fields)
+    if theirs != ours:
+        diff = [f"{a} (Python) vs {b} (C)" for a, b in zip(ours, theirs) if a != b]
+        if len(ours) != len(theirs):
+            diff.append(f"{len(ours)} fields (Python) vs {len(theirs)} (C)")
+        raise ProtocolError(f"{where} and engram_store/wire/frames.py disagree on the frame header: "
+                            f"{'; '.join(diff)}; rebuild the native modules (pip install -e .)")
 
 
 class Op(enum.IntEnum):
