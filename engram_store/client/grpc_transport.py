@@ -200,4 +200,5 @@ def _info_dict(reply: pb.InfoReply) -> dict[str, Any]:
             "max_request_rows": reply.max_request_rows, "chunk_bytes": reply.chunk_bytes,
             "protocol_version": reply.protocol_version, "version": reply.version,
             "bad_pages": json.loads(reply.bad_pages_json) if reply.bad_pages_json else {},
-            "token_map": json.loads(reply.token_map_json) if reply.token_map_json else None}
+            "token_map": json.loads(reply.token_map_json) if reply.token_map_json else None,
+            "placement": json.loads(reply.placement_json) if reply.placement_json else {}}

@@ -109,6 +109,9 @@ class MemoryTables:
     def arena(self) -> ArenaInfo | None:
         return self._arena
 
+    def placement(self) -> dict[int, str]:
+        return {layer: "resident" for layer in self._rows_of}
+
     def expect(self, rows: int) -> None:
         pass  # one thread gathers: nothing to wake
 

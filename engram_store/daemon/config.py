@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from ..errors import ConfigError, EngramStoreError
+from ..storage.placement import format_placement, parse_placement
 from ..storage.policies import POLICIES
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,8 @@ class DaemonConfig:
     tables: str = ""  # table-set directory (required to serve)
     dram_bytes: int = 8 << 30  # DRAM tier budget; tables that fit are served resident
     verify: bool = True  # refuse to start when a layer's data or checksum file is missing or truncated
-    store_mode: str = "auto"  # "auto" (resident when the tables fit dram_bytes), "resident" or "cached"
+    store_mode: str = "auto"  # "auto" (layers resident, earliest first, while they fit dram_bytes), "resident" or "cached"
+    placement: str = ""  # per-layer "1=resident,14=cached" (TOML: a table {1 = "resident"}); the rest by store_mode
     cache_policy: str = "s3fifo"  # cached mode: DRAM cache policy ("s3fifo" or "lru")
     nvme_queue_depth: int = 64  # NVMe page reads in flight
     huge_pages: bool = True  # back the DRAM tier with huge pages where the host allows
@@ -184,6 +186,10 @@ class DaemonConfig:
                 raise bad("metrics", "is not a loopback address; set metrics_allow_remote = true to serve on it")
         if self.store_mode not in ("auto", "resident", "cached"):
             raise bad("store_mode", "must be 'auto', 'resident' or 'cached'")
+        try:
+            parse_placement(self.placement)
+        except ConfigError as exc:
+            raise bad("placement", str(exc)) from None
         if self.cache_policy not in POLICIES:
             raise bad("cache_policy", f"must be one of {', '.join(map(repr, POLICIES))}")
         if not 1 <= self.nvme_queue_depth <= MAX_NVME_QUEUE_DEPTH:
@@ -228,6 +234,8 @@ def _coerce(key: str, value: Any, source: str) -> Any:
             return parse_size(value, key)
         if key == "socket_mode":
             return int(value, 8) if isinstance(value, str) else int(value)
+        if key == "placement":  # a TOML table or "1=resident,14=cached": kept as the canonical string
+            return format_placement(parse_placement(value if isinstance(value, dict) else str(value)))
         if kind == "bool":
             if isinstance(value, bool):
                 return value
@@ -383,10 +391,9 @@ def _check_socket(config: DaemonConfig) -> None:
 def _check_tables(config: DaemonConfig) -> None:
     """The manifest (not the data) against the DRAM settings and the warm-up profile."""
     from ..format.manifest import Manifest
-    from ..storage.policies import policy_bytes_per_slot
     from ..storage.profile import read_profile
     from ..storage.resident import resident_layout
-    from ..storage.tiered import CACHE_BYTES_PER_SLOT
+    from ..storage.tiered import plan_store, slot_bytes
 
     if not config.tables:
         raise ConfigError("config key 'tables' is empty: give --tables DIR (a table-set directory)")
@@ -413,10 +420,15 @@ def _check_tables(config: DaemonConfig) -> None:
     if config.store_mode == "resident" and config.dram_bytes < dense:
         raise ConfigError(f"config key 'dram_bytes': store_mode 'resident' needs at least {dense} bytes (the dense "
                           f"table set), got {config.dram_bytes}; raise it or use store_mode 'auto' or 'cached'")
-    per_slot = manifest.spec.row_bytes + CACHE_BYTES_PER_SLOT + policy_bytes_per_slot(config.cache_policy)
+    per_slot = slot_bytes(manifest.spec.row_bytes, config.cache_policy)
     if config.dram_bytes < dense and config.dram_bytes < per_slot:
         raise ConfigError(f"config key 'dram_bytes': {config.dram_bytes} bytes hold no cache slot ({per_slot} bytes "
                           "each)")
+    try:
+        plan_store(manifest, dram_bytes=config.dram_bytes, mode=config.store_mode, policy=config.cache_policy,
+                   placement=parse_placement(config.placement))
+    except ConfigError as exc:
+        raise ConfigError(f"config key 'placement' / 'dram_bytes': {exc}") from None
     if config.warmup_profile and not warmup_pending(config):
         try:
             pairs = read_profile(config.warmup_profile)

@@ -244,7 +244,8 @@ class EngramStoreService:
             row_bytes=info["row_bytes"], mode=info["mode"], spec_json=json.dumps(info["spec"]),
             max_request_rows=self.config.max_request_rows, chunk_bytes=self.config.grpc_chunk_bytes,
             protocol_version=wire.VERSION, version=__version__, bad_pages_json=json.dumps(info.get("bad_pages") or {}),
-            token_map_json=json.dumps(info["token_map"]) if info.get("token_map") else "")
+            token_map_json=json.dumps(info["token_map"]) if info.get("token_map") else "",
+            placement_json=json.dumps(info.get("placement") or {}))
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
         try:

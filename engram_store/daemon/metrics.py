@@ -42,14 +42,21 @@ _STORE_METRICS: tuple[tuple[str, str, str, str], ...] = (
 class DaemonCollector:
     """A prometheus-client custom collector over DaemonStats and ``store_stats()``."""
 
-    def __init__(self, stats: DaemonStats, store_stats: Callable[[], dict[str, int | float]], mode: str) -> None:
+    def __init__(self, stats: DaemonStats, store_stats: Callable[[], dict[str, int | float]], mode: str,
+                 placement: dict[int, str] | None = None) -> None:
         self.stats, self.store_stats, self.mode = stats, store_stats, mode
+        self.placement = dict(placement or {})
 
     def collect(self) -> Iterator[Metric]:
         store = self.store_stats()
         info = GaugeMetricFamily("engram_store_info", "Daemon facts (value is always 1)", labels=["mode"])
         info.add_metric([self.mode], 1)
         yield info
+        layers = GaugeMetricFamily("engram_store_layer_resident", "1 for a layer served whole from the resident "
+                                   "arena, 0 for a cached one", labels=["layer"])
+        for layer, where in sorted(self.placement.items()):
+            layers.add_metric([str(layer)], int(where == "resident"))
+        yield layers
         requests = CounterMetricFamily("engram_store_requests", "Lookup requests", labels=["transport"])
         native = CounterMetricFamily("engram_store_native_requests", "Lookup requests answered by the native "
                                      "Unix path (resident mode)", labels=["transport"])

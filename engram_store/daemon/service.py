@@ -36,6 +36,7 @@ from ..format.manifest import Manifest
 from ..format.tableset import TableSet
 from ..format.writer import write_file_atomic
 from ..storage.base import ProfiledStore, RowStore
+from ..storage.placement import format_placement, parse_placement
 from ..version import __version__
 from ..wire import frames as wire
 from .config import DaemonConfig, preflight, warmup_pending
@@ -59,6 +60,7 @@ def open_store(config: DaemonConfig) -> RowStore:
     from ..storage.tiered import TieredStore  # the engine is loaded only by the daemon
 
     store = TieredStore.open(config.tables, dram_bytes=config.dram_bytes, mode=config.store_mode,
+                             placement=parse_placement(config.placement),
                              policy=config.cache_policy, queue_depth=config.nvme_queue_depth,
                              huge_pages=config.huge_pages,
                              warmup=None if not config.warmup_profile or warmup_pending(config) else config.warmup_profile,
@@ -126,6 +128,7 @@ class Daemon:
             "layers": layers, "rows": {str(layer): store.rows(layer) for layer in layers},
             "layers_unavailable": {str(layer): why for layer, why in broken.items()},
             "row_bytes": store.row_bytes, "mode": store.mode, "spec": self.spec,
+            "placement": {str(layer): where for layer, where in store.placement().items()},
             "max_request_rows": self.config.max_request_rows, "workers": self.config.worker_count,
             "unix_native": self.unix is not None and self.unix.native is not None,
             "version": __version__,
@@ -183,8 +186,8 @@ class Daemon:
         self.spec = Manifest.load(self.config.tables).spec.to_dict() if self.config.tables else {}
         store = self.store_opener(self.config)
         self.store = store
-        log.info("serving %s: layers %s, %d-byte rows, %s mode", self.config.tables, list(store.layers),
-                 store.row_bytes, store.mode)
+        log.info("serving %s: layers %s, %d-byte rows, %s mode (%s)", self.config.tables, list(store.layers),
+                 store.row_bytes, store.mode, format_placement(store.placement()))
 
     async def _listen(self) -> None:
         from .grpc_service import EngramStoreService, GrpcServer
@@ -203,7 +206,8 @@ class Daemon:
             self.grpc = GrpcServer(service, self.config)
             await self.grpc.start()
         if self.config.metrics:
-            self.metrics = MetricsServer(DaemonCollector(self.stats, store.stats, store.mode), self.config.metrics)
+            self.metrics = MetricsServer(DaemonCollector(self.stats, store.stats, store.mode, store.placement()),
+                                         self.config.metrics)
             self.metrics.start()
 
     def ready_info(self) -> dict[str, Any]:
@@ -215,6 +219,7 @@ class Daemon:
             "grpc": self.grpc.address if self.grpc else "",
             "metrics": self.metrics.address if self.metrics else "",
             "mode": self.store.mode if self.store else "",
+            "placement": {str(layer): where for layer, where in self.store.placement().items()} if self.store else {},
         }
 
     def _announce(self) -> None:
@@ -225,9 +230,9 @@ class Daemon:
         log.info("ready: %s", ready)
 
     def _save_profile(self) -> None:
-        """Cached mode with ``save_profile``: the hottest rows, for the next start's warm-up."""
+        """Cached layers and ``save_profile``: the hottest rows, for the next start's warm-up."""
         path = self.config.save_profile
-        if not path or self.store.mode != "cached" or not isinstance(self.store, ProfiledStore):
+        if not path or self.store.mode == "resident" or not isinstance(self.store, ProfiledStore):
             return
         try:
             self.store.write_profile(path)

@@ -57,7 +57,8 @@ class EngramStoreTables:
     def connect(cls, address: str, *, connect_timeout: float = 10.0) -> "EngramStoreTables":
         """Map the arena of the daemon at ``address`` (``unix:///path/to.sock``). Raises
         ``Unavailable`` when no daemon answers there and ``StorageError`` when it serves
-        cached (its rows are then not all in DRAM and cannot be read in place) or when any
+        any layer cached (its rows are then not all in DRAM and cannot be read in place:
+        ``placement`` names such layers) or when any
         page of its arena failed its checksum (those rows are zeros there: never embeddings)."""
         if not address.startswith("unix://"):
             raise ConfigError(f"engine tables need the daemon's Unix socket (unix:///path/to.sock), got {address!r}: "
@@ -67,6 +68,16 @@ class EngramStoreTables:
         transport = UnixTransport(address[len("unix://"):], HELLO_REGION_BYTES, connect_timeout)
         try:
             info = dict(transport.info_cached)
+            cached = sorted(int(layer) for layer, where in (info.get("placement") or {}).items() if where != "resident")
+            if info.get("mode") == "mixed" and cached:
+                resident = sorted(int(layer) for layer, where in info["placement"].items() if where == "resident")
+                asked = ", ".join(f'{layer} = "resident"' for layer in cached)
+                raise StorageError(
+                    f"the daemon at {address} serves Engram layer(s) {cached} cached (placement; resident: "
+                    f"{resident}): engine kernels read every Engram layer in place from the resident arena, so an "
+                    "engine cannot use a daemon that holds any layer only in a cache; give those layers DRAM "
+                    f"(placement = {{{asked}}} with enough "
+                    "dram_bytes: engram-store info DIR gives each layer's size) or serve them from another daemon")
             if info.get("mode") != "resident" or transport.arena is None:
                 raise StorageError(
                     f"the daemon at {address} serves its tables in {info.get('mode')!r} mode: engine kernels read "

@@ -58,7 +58,13 @@ class RowStore(Protocol):
 
     @property
     def mode(self) -> str:
-        """``"resident"`` (every row in DRAM) or ``"cached"`` (a DRAM cache over NVMe)."""
+        """``"resident"`` (every row in DRAM), ``"cached"`` (a DRAM cache over NVMe) or
+        ``"mixed"`` (some layers each way: see :meth:`placement`)."""
+        ...
+
+    def placement(self) -> dict[int, str]:
+        """``{layer: "resident" | "cached"}`` for every layer. The arena (:meth:`arena`)
+        holds exactly the resident ones."""
         ...
 
     def rows(self, layer: int) -> int: ...

@@ -7,11 +7,13 @@
     call = store.lookup_into(14, row_ids, out)   # LookupStats of this call
     store.stats()                                 # cumulative counters
 
-The mode follows from capacity: when ``dram_bytes`` holds every layer densely
-the store is *resident* (whole table set in a sealed memfd, see
-:meth:`arena`); otherwise it is *cached*: ``dram_bytes`` is split between a
-slot arena and its per-slot bookkeeping, and missing rows come from NVMe
-(O_DIRECT page reads) and are offered to the cache policy.
+Each layer is *resident* or *cached* (:mod:`.placement`; by default from capacity:
+every layer resident when ``dram_bytes`` holds the table set densely, else the
+earliest layers that fit, then the rest cached). Resident layers sit densely
+in one sealed memfd in the engines' layout (see :meth:`arena`); cached layers
+share a slot arena (what ``dram_bytes`` leaves, less per-slot bookkeeping), and
+their missing rows come from NVMe (O_DIRECT page reads) and are offered to the
+cache policy. :attr:`mode` is ``resident``, ``cached`` or ``mixed``.
 
 Layer files are opened one by one: a layer whose file (or page checksum
 file) is missing or truncated is reported (``StorageError`` on lookup,
@@ -35,6 +37,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 
@@ -49,6 +52,7 @@ from .integrity import PageHealth
 from .layer_file import LayerFile, open_layer
 from .nvme import DEFAULT_CHUNK_PAGES, DEFAULT_MAX_COALESCE_PAGES, NvmeTier
 from .opening import MAX_QUEUE_DEPTH, check_open_args  # noqa: F401  (MAX_QUEUE_DEPTH: config checks it)
+from .placement import CACHED, RESIDENT, cache_slots, format_placement, plan_placement
 from .policies import policy_bytes_per_slot
 from .profile import DEFAULT_CAPACITY, AccessSampler, merge_hottest, read_profile, write_profile
 from .readers import DEFAULT_QUEUE_DEPTH, open_reader
@@ -62,18 +66,37 @@ log = logging.getLogger(__name__)
 CACHE_BYTES_PER_SLOT = 8 + 4  # slot key + free-stack entry, besides the policy's own
 
 
+def slot_bytes(row_bytes: int, policy: str) -> int:
+    """DRAM one cache slot costs: the row, its key and free-stack entry, the policy's state."""
+    return row_bytes + CACHE_BYTES_PER_SLOT + policy_bytes_per_slot(policy)
+
+
+def plan_store(manifest: Manifest, *, dram_bytes: int, mode: str, policy: str,
+               placement: Mapping[int, str] | None = None) -> dict[int, str]:
+    """Each layer's placement for ``open`` (and for the daemon's config checks, before any
+    table byte is read); ConfigError when it cannot fit ``dram_bytes``."""
+    row_format = manifest.spec.row_format
+    return plan_placement({e.layer: e.rows for e in manifest.layers}, dram_bytes=dram_bytes, mode=mode,
+                          asked=dict(placement or {}),
+                          arena_bytes=lambda layer_rows: resident_layout(layer_rows, row_format).size,
+                          slot_bytes=slot_bytes(manifest.spec.row_bytes, policy))
+
+
 class TieredStore:
     """A table set served from a DRAM tier in front of an NVMe tier. Implements ``RowStore``."""
 
     def __init__(self, directory: Path, manifest: Manifest, files: dict[int, LayerFile], nvme: NvmeTier,
                  arena: ResidentArena | None, cache: RowCache | None, sampler: AccessSampler, gatherer: Gatherer,
-                 health: PageHealth | None = None) -> None:
+                 health: PageHealth | None = None, placement: Mapping[int, str] | None = None) -> None:
         self.directory = directory
         self.manifest = manifest
         self._files = files
         self._nvme = nvme
         self._arena = arena
         self._cache = cache
+        self._placement = dict(placement) if placement is not None else \
+            {layer: RESIDENT if arena is not None else CACHED for layer in files}
+        self._resident = frozenset(arena.blocks) if arena is not None else frozenset()
         self._sampler = sampler
         self._gather = gatherer
         self._counters = StoreCounters()
@@ -90,11 +113,14 @@ class TieredStore:
              queue_depth: int = DEFAULT_QUEUE_DEPTH, policy: str = "s3fifo", huge_pages: bool = True,
              gds: str = "auto", reader: str = "auto", max_coalesce_pages: int = DEFAULT_MAX_COALESCE_PAGES,
              warmup: str | os.PathLike | None = None, profile_capacity: int = DEFAULT_CAPACITY,
-             gather_threads: int | None = None, scrub_bytes_per_second: int = 0) -> "TieredStore":
+             gather_threads: int | None = None, scrub_bytes_per_second: int = 0,
+             placement: Mapping[int, str] | None = None) -> "TieredStore":
         """Open the table set in ``directory``.
 
-        ``dram_bytes``: DRAM budget of the DRAM tier. ``mode``: ``auto`` (resident when the
-        dense table set fits in ``dram_bytes``), ``resident`` or ``cached``.
+        ``dram_bytes``: DRAM budget of the DRAM tier. ``mode``: ``auto`` (layers resident,
+        earliest first, as far as ``dram_bytes`` holds them densely; the rest cached),
+        ``resident`` or ``cached`` (every layer so). ``placement``: ``{layer: "resident" |
+        "cached"}`` for the layers to place by hand (with ``mode="auto"``).
         ``queue_depth``: NVMe reads in flight. ``policy``: cache policy (``s3fifo``, ``lru``).
         ``huge_pages``: use huge pages where the host allows. ``gds``: ``auto``/``on``/``off``,
         kvikio for the resident fill. ``reader``: ``auto``/``native``/``threads``.
@@ -117,37 +143,36 @@ class TieredStore:
         nvme = NvmeTier(files, page_reader, max_coalesce_pages=max_coalesce_pages,
                         chunk_pages=min(DEFAULT_CHUNK_PAGES, max(256, table_pages // 64)))
         healthy = [lf for lf in files.values() if lf.file is not None]
-        dense = resident_layout([(lf.layer, lf.layout.rows) for lf in healthy], manifest.spec.row_format).size
         row_bytes = manifest.spec.row_bytes
-        resident = mode == "resident" or (mode == "auto" and dram_bytes >= dense)
-        if mode == "resident" and dram_bytes < dense:
-            nvme.close()
-            raise ConfigError(f"mode=resident needs dram_bytes >= {dense} (the dense table set), got {dram_bytes}")
         arena = cache = None
         bulk_name = "none"
         try:
+            plan = plan_store(manifest, dram_bytes=dram_bytes, mode=mode, policy=policy, placement=placement)
+            resident = [lf for lf in healthy if plan[lf.layer] == RESIDENT]
             if resident:
                 bulk, bulk_name = make_bulk_reader(page_reader, gds)
-                arena = ResidentArena.build(healthy, manifest.spec.row_format, bulk, huge=huge_pages, on_bad=health.mark)
-            else:
-                per_slot = row_bytes + CACHE_BYTES_PER_SLOT + policy_bytes_per_slot(policy)
-                n_slots = dram_bytes // per_slot
-                if n_slots < 1:
-                    raise ConfigError(f"dram_bytes={dram_bytes} holds no cache slot; each takes {per_slot} bytes")
-                n_slots = min(n_slots, sum(lf.layout.rows for lf in files.values()))
-                cache = RowCache({e.layer: e.rows for e in manifest.layers}, row_bytes, n_slots, policy, huge=huge_pages)
+                arena = ResidentArena.build(resident, manifest.spec.row_format, bulk, huge=huge_pages, on_bad=health.mark)
+            cached = {e.layer: e.rows for e in manifest.layers if plan[e.layer] == CACHED}
+            if cached:
+                n_slots = cache_slots(plan, {e.layer: e.rows for e in manifest.layers}, dram_bytes,
+                                      arena.nbytes if arena is not None else 0, slot_bytes(row_bytes, policy))
+                cache = RowCache(cached, row_bytes, n_slots, policy, huge=huge_pages)
         except BaseException:
+            if arena is not None:
+                arena.close()
             nvme.close()
             raise
         total_rows = sum(e.rows for e in manifest.layers)
         sampler = AccessSampler(min(profile_capacity, max(1024, total_rows // 64)))
         threads = gather_threads if gather_threads is not None else min(8, os.cpu_count() or 1)
-        store = cls(directory, manifest, files, nvme, arena, cache, sampler, Gatherer(threads), health)
+        store = cls(directory, manifest, files, nvme, arena, cache, sampler, Gatherer(threads), health, plan)
         store.bulk_reader = bulk_name
         if scrub_bytes_per_second and cache is not None:
-            store._scrub = Scrubber(healthy, page_reader, health, scrub_bytes_per_second).start()
-        log.info("opened %s: %s mode, %d layers (%d unavailable), reader %s, queue depth %d, page checks crc32c "
-                 "(%s)%s", directory, store.mode, len(files), len(files) - len(healthy), page_reader.name,
+            store._scrub = Scrubber([lf for lf in healthy if plan[lf.layer] == CACHED], page_reader, health,
+                                    scrub_bytes_per_second).start()
+        log.info("opened %s: %s mode (%s), %d layers (%d unavailable), reader %s, queue depth %d, page checks crc32c "
+                 "(%s)%s", directory, store.mode, format_placement(plan), len(files), len(files) - len(healthy),
+                 page_reader.name,
                  queue_depth, checksum_implementation(),
                  f", {health.pages} corrupt pages refused" if health.pages else "")
         if warmup is not None:
@@ -169,7 +194,13 @@ class TieredStore:
 
     @property
     def mode(self) -> str:
-        return "resident" if self._arena is not None else "cached"
+        """``resident`` (every layer), ``cached`` (every layer) or ``mixed``."""
+        kinds = set(self._placement.values())
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
+    def placement(self) -> dict[int, str]:
+        """``{layer: "resident" | "cached"}`` for every layer of the table set."""
+        return dict(self._placement)
 
     def rows(self, layer: int) -> int:
         return self._layer(layer).layout.rows
@@ -218,7 +249,7 @@ class TieredStore:
             self._counters.error()
             raise StorageError(f"layer {lf.layer} is unavailable: {lf.error}")
         n = len(flat)
-        if self._arena is not None:
+        if lf.layer in self._resident:
             # The fast path: bounds are checked by the gather itself (no extra pass over
             # the ids), and as little Python as possible runs after it, when the copy
             # has pushed the interpreter's working set out of the CPU caches.
@@ -253,9 +284,9 @@ class TieredStore:
 
     # --- for callers that gather from the arena themselves -----------------
     def resident_views(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Resident mode: each servable layer's two blocks in the sealed arena, read-only
-        ``(weights uint8 [rows, dim], scales uint8 [rows, scale_count])``; ``{}`` in cached
-        mode. For a caller that gathers with its own native code (the daemon's Unix fast
+        """Each servable resident layer's two blocks in the sealed arena, read-only
+        ``(weights uint8 [rows, dim], scales uint8 [rows, scale_count])``; ``{}`` when no
+        layer is resident. For a caller that gathers with its own native code (the daemon's Unix fast
         path): it must stop using the views before :meth:`close`, check every id against
         ``rows``, and report each lookup with :meth:`record_resident_lookup`. A layer with a
         corrupt page (see :meth:`bad_pages`) is left out: only :meth:`lookup_into` refuses
@@ -264,7 +295,7 @@ class TieredStore:
             return {}
         views = {}
         for layer, lf in self._files.items():
-            if lf.file is None:
+            if lf.file is None or layer not in self._resident:
                 continue
             if self._health.has_bad(layer):
                 log.warning("layer %d has corrupt pages: its lookups take the checked path, not the caller's "
@@ -360,6 +391,7 @@ class TieredStore:
         if self._cache is None:
             log.info("warm-up skipped: resident mode holds every row already")
             return 0
+        pairs = pairs[~np.isin(pairs[:, 0], list(self._resident))]  # resident layers hold every row already
         pairs = pairs[: self._cache.n_slots]
         loaded = 0
         t0 = time.perf_counter()
@@ -408,7 +440,9 @@ class TieredStore:
     def stats(self) -> dict[str, int | float]:
         """Cumulative counters (units in the names); see ``LookupStats`` for per-call ones."""
         d = self._counters.snapshot()
-        d["resident"] = int(self._arena is not None)
+        d["resident"] = int(self.mode == "resident")
+        d["resident_layers"] = sum(where == RESIDENT for where in self._placement.values())
+        d["cached_layers"] = sum(where == CACHED for where in self._placement.values())
         d["layers_unavailable"] = len(self.layer_errors())
         d["corrupt_pages"] = self._health.pages
         d["corrupt_rows_refused"] = self._health.rows_refused
