@@ -22,6 +22,13 @@ Checks (CUDA / without CUDA):
                 weights/scales block addresses, as the SGLang plugin       interpreter)
                 sets them: bf16 equal to dequantize(read_rows), plain and
                 sort_ids, GB/s; skipped with the reason without SGLang
+  sync          submit() of decode steps (new requests, a lookback step) / the submit path on the meta device,
+                under torch.cuda.set_sync_debug_mode("error") and behind    where every readback raises
+                a stalled stream (torch.cuda._sleep): submit must return
+                long before the stall ends (a pageable or blocking copy
+                would wait for it), every path
+  layer-timing  EngramPrefetcher.timings() device figures (rows landed   / host figures
+                vs where the model's stream asked) after those steps
   e2e           bench/e2e.py --quick overheads (b, c vs a)               / same, tiny model on CPU
   raw-ids       raw->compressed on the GPU equals numpy (real DeepSeek-V4 / same on CPU, decode
                 map), and the prefetcher's added time per decode step     batch 8
@@ -132,6 +139,81 @@ def check_prefetch(spec, ts: TableSet, clients: dict, device) -> list[dict]:
                 out.append(row(f"prefetch {name}", good, pf.path, f"{len(steps)} steps, overlapped, on {device}"))
         except Exception as exc:  # reported in the table, the other checks still run
             out.append(row(f"prefetch {name}", False, "", f"{type(exc).__name__}: {exc}"))
+    return out
+
+
+def _sync_steps(spec) -> list:
+    """A prefill of 16 requests, decode steps, one with a new request, one with lookback (the stateless form)."""
+    rng = np.random.default_rng(5)
+    ids = list(range(16))
+    steps = [Step.from_lists(ids, [rng.integers(0, spec.compressed_vocab, 8) for _ in ids])]
+    steps += [Step.decode(ids, rng.integers(0, spec.compressed_vocab, 16)) for _ in range(4)]
+    steps.append(Step.decode(ids + ["new"], rng.integers(0, spec.compressed_vocab, 17)))
+    steps.append(Step.of(ids, rng.integers(0, spec.compressed_vocab, 16), np.arange(17),
+                         lookback=rng.integers(-1, spec.compressed_vocab, (16, spec.history_len))))
+    return steps
+
+
+def _stall_seconds(cycles: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def check_sync(spec, clients: dict, device) -> list[dict]:
+    """submit() never waits for the device; and the layer timings it records (device events on CUDA)."""
+    steps = _sync_steps(spec)
+    if device.type != "cuda":
+        client = next(iter(clients.values()))[0]
+        try:
+            with EngramPrefetcher(client, device="meta", max_tokens=256, resident=False, prefetch=False) as pf:
+                for step in steps:
+                    pf.submit(step)
+            out = [row("sync", True, "meta device", f"{len(steps)} submits, no readback (tests/test_gpu_step_sync.py)")]
+        except Exception as exc:
+            out = [row("sync", False, "meta device", f"{type(exc).__name__}: {exc}")]
+        with EngramPrefetcher(client, device=device, max_tokens=256, resident=False) as pf:
+            for step in steps:
+                pf.submit(step).wait_all()
+            t = pf.timings()["layers"]
+        value = ", ".join(f"L{layer} slack {d['slack_ms']['p50']:+.3f} ms" for layer, d in t.items())
+        good = all(d["steps"] == len(steps) for d in t.values())
+        return out + [row("layer-timing", good, value, "host figures, CPU")]
+    cycles = 200_000_000
+    stall = _stall_seconds(cycles)
+    out = []
+    for name, (client, kwargs) in clients.items():
+        try:
+            with EngramPrefetcher(client, device=device, max_tokens=256, **kwargs) as pf:
+                pf.submit(steps[0]).wait_all()  # makes the hash constants (once per layer and device)
+                pf.drain()
+                torch.cuda.synchronize()
+                worst, mode = 0.0, torch.cuda.get_sync_debug_mode()
+                for step in steps[1:]:
+                    torch.cuda._sleep(cycles)  # the GPU stays busy for `stall` seconds
+                    start = time.perf_counter()
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        fut = pf.submit(step)
+                    finally:
+                        torch.cuda.set_sync_debug_mode(mode)
+                    worst = max(worst, time.perf_counter() - start)
+                    fut.wait_all()
+                pf.drain()
+                torch.cuda.synchronize()
+                out.append(row(f"sync {name}", worst < stall / 2, f"submit <= {worst * 1e3:.2f} ms",
+                               f"{pf.path}; behind {stall * 1e3:.0f} ms stalls, sync_debug_mode=error, "
+                               f"{len(steps) - 1} steps"))
+                t = pf.timings()["layers"]
+                good = all(d.get("device_steps", 0) > 0 for d in t.values())
+                value = ", ".join(f"L{layer} dev slack {d['device_slack_ms']['p50']:+.2f} ms" if "device_slack_ms" in d
+                                  else f"L{layer} no device figures" for layer, d in t.items())
+                out.append(row(f"layer-timing {name}", good, value,
+                               "host slack p50 " + ", ".join(f"{d['slack_ms']['p50']:+.2f}" for d in t.values())))
+        except Exception as exc:
+            out.append(row(f"sync {name}", False, "", f"{type(exc).__name__}: {exc}"))
     return out
 
 
@@ -339,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                        "daemon staged": (daemon, dict(resident=False)),
                        f"daemon {cold.info()['mode']}": (cold, dict())}
             rows += check_prefetch(spec, ts, clients, device)
+            rows += check_sync(spec, clients, device)
             rows += check_h2d(daemon, device)
             rows += check_gather(spec, daemon, device)
             rows += check_kvikio(ts, device)

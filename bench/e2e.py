@@ -11,6 +11,10 @@ Cases (each runs the same greedy decode / prefill and must produce bitwise the s
   c          the daemon over unix://, no prefetch: each Engram layer asks the daemon and waits
 
 Workloads: decode steps at batch 64 and 256 (one token per request, history carried), and prefill chunks.
+Per case, workload and Engram layer it also reports the prefetcher's layer-ahead timing
+(EngramPrefetcher.timings(), ms from the step's submit, p50 over the timed steps): when the layer's
+lookup left, when its rows landed, when the model asked for them (= how long the hashing and the
+layers before it ran), the slack between the two (negative: the model waited) and the wait itself.
 Cases advance one step at a time in turn (rotating order), so bursts of other load hit all alike.
 Step time is the median over all timed steps; the overhead of b, b-resident and c is the median over
 steps of (step time / case a's time at the same step) - 1, i.e. paired with a in the same run (the
@@ -143,6 +147,20 @@ def _summary(t: list[float], base: list[float]) -> dict:
             "steps_timed": len(t)}
 
 
+def _layer_timing(doc: dict) -> dict:
+    """Per Engram layer: steps, late steps, and the p50 (and p99 where the tail matters) of each figure."""
+    out = {}
+    for layer, d in doc["layers"].items():
+        row = {"steps": d["steps"], "late": d["late"]}
+        for key in ("issued_ms", "rows_ready_ms", "needed_at_ms", "slack_ms", "waited_ms",
+                    "device_ready_ms", "device_needed_ms", "device_slack_ms"):
+            if key in d:
+                row[key] = d[key]["p50"]
+        row["waited_p99_ms"] = d["waited_ms"]["p99"]
+        out[str(layer)] = row
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 2)[2],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -207,7 +225,7 @@ def measure(args: argparse.Namespace) -> dict:
                                          lambda pf, r, b=b: decode_steps(model, pf, b, args.decode_steps, r))
                          for b in batches}
             workloads["prefill"] = (len(chunks), lambda pf, r: prefill_steps(model, pf, chunks))
-            results, identical = {}, True
+            results, identical, layer_timing = {}, True, {}
             for wname, (steps, make) in workloads.items():
                 times = {n: [] for n in cases}
                 for r in range(args.rounds + 1):  # round 0 warms up and is not counted
@@ -215,7 +233,10 @@ def measure(args: argparse.Namespace) -> dict:
                     identical &= len(set(digests.values())) == 1
                     for n in cases:
                         times[n] += step_times[n] if r else []
+                        if not r:
+                            pfs[n].timings(reset=True)  # warm-up steps are not counted
                 results[wname] = {n: _summary(t, times["a"]) for n, t in times.items()}
+                layer_timing[wname] = {n: _layer_timing(pfs[n].timings(reset=True)) for n in cases}
                 results[wname]["tokens_per_step"] = (int(wname.split("-")[1]) if wname.startswith("decode")
                                                      else chunks[0].num_tokens)
             paths = {n: pf.path for n, pf in pfs.items()}
@@ -227,7 +248,7 @@ def measure(args: argparse.Namespace) -> dict:
            "daemon_cpus": sorted(daemon_cpus or []), "bench_cpus": sorted(os.sched_getaffinity(0)),
            "spec": spec.name, "model": vars(config), "daemon_mode": mode, "daemon_command": " ".join(daemon.command[1:]),
            "paths": paths, "rounds": args.rounds, "decode_steps": args.decode_steps,
-           "logits_identical": identical, "results": results}
+           "logits_identical": identical, "results": results, "layer_timing": layer_timing}
     return doc
 
 
@@ -255,6 +276,18 @@ def _print_table(doc: dict) -> None:
         line += "".join(f"{res[n]['overhead_pct']:>+16.2f}%" for n in cases if n != "a")
         print(line)
     print(f"logits identical across cases: {doc['logits_identical']}")
+    print("layer-ahead timing, ms from submit (p50): lookup issued, rows ready, needed at (hashing + the layers "
+          "before it), slack = needed - ready (< 0: the model waited), wait p50/p99, late steps")
+    print(f"{'workload':<12}{'case':<12}{'layer':>6}{'issued':>9}{'ready':>9}{'needed':>9}{'slack':>9}"
+          f"{'wait':>9}{'wait p99':>10}{'late':>11}")
+    for w, per_case in doc.get("layer_timing", {}).items():
+        for n, layers in per_case.items():
+            for layer, t in layers.items():
+                dev = (f"  device: ready {t['device_ready_ms']:.3f} needed {t['device_needed_ms']:.3f} "
+                       f"slack {t['device_slack_ms']:+.3f}") if "device_ready_ms" in t else ""
+                print(f"{w:<12}{n:<12}{layer:>6}{t['issued_ms']:>9.3f}{t['rows_ready_ms']:>9.3f}"
+                      f"{t['needed_at_ms']:>9.3f}{t['slack_ms']:>+9.3f}{t['waited_ms']:>9.3f}"
+                      f"{t['waited_p99_ms']:>10.3f}{t['late']:>6}/{t['steps']:<4}{dev}")
 
 
 if __name__ == "__main__":

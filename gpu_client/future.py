@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -12,7 +13,10 @@ if TYPE_CHECKING:
 
 
 class PrefetchFuture:
-    """The rows of one submitted step; ``wait(layer)`` blocks only until that layer is on the device."""
+    """The rows of one submitted step; ``wait(layer)`` blocks only until that layer is on the device.
+
+    The time of a layer's first ``wait`` is when the model needed its rows (see :meth:`EngramPrefetcher.timings`).
+    """
 
     def __init__(self, owner: "EngramPrefetcher", slot: int, num_tokens: int, ids: list) -> None:
         self._owner = owner
@@ -26,6 +30,13 @@ class PrefetchFuture:
         self._error: BaseException | None = None
         self._claimed = [False] * len(owner.layers)
         self._lock = threading.Lock()
+        # timing (perf_counter seconds): submit, per layer lookup issued / rows landed, first wait recorded
+        self._t0 = 0.0
+        self._issued: list = [None] * len(owner.layers)
+        self._ready_t: list = [None] * len(owner.layers)
+        self._noted = [not owner._timed] * len(owner.layers)  # True: nothing (more) to record
+        self._t0_event = None  # CUDA: timing event on the submitting stream at submit
+        self._needed: list = [None] * len(owner.layers)  # CUDA: timing events where the model waited
 
     def done(self) -> bool:
         return all(e.is_set() for e in self._ready)
@@ -34,6 +45,7 @@ class PrefetchFuture:
         """uint8 ``[num_tokens, rows_per_token, row_bytes]`` on the device (a view of buffer set ``slot``)."""
         import torch
 
+        asked = time.perf_counter()
         li = self._owner._layer_index(layer)
         if not self._ready[li].is_set() and self._claim(li):  # lazy (no prefetch) or not yet started
             self._owner._fetch(self, li)
@@ -41,7 +53,14 @@ class PrefetchFuture:
         if self._error is not None:
             raise self._error
         if self._copied[li] is not None:
-            torch.cuda.current_stream(self._owner.device).wait_event(self._copied[li])
+            stream = torch.cuda.current_stream(self._owner.device)
+            if not self._noted[li]:  # where the model's stream reaches this layer (before it waits)
+                self._needed[li] = torch.cuda.Event(enable_timing=True)
+                self._needed[li].record(stream)
+            stream.wait_event(self._copied[li])
+        if not self._noted[li]:
+            self._noted[li] = True
+            self._owner._note_wait(self, li, asked, time.perf_counter())
         return self._owner.buffer(self.slot, layer)[: self.num_tokens]
 
     def wait_all(self) -> None:

@@ -9,11 +9,14 @@ can be fetched while the layers before them compute::
     rows = fut.wait(layer)     # uint8 [T, rows_per_token, row_bytes] on the device
 
 ``submit`` hashes on the device (keeping each request's last tokens as history
-so a decode step hashes like prefill), then a background thread fetches every
-layer in layer order. Token ids are compressed, or with ``raw_ids=True`` the
-engine's raw ids, mapped on the device through the table set's token map under
-the image rule (``block_images``, vLLM's behaviour by default). A request that
-does not simply go on says so: ``start(request, position, lookback)`` after a
+so a decode step hashes like prefill) without waiting for it: the step's inputs
+go up in one copy from a reused pinned buffer (:mod:`gpu_client.staging`), and
+nothing is read back. Then every layer's lookup starts at once: sent to the
+daemon from ``submit`` itself, or by one background thread per Engram layer.
+Token ids are compressed, or with ``raw_ids=True`` the engine's raw ids, mapped
+on the device through the table set's token map under the image rule
+(``block_images``, vLLM's behaviour by default). A request that does not simply
+go on says so: ``start(request, position, lookback)`` after a
 prefix-cache hit or a preemption, ``rollback(request, n)`` for rejected drafts,
 ``advance(request, tokens)`` for tokens that were not submitted; or a ``Step``
 carries each request's ``lookback`` (the stateless form engines use). ``path`` says how (and ``info()`` reports it):
@@ -32,6 +35,10 @@ valid until ``depth`` further steps are submitted; on CUDA, work enqueued on the
 current stream before a ``submit`` is complete before that submit's copies
 overwrite a buffer. CUDA-graph users capture one graph per buffer set over
 :meth:`EngramPrefetcher.buffer` and read the row count from :meth:`token_count`.
+
+Timing (:meth:`EngramPrefetcher.timings`, :mod:`gpu_client.timing`): per layer, when its
+lookup left and its rows landed against when the model asked for them (the ``wait`` call),
+the slack between the two and how long ``wait`` blocked; rolling p50/p99 over recent steps.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Hashable, Sequence
 
 import numpy as np
@@ -56,7 +64,9 @@ from engram_store.spec import ModelSpec
 from engram_store.tokens import TokenMap, raw_ids_for
 from gpu_client.future import PrefetchFuture
 from gpu_client.resident import ArenaGather, readonly_tensor, register_host_memory, unregister_host_memory
+from gpu_client.staging import HostStaging
 from gpu_client.step import RequestHistory, Step
+from gpu_client.timing import LayerTimings
 
 if TYPE_CHECKING:
     import torch
@@ -76,13 +86,14 @@ class EngramPrefetcher:
     match the one Info names. ``block_images``: the image placeholder (and SGLang's
     multimodal pad ids >= 1,000,000) breaks the n-gram (vLLM: always; SGLang: when the
     model has a vision tower). ``max_rollback``: how many tokens :meth:`rollback` can
-    take back. Not thread-safe: one engine thread submits and waits.
+    take back. ``timing``: record per-layer timings (:meth:`timings`) over the last
+    ``timing_window`` steps. Not thread-safe: one engine thread submits and waits.
     """
 
     def __init__(self, client: Any, device: "str | torch.device" = "cpu", *, max_tokens: int = 8192,
                  depth: int = 2, prefetch: bool = True, resident: bool | None = None, validate: bool = True,
                  raw_ids: bool = False, token_map: "TokenMap | str | None" = None, block_images: bool = True,
-                 max_rollback: int = 16) -> None:
+                 max_rollback: int = 16, timing: bool = True, timing_window: int = 1024) -> None:
         import torch
 
         info = client.info()
@@ -100,7 +111,11 @@ class EngramPrefetcher:
         self.prefetch = prefetch
         self.validate = validate
         self._cuda = self.device.type == "cuda"
-        self._history = RequestHistory(self.spec, self.device, max_rollback=max_rollback)
+        self._inputs = HostStaging(self.device, capacity=4 * max_tokens + 1024)  # step inputs, one H2D copy per step
+        self._history = RequestHistory(self.spec, self.device, max_rollback=max_rollback, staging=self._inputs)
+        self._timed = timing
+        self._timing = LayerTimings(self.layers, timing_window)
+        self._device_timed: collections.deque[PrefetchFuture] = collections.deque(maxlen=64)
         self.raw = raw_ids_for(self.spec, info, token_map, block_images) if raw_ids else None
         self._raw_table = None if self.raw is None else self.raw.device_table(self.device)
         self._arena = ArenaGather.for_client(client, self.spec, self.device) if resident in (None, True) else None
@@ -132,9 +147,13 @@ class EngramPrefetcher:
         self._pending: collections.deque[PrefetchFuture] = collections.deque()
         self._waited: set[int] = set()
         self._submitted = 0
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._worker = threading.Thread(target=self._run, name="engram-prefetch", daemon=True)
-        self._worker.start()
+        self._region_lock = threading.Lock()  # _use_region (re)registers the shared region
+        # one fetch thread per Engram layer, so every layer's lookup is in flight at once
+        self._jobs: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in self.layers]
+        self._workers = [threading.Thread(target=self._run, args=(li,), name=f"engram-prefetch-{layer}", daemon=True)
+                         for li, layer in enumerate(self.layers)]
+        for worker in self._workers:
+            worker.start()
         log.info("prefetcher for %s on %s: path %s, depth %d, %d tokens", self.spec.name, self.device, self.path,
                  depth, max_tokens)
 
@@ -143,6 +162,7 @@ class EngramPrefetcher:
         """Hash ``step`` and start fetching its rows for every Engram layer; returns at once."""
         import torch
 
+        t0 = time.perf_counter()
         T = step.num_tokens
         if T > self.max_tokens:
             raise ResourceExhausted(f"step has {T} tokens, the prefetcher holds {self.max_tokens}; "
@@ -157,10 +177,18 @@ class EngramPrefetcher:
                 self._waited = set()
             if previous in self._pending:
                 self._pending.remove(previous)
-        idx = self._history.slots(step.request_ids)
-        tokens = self._compressed(torch.from_numpy(step.tokens).to(self.device, non_blocking=True))
-        cu = torch.from_numpy(step.cu_seqlens).to(self.device, non_blocking=True)
-        hist = self._history.get(idx) if step.lookback is None else self._lookback_rows(step.lookback)
+            if self._timed and self._cuda:
+                self._device_timed.append(previous)
+        if self._device_timed:
+            self._fold_device()
+        # every input of the step in one copy from pinned memory (a pageable one would wait for the GPU)
+        slots, fresh = self._history.assign(step.request_ids)
+        extra = () if step.lookback is None else (step.lookback,)
+        tokens, cu, idx, fresh_dev, *lookback = self._inputs.put(step.tokens, step.cu_seqlens, slots, fresh, *extra)
+        if fresh.size:
+            self._history.reset(fresh_dev)
+        tokens = self._compressed(tokens)
+        hist = self._history.get(idx) if step.lookback is None else self._lookback_rows(lookback[0])
         tok = suffix_tokens_torch(self.spec, tokens, cu, hist, validate=False)
         ids = [hash_suffix_torch(self.spec, layer, tok).reshape(-1) for layer in self.layers]
         self._history.put(idx, next_history_torch(self.spec, tokens, cu, hist, validate=False))
@@ -168,8 +196,9 @@ class EngramPrefetcher:
         self._history.drop(step.finished)
         self._counts[slot].fill_(T)
         fut = PrefetchFuture(self, slot, T, ids)
+        fut._t0 = t0
         if self._cuda:
-            self._consumed[slot] = torch.cuda.Event()
+            self._consumed[slot] = fut._t0_event = torch.cuda.Event(enable_timing=self._timed)
             self._consumed[slot].record(torch.cuda.current_stream(self.device))
             if self._arena is None:  # ids go to the host for the lookups
                 host = self._host_ids[slot]
@@ -187,7 +216,8 @@ class EngramPrefetcher:
         if self.prefetch and self._async and T * self.spec.rows_per_token <= self._async_rows:
             self._submit_lookups(fut)  # the daemon gathers while we compute; no thread of ours involved
         elif self.prefetch:
-            self._jobs.put(fut)
+            for jobs in self._jobs:
+                jobs.put(fut)
         return fut
 
     def wait(self, layer: int) -> "torch.Tensor":
@@ -222,24 +252,21 @@ class EngramPrefetcher:
         """(Re)start ``request`` at ``position``: its next submitted token sits there (a prefix-cache hit,
         a resumed request). ``lookback``: the ids at ``position - 1, position - 2, ...`` (newest first,
         raw or compressed like the steps, -1 none); positions before 0 hash as pad whatever is given."""
-        import torch
-
         lb = np.ascontiguousarray(np.asarray(lookback, dtype=np.int64).reshape(1, -1))
         if self.validate:
             self._check(np.zeros(0, dtype=np.int64), lb)
-        hist = history_from_lookback_torch(self.spec, torch.from_numpy(lb).to(self.device), self.raw, self._raw_table)
+        (lb_dev,) = self._inputs.put(lb)
+        hist = history_from_lookback_torch(self.spec, lb_dev, self.raw, self._raw_table)
         self._history.start(request, position, hist[0])
 
     def advance(self, request: Hashable, tokens: Sequence[int]) -> None:
         """Append ``tokens`` to ``request``'s history without hashing them (they were not submitted)."""
-        import torch
-
         arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if self.validate:
             self._check(arr, None)
+        t, cu = self._inputs.put(arr, np.array([0, arr.size], dtype=np.int64))
+        t = self._compressed(t)
         idx = self._history.slots([request])
-        t = self._compressed(torch.from_numpy(arr).to(self.device))
-        cu = torch.tensor([0, arr.size], dtype=torch.int64, device=self.device)
         self._history.put(idx, next_history_torch(self.spec, t, cu, self._history.get(idx), validate=False))
         self._history.moved([request], np.array([arr.size]))
 
@@ -251,18 +278,36 @@ class EngramPrefetcher:
     def active_requests(self) -> int:
         return len(self._history)
 
+    def timings(self, reset: bool = False) -> dict[str, Any]:
+        """Per-layer timing over the last ``timing_window`` steps (see :mod:`gpu_client.timing`):
+        ``{"window", "layers": {layer: {"steps", "late", "issued_ms", "rows_ready_ms", "needed_at_ms",
+        "slack_ms", "waited_ms"[, "device_*"]}}}``, each figure ``{"mean", "p50", "p99"}`` in ms from
+        the step's submit. A layer counts once per step, at its first wait. On CUDA the device figures
+        cover steps whose buffer set has been reused and whose events have completed (never synced).
+        ``reset``: start afresh after reading (e.g. after a warm-up)."""
+        if self._device_timed:
+            self._fold_device()
+        doc = self._timing.summary()
+        if reset:
+            self._timing.reset()
+            self._device_timed.clear()
+        return doc
+
     def info(self) -> dict[str, Any]:
         lookups = ("on-wait" if not self.prefetch else "async-submit" if self._async else
-                   "gpu-stream" if self._arena is not None and self._cuda else "thread")
+                   "gpu-stream" if self._arena is not None and self._cuda else "thread-per-layer")
         return {"path": self.path, "lookups": lookups, "device": str(self.device), "prefetch": self.prefetch,
                 "depth": self.depth,
                 "max_tokens": self.max_tokens, "layers": list(self.layers), "rows_per_token": self.spec.rows_per_token,
                 "row_bytes": self.spec.row_bytes, "spec": self.spec.name, "active_requests": len(self._history)}
 
     def close(self) -> None:
-        if self._worker.is_alive():
-            self._jobs.put(None)
-            self._worker.join()
+        for jobs, worker in zip(self._jobs, self._workers):
+            if worker.is_alive():
+                jobs.put(None)
+        for worker in self._workers:
+            if worker.is_alive():
+                worker.join()
         for fut in self._pending:  # unblock anyone still waiting
             if fut._error is None and not fut.done():
                 fut._error = EngramStoreError("prefetcher closed")
@@ -297,14 +342,34 @@ class EngramPrefetcher:
     def _compressed(self, tokens: "torch.Tensor") -> "torch.Tensor":
         return tokens if self.raw is None else self.raw.compress_torch(self._raw_table, tokens)
 
-    def _lookback_rows(self, lookback: np.ndarray) -> "torch.Tensor":
-        """History rows (the table's width) from a step's lookback."""
+    def _lookback_rows(self, lookback: "torch.Tensor") -> "torch.Tensor":
+        """History rows (the table's width) from a step's lookback (already on the device)."""
         import torch
 
-        hist = history_from_lookback_torch(self.spec, torch.from_numpy(lookback).to(self.device, non_blocking=True),
-                                           self.raw, self._raw_table)
+        hist = history_from_lookback_torch(self.spec, lookback, self.raw, self._raw_table)
         pad = self._history.width - hist.shape[1]
         return torch.nn.functional.pad(hist, (pad, 0), value=self.spec.pad_id) if pad else hist
+
+    def _note_wait(self, fut: PrefetchFuture, li: int, asked: float, returned: float) -> None:
+        """Host timing of ``fut``'s layer ``li`` at its first wait (called by :meth:`PrefetchFuture.wait`)."""
+        t0 = fut._t0
+        self._timing.record(li, (fut._issued[li] - t0) * 1e3, (fut._ready_t[li] - t0) * 1e3, (asked - t0) * 1e3,
+                            (returned - asked) * 1e3)
+
+    def _fold_device(self) -> None:
+        """Device timing of finished steps, oldest first, as far as their events have completed (a
+        non-blocking ``query``: this never waits for the GPU)."""
+        while self._device_timed:
+            fut = self._device_timed[0]
+            events = [fut._t0_event, *(e for e in fut._copied if e is not None),
+                      *(e for e in fut._needed if e is not None)]
+            if not all(e.query() for e in events):
+                return
+            self._device_timed.popleft()
+            for li, (ready, needed) in enumerate(zip(fut._copied, fut._needed)):
+                if ready is not None and needed is not None:
+                    self._timing.record_device(li, fut._t0_event.elapsed_time(ready),
+                                               fut._t0_event.elapsed_time(needed))
 
     def _layer_index(self, layer: int) -> int:
         try:
@@ -370,27 +435,21 @@ class EngramPrefetcher:
     def _submit_lookups(self, fut: PrefetchFuture) -> None:
         try:
             for li, layer in enumerate(self.layers):
+                fut._issued[li] = time.perf_counter()
                 fut._handles[li] = self.client.submit(layer, fut._ids[li].numpy())
         except EngramStoreError as exc:  # the waiter sees it; lookups already sent are collected and freed
             fut._error = exc
 
-    def _run(self) -> None:
-        while (fut := self._jobs.get()) is not None:
-            if self._use_region(fut.num_tokens * self.spec.rows_per_token):
-                fut._ids_ready.synchronize()
-                try:
-                    for li, layer in enumerate(self.layers):  # every layer's lookup in flight at once
-                        with fut._lock:
-                            if not fut._claimed[li]:
-                                fut._handles[li] = self.client.submit(layer, fut._ids[li].numpy())
-                except EngramStoreError as exc:  # the per-layer fetch retries and reports it
-                    log.debug("early submit failed: %s", exc)
-            for li in range(len(self.layers)):  # layer order: the first Engram layer is ready first
-                if fut._claim(li):
-                    self._fetch(fut, li)
+    def _run(self, li: int) -> None:
+        """Fetch thread of layer index ``li``: each submitted step's rows of that layer, as they come."""
+        while (fut := self._jobs[li].get()) is not None:
+            if fut._claim(li):
+                self._fetch(fut, li)
 
     def _fetch(self, fut: PrefetchFuture, li: int) -> None:
         """Bring layer ``li`` of ``fut`` into its device buffer; sets the layer's ready event whatever happens."""
+        if fut._issued[li] is None:
+            fut._issued[li] = time.perf_counter()
         try:
             if fut._error is None:
                 self._fetch_layer(fut, li)
@@ -402,6 +461,7 @@ class EngramPrefetcher:
             fut._error = StorageError(f"prefetch of layer {self.layers[li]} failed: {exc!r}")
             fut._error.__cause__ = exc
         finally:
+            fut._ready_t[li] = time.perf_counter()
             fut._ready[li].set()
 
     def _fetch_layer(self, fut: PrefetchFuture, li: int) -> None:
@@ -417,15 +477,17 @@ class EngramPrefetcher:
                 with torch.cuda.stream(self._stream):
                     self._stream.wait_event(self._consumed[fut.slot])
                     self._arena.gather_into(layer, fut._ids[li], dev.view(T * R, rb))
-                    fut._copied[li] = torch.cuda.Event()
+                    fut._copied[li] = torch.cuda.Event(enable_timing=self._timed)
                     fut._copied[li].record(self._stream)
             else:
                 self._arena.gather_into(layer, fut._ids[li], dev.view(T * R, rb))
             return
         handle = fut._handles[li]
         if self._cuda:
-            fut._ids_ready.synchronize()
-            if handle is None and self._use_region(T * R):
+            fut._ids_ready.synchronize()  # this layer's thread waits for the ids, the engine thread does not
+            with self._region_lock:
+                use_region = handle is None and self._use_region(T * R)
+            if use_region:
                 handle = self.client.submit(layer, fut._ids[li].numpy())
         if handle is not None:  # rows sit in the client's shared region
             try:
@@ -441,14 +503,14 @@ class EngramPrefetcher:
                     with torch.cuda.stream(self._stream):
                         self._stream.wait_event(self._consumed[fut.slot])
                         dev.copy_(staging, non_blocking=True)
-                        fut._copied[li] = torch.cuda.Event()
+                        fut._copied[li] = torch.cuda.Event(enable_timing=self._timed)
                         fut._copied[li].record(self._stream)
                     fut._copied[li].synchronize()
                     return
                 with torch.cuda.stream(self._stream):
                     self._stream.wait_event(self._consumed[fut.slot])
                     dev.copy_(readonly_tensor(rows).view(T, R, rb), non_blocking=True)
-                    fut._copied[li] = torch.cuda.Event()
+                    fut._copied[li] = torch.cuda.Event(enable_timing=self._timed)
                     fut._copied[li].record(self._stream)
                 fut._copied[li].synchronize()  # the region extent is reused once released
             finally:
@@ -463,6 +525,6 @@ class EngramPrefetcher:
             with torch.cuda.stream(self._stream):
                 self._stream.wait_event(self._consumed[fut.slot])
                 dev.copy_(staging, non_blocking=True)
-                fut._copied[li] = self._last_copy[fut.slot][li] = torch.cuda.Event()
+                fut._copied[li] = self._last_copy[fut.slot][li] = torch.cuda.Event(enable_timing=self._timed)
                 fut._copied[li].record(self._stream)
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from engram_store.errors import InvalidRequest
 from engram_store.spec import ModelSpec
+from gpu_client.staging import HostStaging
 
 if TYPE_CHECKING:
     import torch
@@ -87,7 +88,8 @@ class RequestHistory:
     none per token.
     """
 
-    def __init__(self, spec: ModelSpec, device: "torch.device", capacity: int = 64, max_rollback: int = 16) -> None:
+    def __init__(self, spec: ModelSpec, device: "torch.device", capacity: int = 64, max_rollback: int = 16,
+                 staging: "HostStaging | None" = None) -> None:
         import torch
 
         if max_rollback < 0:
@@ -95,6 +97,7 @@ class RequestHistory:
         self._spec = spec
         self.width = spec.history_len + max_rollback
         self._table = torch.full((capacity, self.width), spec.pad_id, dtype=torch.int64, device=device)
+        self._staging = staging if staging is not None else HostStaging(device)  # slots go to the device from here
         self._slots: dict[Hashable, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
         self._pos: dict[Hashable, int] = {}  # position of the request's next token
@@ -103,10 +106,9 @@ class RequestHistory:
     def __len__(self) -> int:
         return len(self._slots)
 
-    def slots(self, request_ids: Sequence[Hashable]) -> "torch.Tensor":
-        """Slot of each request (new requests get a fresh slot holding pad ids)."""
-        import torch
-
+    def assign(self, request_ids: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray]:
+        """Host side of :meth:`slots`: (slot of each request, the fresh slots among them), int64 arrays.
+        The fresh slots must be :meth:`reset` on the device before the table is read."""
         fresh = []
         slots = []
         for rid in request_ids:  # bookkeeping per request, not per token
@@ -118,9 +120,20 @@ class RequestHistory:
                 self._pos[rid], self._held[rid] = 0, 0
                 fresh.append(slot)
             slots.append(slot)
-        idx = torch.tensor(slots, dtype=torch.int64).to(self._table.device, non_blocking=True)
-        if fresh:
-            self._table[torch.tensor(fresh, dtype=torch.int64).to(self._table.device)] = self._spec.pad_id
+        return np.array(slots, dtype=np.int64), np.array(fresh, dtype=np.int64)
+
+    def reset(self, fresh: "torch.Tensor") -> None:
+        """Fill the rows of ``fresh`` (device int64 slots) with pad ids. ``index_fill_`` takes the pad id
+        as a kernel argument; ``table[idx] = pad`` would copy a host scalar to the device and wait."""
+        self._table.index_fill_(0, fresh, self._spec.pad_id)
+
+    def slots(self, request_ids: Sequence[Hashable]) -> "torch.Tensor":
+        """Slot of each request on the device (new requests get a fresh slot holding pad ids); the slots
+        travel through the pinned staging ring, so this never waits for the device."""
+        slots, fresh = self.assign(request_ids)
+        idx, fresh_dev = self._staging.put(slots, fresh)
+        if fresh.size:  # a host-side count: no branch on a device value
+            self.reset(fresh_dev)
         return idx
 
     def _grow(self) -> None:
