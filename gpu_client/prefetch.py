@@ -27,7 +27,10 @@ carries each request's ``lookback`` (the stateless form engines use). ``path`` s
   registered with ``cudaHostRegister``, and are DMA'd from there on a side stream;
 * ``staged-pinned`` (CUDA): lookups into pinned staging buffers, then H2D
   (gRPC clients, or a region the driver refused to register);
-* ``staged`` (CPU): lookups straight into the output buffers.
+* ``staged`` (CPU): lookups straight into the output buffers;
+* ``<resident path>+<staged path>``: a daemon with per-layer placement: its resident
+  layers are gathered from the mapped arena, its cached ones looked up
+  (``info()["placement"]`` says which layer goes which way).
 
 Buffers: ``depth`` (default 2) sets of fixed-capacity buffers, used in turn, so
 step k+1's fetch overlaps step k's compute. The rows returned for a step stay
@@ -122,13 +125,16 @@ class EngramPrefetcher:
         if resident and self._arena is None:
             raise StorageError("resident=True but the client offers no usable arena (is the daemon resident?)")
         self._region_ptr = None  # staged-shm: the client's shared region, registered for DMA
-        self.path = self._arena.path if self._arena is not None else self._staged_path(client)
+        # a daemon with per-layer placement: resident layers are gathered from the arena, the others looked up
+        self._resident_layers = self._arena.layers if self._arena is not None else frozenset()
+        self._lookup_li = [li for li, layer in enumerate(self.layers) if layer not in self._resident_layers]
+        self._lookup_path = self._staged_path(client) if self._lookup_li else "none"
         # CPU + a client with submit() (EngramClient over unix://): lookups go out from submit() itself and
         # are collected in wait(); the daemon is the background worker, so no thread of ours competes
         # with the model for the GIL. Up to `depth` steps are outstanding, so each gets a share of the region.
-        region = getattr(client, "shared_region", None) if self.path == "staged" else None
+        region = getattr(client, "shared_region", None) if self._lookup_path == "staged" else None
         self._async = region is not None and hasattr(client, "submit")
-        share = region.nbytes // (depth + 1) // len(self.layers) - 2 * 4096 if self._async else 0
+        share = region.nbytes // (depth + 1) // len(self._lookup_li) - 2 * 4096 if self._async else 0
         self._async_rows = max(share, 0) // (8 + self.spec.row_bytes)
         R, rb, L = self.spec.rows_per_token, self.spec.row_bytes, len(self.layers)
         shape = (depth, L, max_tokens, R, rb)
@@ -140,7 +146,7 @@ class EngramPrefetcher:
             self._stream = torch.cuda.Stream(self.device)
             self._consumed: list = [None] * depth
             self._last_copy: list = [[None] * L for _ in range(depth)]  # H2D copies still reading staging
-            if self._arena is None:  # pinned staging also backs staged-shm for lookups too big for the region
+            if self._lookup_li:  # pinned staging also backs staged-shm for lookups too big for the region
                 self._staging = torch.empty(shape, dtype=torch.uint8).pin_memory()
                 self._host_ids = torch.empty((depth, L, max_tokens * R), dtype=torch.int64).pin_memory()
         self._inflight: list[PrefetchFuture | None] = [None] * depth
@@ -200,24 +206,27 @@ class EngramPrefetcher:
         if self._cuda:
             self._consumed[slot] = fut._t0_event = torch.cuda.Event(enable_timing=self._timed)
             self._consumed[slot].record(torch.cuda.current_stream(self.device))
-            if self._arena is None:  # ids go to the host for the lookups
+            if self._lookup_li:  # the looked-up layers' ids go to the host
                 host = self._host_ids[slot]
-                for li, layer_ids in enumerate(ids):
-                    host[li, : layer_ids.numel()].copy_(layer_ids, non_blocking=True)
-                fut._ids = [host[li, : T * self.spec.rows_per_token] for li in range(len(self.layers))]
+                for li in self._lookup_li:
+                    host[li, : ids[li].numel()].copy_(ids[li], non_blocking=True)
+                fut._ids = [host[li, : T * self.spec.rows_per_token] if li in self._lookup_li else ids[li]
+                            for li in range(len(self.layers))]
                 fut._ids_ready = torch.cuda.Event()
                 fut._ids_ready.record(torch.cuda.current_stream(self.device))
-            else:
-                for layer_ids in ids:
-                    layer_ids.record_stream(self._stream)
+            for li, layer in enumerate(self.layers):
+                if layer in self._resident_layers:  # gathered on the side stream from the device ids
+                    ids[li].record_stream(self._stream)
         self._inflight[slot] = fut
         self._pending.append(fut)
         self._submitted += 1
-        if self.prefetch and self._async and T * self.spec.rows_per_token <= self._async_rows:
-            self._submit_lookups(fut)  # the daemon gathers while we compute; no thread of ours involved
-        elif self.prefetch:
-            for jobs in self._jobs:
-                jobs.put(fut)
+        if self.prefetch:
+            sent = self._async and T * self.spec.rows_per_token <= self._async_rows
+            if sent:
+                self._submit_lookups(fut)  # the daemon gathers while we compute; no thread of ours involved
+            for li, jobs in enumerate(self._jobs):
+                if not (sent and li in self._lookup_li):
+                    jobs.put(fut)
         return fut
 
     def wait(self, layer: int) -> "torch.Tensor":
@@ -295,8 +304,9 @@ class EngramPrefetcher:
 
     def info(self) -> dict[str, Any]:
         lookups = ("on-wait" if not self.prefetch else "async-submit" if self._async else
-                   "gpu-stream" if self._arena is not None and self._cuda else "thread-per-layer")
-        return {"path": self.path, "lookups": lookups, "device": str(self.device), "prefetch": self.prefetch,
+                   "gpu-stream" if not self._lookup_li and self._cuda else "thread-per-layer")
+        return {"path": self.path, "lookups": lookups,
+                "placement": {layer: "resident" if layer in self._resident_layers else "lookup" for layer in self.layers}, "device": str(self.device), "prefetch": self.prefetch,
                 "depth": self.depth,
                 "max_tokens": self.max_tokens, "layers": list(self.layers), "rows_per_token": self.spec.rows_per_token,
                 "row_bytes": self.spec.row_bytes, "spec": self.spec.name, "active_requests": len(self._history)}
@@ -378,6 +388,14 @@ class EngramPrefetcher:
             raise InvalidRequest(f"layer {layer} is not an Engram layer of {self.spec.name!r}; "
                                  f"layers are {list(self.layers)}") from None
 
+    @property
+    def path(self) -> str:
+        """How rows arrive: the arena's path (every layer resident), the lookup path (none), or
+        ``"<arena path>+<lookup path>"`` when the daemon holds some layers resident and others cached."""
+        if not self._lookup_li:
+            return self._arena.path
+        return self._lookup_path if self._arena is None else f"{self._arena.path}+{self._lookup_path}"
+
     def _staged_path(self, client: Any) -> str:
         """staged (CPU), staged-shm (rows DMA'd from the client's registered shared region) or staged-pinned."""
         if not self._cuda:
@@ -407,7 +425,7 @@ class EngramPrefetcher:
         if self._owns_region:
             unregister_host_memory(self._region_ptr)
         self._region_ptr = None
-        self.path = "staged-pinned"  # until _use_region registers the new connection's region
+        self._lookup_path = "staged-pinned"  # until _use_region registers the new connection's region
 
     def _use_region(self, rows: int) -> bool:
         """Whether a lookup of ``rows`` rows goes through the registered shared region (it fits, same
@@ -419,8 +437,8 @@ class EngramPrefetcher:
             if self._region_ptr is not None and self._owns_region:  # a client without the hook's call
                 unregister_host_memory(self._region_ptr)
             self._region_ptr = None
-            self.path = self._staged_path(self.client)
-            if self.path != "staged-shm":
+            self._lookup_path = self._staged_path(self.client)
+            if self._lookup_path != "staged-shm":
                 self._region_ptr = None
                 return False
         return rows * (8 + self.spec.row_bytes) <= self._region_bytes // 4
@@ -434,9 +452,9 @@ class EngramPrefetcher:
 
     def _submit_lookups(self, fut: PrefetchFuture) -> None:
         try:
-            for li, layer in enumerate(self.layers):
+            for li in self._lookup_li:
                 fut._issued[li] = time.perf_counter()
-                fut._handles[li] = self.client.submit(layer, fut._ids[li].numpy())
+                fut._handles[li] = self.client.submit(self.layers[li], fut._ids[li].numpy())
         except EngramStoreError as exc:  # the waiter sees it; lookups already sent are collected and freed
             fut._error = exc
 
@@ -472,7 +490,7 @@ class EngramPrefetcher:
             return
         layer = self.layers[li]
         dev = self._device_buf[fut.slot, li, :T]
-        if self._arena is not None:
+        if layer in self._resident_layers:
             if self._cuda:
                 with torch.cuda.stream(self._stream):
                     self._stream.wait_event(self._consumed[fut.slot])

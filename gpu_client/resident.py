@@ -155,6 +155,9 @@ def client_arena(client: Any) -> ArenaView | None:
 class ArenaGather:
     """Gathers rows of the resident arena on ``device`` without asking the daemon.
 
+    ``layers``: the Engram layers the arena holds (all of them, or a daemon's resident
+    layers when it caches the others: their rows must be looked up).
+
     ``view``: the arena mapped read-only (:class:`ArenaView`, the engines' layout:
     per layer a weights block and a scales block). Rows come out as stored, payload
     then scales. Thread-safe for concurrent gathers (they only read). ``close``
@@ -169,10 +172,11 @@ class ArenaGather:
         self._view = view  # keeps the mapping alive
         fmt = spec.row_format
         by_layer = {a.layer: a for a in view.layers}
-        for layer in spec.layers:
-            a = by_layer.get(layer)
-            if a is None:
-                raise InvalidRequest(f"arena lacks Engram layer {layer} (has {sorted(by_layer)})")
+        self.layers = frozenset(layer for layer in spec.layers if layer in by_layer)  # a daemon's resident layers
+        if not self.layers:
+            raise InvalidRequest(f"arena holds none of the Engram layers {list(spec.layers)} (has {sorted(by_layer)})")
+        for layer in sorted(self.layers):
+            a = by_layer[layer]
             if (a.weight_bytes, a.scale_bytes, a.rows) != (fmt.dim, fmt.scale_count, spec.rows(layer)):
                 raise InvalidRequest(f"arena layer {layer}: {a.rows} rows of {a.weight_bytes}+{a.scale_bytes} bytes, "
                                      f"spec {spec.name!r} expects {spec.rows(layer)} of {fmt.dim}+{fmt.scale_count}")
@@ -186,13 +190,13 @@ class ArenaGather:
                 raise StorageError("cudaHostRegister refused the arena; the UVA gather is unavailable")
             self._registered, self._owns_registration = True, bool(registered)
             self._base_ptr = whole.data_ptr()
-            for layer in spec.layers:
+            for layer in sorted(self.layers):
                 a = by_layer[layer]
                 self._blocks[layer] = (
                     host_memory_as_cuda(self._base_ptr + a.weight_offset, (a.rows, a.weight_bytes), self, self.device),
                     host_memory_as_cuda(self._base_ptr + a.scale_offset, (a.rows, a.scale_bytes), self, self.device))
         self.path = "resident-uva" if self._registered else "resident-cpu"
-        self._layers = frozenset(spec.layers)
+        self._layers = self.layers
 
     @classmethod
     def for_client(cls, client: Any, spec: ModelSpec, device: "torch.device") -> "ArenaGather | None":
@@ -220,7 +224,7 @@ class ArenaGather:
         table sizes were checked against the arena at construction).
         """
         if layer not in self._layers:
-            raise InvalidRequest(f"layer {layer} is not an Engram layer of this spec; layers are {sorted(self._layers)}")
+            raise InvalidRequest(f"layer {layer} is not in the arena (resident layers {sorted(self._layers)})")
         if self._registered:
             weights, scales = self._blocks[layer]
             wb = weights.shape[1]

@@ -18,9 +18,11 @@ def tables(tiny_tables):
     return tiny_tables(seed=9)
 
 
-@pytest.fixture(scope="module", params=["1GiB", "64KiB"], ids=["resident", "cached"])
+@pytest.fixture(scope="module", params=[("1GiB", []), ("64KiB", []), ("5MiB", ["--placement", "1=resident,3=cached"])],
+                ids=["resident", "cached", "mixed"])
 def daemon(request, tables, tmp_path_factory):
-    with DaemonProcess(tables[0], tmp_path_factory.mktemp("daemon"), dram_bytes=request.param) as d:
+    dram, extra = request.param
+    with DaemonProcess(tables[0], tmp_path_factory.mktemp("daemon"), dram_bytes=dram, extra=extra) as d:
         yield d
 
 
@@ -53,9 +55,12 @@ def test_churn_through_the_daemon(daemon, tables, kwargs):
     with EngramClient.connect(daemon.unix) as client:
         with EngramPrefetcher(client, max_tokens=128, **kwargs) as pf:
             mode = client.info()["mode"]
-            want = "resident-cpu" if mode == "resident" and kwargs.get("resident") is not False else "staged"
+            arena = kwargs.get("resident") is not False and mode != "cached"
+            want = {"resident": "resident-cpu", "mixed": "resident-cpu+staged"}[mode] if arena else "staged"
             assert pf.path == want and pf.info()["path"] == want
-            if want == "staged":
+            if mode == "mixed" and arena:  # layer 1 gathered from the mapped arena, layer 3 looked up
+                assert pf.info()["placement"] == {1: "resident", 3: "lookup"}
+            if want.endswith("staged"):
                 assert pf.info()["lookups"] == ("async-submit" if pf.prefetch else "on-wait")
             churn(pf, tables[1], seed=len(kwargs), max_len=30)
 

@@ -119,3 +119,18 @@ def test_a_placement_that_cannot_fit_is_a_config_error_before_any_table_is_read(
 
     assert load_config(config_file=toml, environ={}).placement == f"{LAST}=cached"
     assert json.loads(json.dumps(parse_placement(f"{LAST}=cached"))) == {str(LAST): "cached"}
+
+
+def test_the_prefetcher_gathers_resident_layers_and_looks_cached_ones_up(tables):
+    """In process (LocalClient over a mixed TieredStore): layer 1 from the mapped arena, layer 3 through
+    lookups, rows byte-exact over a churn of prefill and decode steps."""
+    from test_gpu_client_daemon import churn
+
+    from engram_store.client.local import LocalClient
+    from gpu_client import EngramPrefetcher
+
+    with LocalClient(TieredStore.open(tables.directory, dram_bytes=MIXED_DRAM)) as client:
+        with EngramPrefetcher(client, max_tokens=128) as pf:
+            assert pf.path == "resident-cpu+staged"
+            assert pf.info()["placement"] == {FIRST: "resident", LAST: "lookup"}
+            churn(pf, tables, seed=11, max_len=30)
