@@ -2,5 +2,6 @@
 
 ``tables``: :class:`~engram_store.integrations.tables.EngramStoreTables`, the
 arena mapped as the CPU tensors engines' kernels read. ``vllm``: the vLLM
-general plugin. Nothing here imports an engine until its plugin runs.
+general plugin; ``sglang``: the SGLang plugin. Nothing here imports an engine
+until its plugin runs. Built on ``engram_store.client`` and ``gpu_client``.
 """
