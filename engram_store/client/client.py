@@ -215,6 +215,37 @@ class EngramClient:
         ids = np.asarray(row_ids)
         return self._with_transport(lambda t: t.lookup_into(layer, ids, out))
 
+    def lookup_planned(self, layer: int, row_ids: Any, out: np.ndarray) -> np.ndarray:
+        """``lookup_into`` in plan mode (unix, a cached daemon): the daemon writes the rows it
+        holds in DRAM and hands back a read plan of the others, which this process reads from
+        the layer file itself (``O_DIRECT``), checking every page's crc32c before any of its
+        rows is used; the daemon admits those rows into its cache in the background. Where the
+        plan cannot be executed here (the table files are not readable by this process) the
+        daemon reads the rows instead (logged once per layer: see :meth:`plan_info`). Over gRPC,
+        or a resident layer: exactly ``lookup_into``. Byte-exact either way."""
+        ids = np.asarray(row_ids)
+
+        def call(t: Any) -> np.ndarray:
+            if t.kind != "unix":
+                return t.lookup_into(layer, ids, out)
+            return t.lookup_planned(layer, ids, out)
+
+        return self._with_transport(call)
+
+    def plan_info(self) -> dict[str, Any]:
+        """How plan lookups are executed on the current connection: ``executor`` (``host``,
+        or ``daemon`` over gRPC), ``fallbacks`` ({layer: why the daemon reads its rows}),
+        ``pages_read`` / ``bytes_read`` by this process so far."""
+        def info(t: Any) -> dict[str, Any]:
+            if t.kind != "unix":
+                return {"executor": "daemon", "fallbacks": {}, "pages_read": 0, "bytes_read": 0}
+            ex = t._plan_executor
+            return {"executor": "host", "fallbacks": dict(t.plan_fallbacks),
+                    "pages_read": ex.pages_read if ex is not None else 0,
+                    "bytes_read": ex.bytes_read if ex is not None else 0}
+
+        return self._with_transport(info)
+
     def submit(self, layer: int, row_ids: Any) -> LookupHandle:
         """Start a lookup and return at once (unix); ``handle.wait()`` gives the rows."""
         return LookupHandle(self, layer, np.asarray(row_ids))

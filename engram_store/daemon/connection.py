@@ -15,6 +15,13 @@ after another, without the interpreter; whatever it leaves comes back here as
 a frame header and is answered below. Such a connection never uses the worker
 pool (the native path sends on the reader's thread).
 
+A LOOKUP with ``Flag.PLAN`` (see :mod:`engram_store.wire.frames`) is answered on
+the reader's thread by ``store.plan_into``: rows in DRAM go into the region, the
+others come back as a read plan for the client to execute; a store without
+plans, or a resident layer, answers with every row as usual (no ``Flag.PLAN`` in
+the RESULT). Over the native path, plan lookups of resident layers are answered
+natively, as ordinary lookups.
+
 A connection's region stays mapped until its last in-flight lookup is done,
 so a client that dies mid-request costs nothing but the lookup itself.
 """
@@ -220,7 +227,9 @@ class Connection:
                 frame, _ = self._read_frame(wire.MAX_CLIENT_PAYLOAD)
             elif (frame := self._next_native(native)) is None:
                 continue
-            if frame.op == Op.LOOKUP:
+            if frame.op == Op.LOOKUP and frame.flags & wire.Flag.PLAN:
+                self._plan_lookup(frame)
+            elif frame.op == Op.LOOKUP:
                 self._lookup(frame, pooled=native is None)
             elif frame.op in (Op.INFO, Op.STATS):
                 try:
@@ -307,6 +316,42 @@ class Connection:
         request = Pieces(self, frame, t0, -(-frame.count // step))
         self.server.turns.submit(self.lane, [functools.partial(request.run, start, min(start + step, frame.count))
                                              for start in range(0, frame.count, step)])
+
+    def _plan_lookup(self, frame: Frame) -> None:
+        """Answer a LOOKUP with Flag.PLAN on this thread: the cache's rows into the region and a
+        read plan of the rest, or every row (a store without plans, a resident layer)."""
+        t0 = time.perf_counter()
+        try:
+            self._check(frame)
+        except errors.EngramStoreError as exc:
+            self._finish(frame, t0, exc)
+            return
+        if getattr(self.server.store, "plan_into", None) is None:
+            self._finish(frame, t0, self._gather(frame, 0, frame.count))
+            return
+        try:
+            plan = self._plan_into_region(frame)
+        except errors.EngramStoreError as exc:
+            self._finish(frame, t0, exc.with_traceback(None))
+            return
+        except Exception as exc:  # a store bug must not kill the connection's other requests
+            log.exception("plan lookup failed")
+            self._finish(frame, t0, errors.StorageError(f"internal error: {exc}"))
+            return
+        if plan is None:
+            self._finish(frame, t0, None)
+            return
+        self.send(Frame(Op.RESULT, frame.request_id, flags=wire.Flag.PLAN, layer=frame.layer,
+                        count=frame.count).pack(plan.pack()))
+        self.server.stats.unix.record(frame.count, self.server.store.row_bytes, time.perf_counter() - t0)
+
+    def _plan_into_region(self, frame: Frame) -> wire.ReadPlan | None:
+        arr = self.array
+        dtype = _NUMPY_DTYPE[frame.dtype]
+        ids = arr[frame.ids_offset: frame.ids_offset + frame.count * dtype.itemsize].view(dtype).copy()
+        rb = self.server.store.row_bytes
+        out = arr[frame.out_offset: frame.out_offset + frame.count * rb].reshape(frame.count, rb)
+        return self.server.store.plan_into(frame.layer, ids, out, max_plan_bytes=wire.MAX_DAEMON_PAYLOAD)
 
     def _done_one(self) -> None:
         with self.cond:

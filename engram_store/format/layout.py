@@ -87,3 +87,21 @@ class PageLayout:
         rpp = self.rows_per_page
         body = pages.reshape(-1, self.page_bytes)[:, : rpp * self.row_bytes]
         return body.reshape(-1, self.row_bytes)[:n]
+
+
+def extents(pages: np.ndarray, max_pages: int) -> tuple[np.ndarray, np.ndarray]:
+    """Reads covering sorted distinct ``pages``: runs of consecutive pages, cut every
+    ``max_pages``. Returns (index of each read's first page in ``pages``, read lengths in
+    pages). The one coalescing rule of every reader of layer files (the NVMe tier, a
+    client executing a read plan)."""
+    n = len(pages)
+    start = np.ones(n, dtype=bool)
+    np.not_equal(pages[1:], pages[:-1] + 1, out=start[1:])
+    if max_pages > 1:
+        run_start = np.flatnonzero(start)
+        offset_in_run = np.arange(n) - run_start[np.cumsum(start) - 1]
+        start |= offset_in_run % max_pages == 0
+    else:
+        start[:] = True
+    begin = np.flatnonzero(start)
+    return begin, np.diff(np.append(begin, n))

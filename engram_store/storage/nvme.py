@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import StorageError
 from ..format.checksums import bad_pages as check_pages
-from ..format.layout import PAGE_BYTES
+from ..format.layout import PAGE_BYTES, extents
 from ..native.syscalls import aligned_buffer, as_array
 from .layer_file import LayerFile
 from .readers import MAX_CHECKED_PAGES, MAX_NATIVE_QD, PageReader
@@ -69,23 +69,6 @@ class BufferPool:
     def retained(self) -> int:
         """Buffers kept for reuse at most so far (their memory stays mapped)."""
         return self._kept
-
-
-def extents(pages: np.ndarray, max_pages: int) -> tuple[np.ndarray, np.ndarray]:
-    """Reads covering sorted distinct ``pages``: runs of consecutive pages cut every
-    ``max_pages``. Returns (index of each read's first page in ``pages``, read lengths in pages)."""
-    n = len(pages)
-    start = np.empty(n, dtype=bool)
-    start[0] = True
-    np.not_equal(pages[1:], pages[:-1] + 1, out=start[1:])
-    if max_pages > 1:
-        begin = np.flatnonzero(start)
-        offset_in_run = np.arange(n) - begin[np.cumsum(start) - 1]
-        start |= offset_in_run % max_pages == 0
-    else:
-        start[:] = True
-    begin = np.flatnonzero(start)
-    return begin, np.diff(np.append(begin, n))
 
 
 class NvmeTier:

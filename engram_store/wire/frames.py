@@ -11,6 +11,14 @@ A connection goes::
                      message as payload); rows are in the region when it arrives
     client  INFO / STATS -> daemon RESULT with a JSON payload
 
+A LOOKUP with :attr:`Flag.PLAN` asks for a *read plan* (cached layers): the daemon
+writes the rows it holds in DRAM into the region as usual and answers RESULT with
+``Flag.PLAN`` and a :class:`ReadPlan` payload for the others (which pages of which
+layer file, where each missing row sits in its page, each page's crc32c); the
+client reads and checks those pages itself. A RESULT without ``Flag.PLAN`` means
+every row is in the region (a resident layer, all rows cached, a plan too large
+for :data:`MAX_DAEMON_PAYLOAD`, or a daemon that predates plans and ignores the flag).
+
 Frames are a little-endian :data:`FRAME` header followed by ``payload_bytes``
 bytes. A frame with a bad magic, another version or an oversized payload is
 garbage: the daemon closes that connection and nothing else.
@@ -106,6 +114,7 @@ class DType(enum.IntEnum):
 class Flag(enum.IntFlag):
     NONE = 0
     ARENA = 1  # WELCOME carries the sealed arena fd as its second fd
+    PLAN = 2  # LOOKUP: answer misses with a read plan; RESULT: a ReadPlan payload follows, its rows are not written
 
 
 @dataclass(frozen=True)
@@ -135,9 +144,10 @@ class Frame:
                    magic, version)
 
 
-def pack_lookup(request_id: int, layer: int, count: int, ids_offset: int, out_offset: int) -> bytes:
-    """A LOOKUP header of int64 ids (the hot path's shortcut for ``Frame(...).pack()``)."""
-    return FRAME.pack(MAGIC, VERSION, Op.LOOKUP, Status.OK, DType.INT64, 0, layer, request_id, count,
+def pack_lookup(request_id: int, layer: int, count: int, ids_offset: int, out_offset: int, flags: int = 0) -> bytes:
+    """A LOOKUP header of int64 ids (the hot path's shortcut for ``Frame(...).pack()``);
+    ``flags=Flag.PLAN`` asks for a read plan of the rows not in DRAM."""
+    return FRAME.pack(MAGIC, VERSION, Op.LOOKUP, Status.OK, DType.INT64, flags, layer, request_id, count,
                       ids_offset, out_offset, 0, 0)
 
 
@@ -148,6 +158,95 @@ def pack_result(request_id: int, layer: int, count: int) -> bytes:
 
 class ProtocolError(errors.EngramStoreError):
     """The peer sent something that is not this protocol (bad magic, version, size)."""
+
+
+# --- read plans (the payload of a RESULT with Flag.PLAN) ---------------------------------------------
+PLAN_VERSION = 1
+PLAN_FIELDS = (  # (name, struct code), in order: the plan payload's header
+    ("plan_version", "H"),  # PLAN_VERSION
+    ("reserved", "H"),  # 0
+    ("path_bytes", "I"),  # UTF-8 bytes of the layer file's absolute path, which follows (padded to 8)
+    ("row_bytes", "I"),  # bytes per row
+    ("page_bytes", "I"),  # bytes per page (4096); a row sits at slot * row_bytes of its page
+    ("n_pages", "I"),  # distinct pages, ascending: PLAN_PAGE records after the path
+    ("n_missing", "I"),  # positions of the request not written to the region: PLAN_MISS records after the pages
+    ("file_bytes", "Q"),  # size of the layer file the daemon reads
+    ("st_dev", "Q"),  # st_dev and st_ino of that file (the daemon's fstat): a client opening the path
+    ("st_ino", "Q"),  #   checks it reached the same file, else it falls back
+)
+PLAN_HEADER = struct.Struct("<" + "".join(code for _, code in PLAN_FIELDS))
+PLAN_PAGE = np.dtype([("page", "<u8"), ("crc", "<u4"), ("reserved", "<u4")])  # page number in the file, its crc32c
+PLAN_MISS = np.dtype([("position", "<u4"), ("page_index", "<u4"), ("slot", "<u2"), ("reserved", "<u2")])
+# position: index in the flattened request; page_index: into the pages; slot: row within its page
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """The rows of one lookup the daemon did not write: read ``pages`` of ``path`` (their
+    expected crc32c in ``crcs``), check each, then row ``positions[i]`` of the request is
+    bytes ``slots[i] * row_bytes ..`` of page ``pages[page_index[i]]``. Several positions
+    may share a page (and a slot: duplicate ids)."""
+
+    path: str
+    file_bytes: int
+    st_dev: int
+    st_ino: int
+    row_bytes: int
+    pages: np.ndarray  # int64 [n_pages], ascending, distinct
+    crcs: np.ndarray  # uint32 [n_pages]
+    positions: np.ndarray  # int64 [n_missing]
+    page_index: np.ndarray  # int64 [n_missing]
+    slots: np.ndarray  # int64 [n_missing]
+    page_bytes: int = 4096
+
+    @staticmethod
+    def nbytes(path_bytes: int, n_pages: int, n_missing: int) -> int:
+        """Payload bytes of a plan of this size (to check it fits :data:`MAX_DAEMON_PAYLOAD`)."""
+        return PLAN_HEADER.size + align8(path_bytes) + n_pages * PLAN_PAGE.itemsize + n_missing * PLAN_MISS.itemsize
+
+    def pack(self) -> bytes:
+        path = self.path.encode()
+        pages = np.zeros(len(self.pages), PLAN_PAGE)
+        pages["page"], pages["crc"] = self.pages, self.crcs
+        miss = np.zeros(len(self.positions), PLAN_MISS)
+        miss["position"], miss["page_index"], miss["slot"] = self.positions, self.page_index, self.slots
+        head = PLAN_HEADER.pack(PLAN_VERSION, 0, len(path), self.row_bytes, self.page_bytes, len(pages), len(miss),
+                                self.file_bytes, self.st_dev, self.st_ino)
+        return b"".join((head, path.ljust(align8(len(path)), b"\0"), pages.tobytes(), miss.tobytes()))
+
+    @classmethod
+    def unpack(cls, payload: bytes, count: int) -> "ReadPlan":
+        """Decode and check a plan for a request of ``count`` rows; ProtocolError when it is
+        malformed (sizes, indices out of range, pages not ascending)."""
+        if len(payload) < PLAN_HEADER.size:
+            raise ProtocolError(f"read plan of {len(payload)} bytes, shorter than its {PLAN_HEADER.size}-byte header")
+        (version, _, path_bytes, row_bytes, page_bytes, n_pages, n_missing, file_bytes, st_dev,
+         st_ino) = PLAN_HEADER.unpack_from(payload)
+        if version != PLAN_VERSION:
+            raise ProtocolError(f"read plan version {version}, this build reads {PLAN_VERSION}; upgrade the older side")
+        if len(payload) != cls.nbytes(path_bytes, n_pages, n_missing):
+            raise ProtocolError(f"read plan of {len(payload)} bytes, its header says "
+                                f"{cls.nbytes(path_bytes, n_pages, n_missing)}")
+        if not 0 < row_bytes <= page_bytes:
+            raise ProtocolError(f"read plan: row_bytes {row_bytes}, page_bytes {page_bytes}")
+        at = PLAN_HEADER.size
+        path = payload[at: at + path_bytes].decode()
+        at += align8(path_bytes)
+        pages = np.frombuffer(payload, PLAN_PAGE, n_pages, at)
+        miss = np.frombuffer(payload, PLAN_MISS, n_missing, at + n_pages * PLAN_PAGE.itemsize)
+        plan = cls(path, file_bytes, st_dev, st_ino, row_bytes, pages["page"].astype(np.int64),
+                   pages["crc"].copy(), miss["position"].astype(np.int64), miss["page_index"].astype(np.int64),
+                   miss["slot"].astype(np.int64), page_bytes)
+        if n_missing and (plan.positions.max() >= count or plan.page_index.max() >= n_pages
+                          or plan.slots.max() >= page_bytes // row_bytes):
+            raise ProtocolError("read plan: a position, page index or slot is out of range")
+        if n_pages and (np.any(np.diff(plan.pages) <= 0) or int(plan.pages[-1]) * page_bytes >= file_bytes):
+            raise ProtocolError("read plan: pages are not ascending and distinct inside the file")
+        return plan
+
+
+def align8(n: int) -> int:
+    return -(-n // 8) * 8
 
 
 def check_header(frame: Frame, max_payload: int) -> None:

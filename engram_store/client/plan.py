@@ -1,0 +1,333 @@
+"""Executing a read plan: the client reads a plan lookup's cold rows from the layer file itself.
+
+A plan lookup (``UnixTransport.lookup_planned``) gets the rows a cached daemon
+holds in DRAM through the shared region, and for the others a
+:class:`~engram_store.wire.frames.ReadPlan`: which pages of which layer file,
+each page's expected crc32c, and where each missing row sits in its page. An
+executor here reads those pages, checks **every page against its crc32c before
+any of its rows is copied out**, and scatters the rows into the output: no
+unverified row is ever returned (a page that fails raises
+:class:`~engram_store.errors.CorruptRows`, naming layer and pages).
+
+- :class:`HostPlanExecutor` (CPU, and the tests): ``O_DIRECT`` page reads into an
+  aligned host buffer, adjacent pages coalesced, many in flight (the native
+  ``_pread`` AIO batch reader when built, else ``os.preadv`` one by one), checked
+  with :func:`engram_store.format.checksums.bad_pages`, rows gathered with numpy.
+- :class:`KvikioPlanExecutor` (CUDA + kvikio, imported lazily): pages read with
+  ``kvikio.CuFile.pread`` straight into a device staging tensor (GPUDirect
+  Storage where cuFile is in use), checked **on the device** (:class:`DeviceCrc`:
+  crc32c is affine over GF(2), so a page's crc is an XOR of per-position byte
+  tables, computed with torch integer ops), rows extracted on the device into
+  the output tensor. The check itself is tested on CPU against the reference;
+  the kvikio reads have not run on a GPU in this project's tests.
+
+Layer files must be readable by the client process (e.g. group-readable by the
+engine's group, mode 0640); when one cannot be opened (``PermissionError``,
+another mount namespace, another file at that path) the executor raises
+:class:`PlanUnusable` and the transport falls back to the daemon reading the rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import queue
+import threading
+from typing import Any, Protocol
+
+import numpy as np
+
+from .. import errors
+from ..format import checksums
+from ..format.layout import PAGE_BYTES, extents
+from ..native.syscalls import OpenedFile, aligned_buffer, as_array, open_direct
+from ..wire.frames import ReadPlan
+
+log = logging.getLogger(__name__)
+
+QUEUE_DEPTH = 64  # page reads in flight (native reader)
+MAX_COALESCE_PAGES = 16  # adjacent pages read as one extent, at most this many
+CHUNK_PAGES = 4096  # pages held in host memory at once (16 MiB); larger plans go chunk by chunk
+POOLED_BUFFERS = 2
+
+
+class PlanUnusable(errors.EngramStoreError):
+    """This process cannot execute the plan (the layer file cannot be opened here, or the path
+    leads to another file than the daemon's): fall back to the daemon reading the rows."""
+
+
+class PlanExecutor(Protocol):
+    """Executes read plans. ``execute(layer, plan, out)``: ``out`` holds one row per position
+    of the flattened request (``[n, row_bytes]`` uint8: a numpy array for the host executor,
+    a torch tensor for the device one); on return ``out[plan.positions[i]]`` holds the
+    verified bytes of its row, and nothing else of ``out`` changed. Raises CorruptRows when a
+    page fails its crc32c (rows of verified pages may have been written by then; none of a
+    failed page), PlanUnusable when the file cannot be used here, StorageError on an I/O error.
+    Thread-safe. ``close()`` closes the files it opened."""
+
+    name: str
+
+    def execute(self, layer: int, plan: ReadPlan, out: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@functools.cache
+def _native_reader():
+    try:
+        from ..native import _pread
+    except ImportError as exc:
+        log.warning("native reader _pread not built (%s); plan pages are read one by one with os.preadv", exc)
+        return None
+    return _pread
+
+
+def _corrupt(layer: int, plan: ReadPlan, bad_pages: np.ndarray) -> errors.CorruptRows:
+    pages = tuple(int(p) for p in bad_pages)
+    shown = ", ".join(map(str, pages[:8])) + (" ..." if len(pages) > 8 else "")
+    return errors.CorruptRows(
+        f"layer {layer}: {len(pages)} page(s) of {plan.path} read by this client fail their crc32c (pages {shown}; "
+        f"file offset = page * {plan.page_bytes}); their rows are not returned. Check the table set "
+        "(the daemon's scrub, or re-import it)", layer, pages)
+
+
+class HostPlanExecutor:
+    """Executes plans into host memory: ``O_DIRECT`` reads, every page checked, numpy scatter.
+    One fd per layer file, opened at first use and kept until :meth:`close`."""
+
+    name = "host"
+
+    def __init__(self, queue_depth: int = QUEUE_DEPTH, max_coalesce_pages: int = MAX_COALESCE_PAGES,
+                 chunk_pages: int = CHUNK_PAGES) -> None:
+        self.queue_depth, self.max_coalesce_pages = queue_depth, max(1, max_coalesce_pages)
+        self.chunk_pages = max(self.max_coalesce_pages, chunk_pages)
+        self._files: dict[str, OpenedFile] = {}
+        self._lock = threading.Lock()
+        self._buffers: queue.SimpleQueue = queue.SimpleQueue()
+        self.pages_read = self.bytes_read = 0
+
+    def opener(self, path: str) -> OpenedFile:
+        """Open a layer file (``O_DIRECT``, or buffered where refused). A seam for tests."""
+        return open_direct(path)
+
+    def _file(self, plan: ReadPlan) -> OpenedFile:
+        with self._lock:
+            f = self._files.get(plan.path)
+            if f is None:
+                try:
+                    f = self.opener(plan.path)
+                except OSError as exc:
+                    raise PlanUnusable(f"cannot open the layer file {plan.path} in this process: {exc}; make the "
+                                       "table files readable by the engine (group-readable, mode 0640)") from None
+                self._files[plan.path] = f
+        st = os.fstat(f.fd)
+        if (st.st_dev, st.st_ino, st.st_size) != (plan.st_dev, plan.st_ino, plan.file_bytes):
+            raise PlanUnusable(f"{plan.path} in this process is not the file the daemon reads (device, inode or "
+                               f"size differ: {st.st_dev}/{st.st_ino}/{st.st_size} here, {plan.st_dev}/"
+                               f"{plan.st_ino}/{plan.file_bytes} in the daemon)")
+        return f
+
+    def execute(self, layer: int, plan: ReadPlan, out: np.ndarray) -> None:
+        if not len(plan.positions):
+            return
+        f = self._file(plan)
+        rb, pb = plan.row_bytes, plan.page_bytes
+        rpp = pb // rb
+        order = np.argsort(plan.page_index, kind="stable")  # the rows of each chunk of pages together
+        sorted_pages = plan.page_index[order]
+        n_pages = len(plan.pages)
+        buf = self._buffer()
+        try:
+            arr = as_array(buf)
+            for lo in range(0, n_pages, self.chunk_pages):
+                hi = min(lo + self.chunk_pages, n_pages)
+                self._read(f, plan, lo, hi, buf)
+                bad = checksums.bad_pages(arr[: (hi - lo) * pb], plan.crcs[lo:hi])
+                if len(bad):
+                    raise _corrupt(layer, plan, plan.pages[lo:hi][bad])
+                a, b = np.searchsorted(sorted_pages, (lo, hi))
+                sel = order[a:b]
+                body = arr[: (hi - lo) * pb].reshape(hi - lo, pb)[:, : rpp * rb].reshape(hi - lo, rpp, rb)
+                out[plan.positions[sel]] = body[plan.page_index[sel] - lo, plan.slots[sel]]
+        finally:
+            if self._buffers.qsize() < POOLED_BUFFERS:
+                self._buffers.put(buf)  # else dropped: unmapped once no view (a traceback's) holds it
+
+    def _buffer(self):
+        try:
+            return self._buffers.get_nowait()
+        except queue.Empty:
+            return aligned_buffer(self.chunk_pages * PAGE_BYTES)
+
+    def _read(self, f: OpenedFile, plan: ReadPlan, lo: int, hi: int, buf) -> None:
+        """Pages ``lo:hi`` of the plan into ``buf`` (page i at ``(i - lo) * page_bytes``)."""
+        pb = plan.page_bytes
+        begin, npages = extents(plan.pages[lo:hi], self.max_coalesce_pages)
+        offsets = plan.pages[lo:hi][begin] * pb
+        lengths = npages.astype(np.int64) * pb
+        dests = begin.astype(np.int64) * pb
+        want = int(lengths.sum())
+        try:
+            native = _native_reader()
+            if native is not None:
+                got = native.read_batch(f.fd, buf, offsets, lengths, dests, self.queue_depth)
+            else:
+                view, got = memoryview(buf), 0
+                for off, n, dst in zip(offsets.tolist(), lengths.tolist(), dests.tolist()):
+                    got += os.preadv(f.fd, [view[dst: dst + n]], off)
+        except OSError as exc:
+            raise errors.StorageError(f"reading {hi - lo} pages of {plan.path} failed: {exc}") from exc
+        if got != want:
+            raise errors.StorageError(f"short read of {plan.path}: {got} of {want} bytes (the file is truncated?)")
+        self.pages_read += hi - lo
+        self.bytes_read += want
+
+    def close(self) -> None:
+        with self._lock:
+            files, self._files = self._files, {}
+        for f in files.values():
+            f.close()
+        self._buffers = queue.SimpleQueue()  # pooled buffers are unmapped when no view holds them
+
+
+# --- the device path (torch, kvikio: imported lazily) ----------------------------------------------
+@functools.cache
+def kvikio_usable() -> str:
+    """'' when kvikio and a CUDA device are usable here, else why not (probed once)."""
+    try:
+        import kvikio  # noqa: F401  (optional extra "gds")
+        import torch
+    except Exception as exc:  # a broken CUDA install raises more than ImportError
+        return f"kvikio or torch not importable ({exc.__class__.__name__}: {exc}); install engram-store[gds]"
+    try:
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+    except Exception as exc:
+        return f"CUDA cannot be probed ({exc})"
+    return ""
+
+
+@functools.cache
+def _position_tables(page_bytes: int) -> tuple[np.ndarray, int]:
+    """crc32c over a page of ``page_bytes`` is affine over GF(2): ``crc(page) = crc(zeros) ^
+    XOR_k T[k, page[k]]``. Returns (T as int32 ``[page_bytes * 256]``, ``crc(zeros)``), built
+    from the crcs of the single-bit pages (once per process, about 128 MiB of pages hashed)."""
+    zero = int(checksums.page_crcs(np.zeros(page_bytes, np.uint8))[0])
+    bit_crc = np.empty((page_bytes, 8), dtype=np.uint32)
+    step = 512
+    for k0 in range(0, page_bytes, step):
+        k1 = min(k0 + step, page_bytes)
+        pages = np.zeros(((k1 - k0) * 8, page_bytes), np.uint8)
+        idx = np.arange((k1 - k0) * 8)
+        pages[idx, k0 + idx // 8] = (1 << (idx % 8)).astype(np.uint8)
+        bit_crc[k0:k1] = (checksums.page_crcs(pages) ^ np.uint32(zero)).reshape(k1 - k0, 8)
+    values = np.arange(256)
+    table = np.zeros((page_bytes, 256), dtype=np.uint32)
+    for bit in range(8):
+        table ^= np.where((values >> bit) & 1, bit_crc[:, bit:bit + 1], np.uint32(0))
+    return table.reshape(-1).view(np.int32), zero
+
+
+class DeviceCrc:
+    """crc32c of 4 KiB pages held in a torch tensor, computed where the tensor is (CUDA or
+    CPU) with integer ops: one table gather, then an XOR tree over the page. Exact (tested
+    against :func:`engram_store.format.checksums.page_crcs`)."""
+
+    def __init__(self, device: Any, page_bytes: int = PAGE_BYTES) -> None:
+        import torch
+
+        table, zero = _position_tables(page_bytes)
+        self.page_bytes, self.zero = page_bytes, zero
+        self.table = torch.from_numpy(table.copy()).to(device)
+        self.base = torch.arange(page_bytes, device=device, dtype=torch.int64) * 256
+
+    def __call__(self, pages: Any) -> Any:
+        """int64 crc32c per row of uint8 ``pages [n, page_bytes]`` (a tensor on this device)."""
+        import torch
+
+        x = torch.take(self.table, self.base + pages.to(torch.int64))  # [n, page_bytes] int32
+        width = self.page_bytes
+        while width > 1:
+            width //= 2
+            x = torch.bitwise_xor(x[:, :width], x[:, width: 2 * width])
+        return (x[:, 0].to(torch.int64) & 0xFFFFFFFF) ^ self.zero
+
+
+class KvikioPlanExecutor:
+    """Executes plans into a CUDA tensor with kvikio: pages ``CuFile.pread`` into a device
+    staging tensor (cuFile / GPUDirect Storage when kvikio is not in compatibility mode), each
+    page checked on the device (:class:`DeviceCrc`) before any row of it is extracted, rows
+    gathered on the device into ``out`` (uint8 CUDA tensor ``[n, row_bytes]``).
+
+    UNTESTED on a GPU: no device ran this project's tests. The crc check (:class:`DeviceCrc`)
+    is tested on CPU tensors; the kvikio reads and device indexing are not. One ``CuFile`` per
+    layer file, opened at first use (the same identity check as the host executor, by
+    ``os.stat`` of the path), closed by :meth:`close`."""
+
+    name = "kvikio"
+
+    def __init__(self, device: Any = None, chunk_pages: int = CHUNK_PAGES) -> None:
+        why = kvikio_usable()
+        if why:
+            raise PlanUnusable(f"the kvikio plan executor cannot run here: {why}")
+        import torch
+
+        self.device = torch.device(device if device is not None else "cuda")
+        self.chunk_pages = chunk_pages
+        self._crc = DeviceCrc(self.device)
+        self._files: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._staging = torch.empty(chunk_pages * PAGE_BYTES, dtype=torch.uint8, device=self.device)
+
+    def _file(self, plan: ReadPlan) -> Any:
+        import kvikio
+
+        with self._lock:
+            f = self._files.get(plan.path)
+            if f is None:
+                try:
+                    st = os.stat(plan.path)
+                    if (st.st_dev, st.st_ino, st.st_size) != (plan.st_dev, plan.st_ino, plan.file_bytes):
+                        raise PlanUnusable(f"{plan.path} in this process is not the file the daemon reads")
+                    f = self._files[plan.path] = kvikio.CuFile(plan.path, "r")
+                except OSError as exc:
+                    raise PlanUnusable(f"cannot open the layer file {plan.path} in this process: {exc}") from None
+            return f
+
+    def execute(self, layer: int, plan: ReadPlan, out: Any) -> None:
+        import torch
+
+        if not len(plan.positions):
+            return
+        f = self._file(plan)
+        pb, rb = plan.page_bytes, plan.row_bytes
+        rpp = pb // rb
+        order = np.argsort(plan.page_index, kind="stable")
+        sorted_pages = plan.page_index[order]
+        with self._lock:  # one staging tensor
+            for lo in range(0, len(plan.pages), self.chunk_pages):
+                hi = min(lo + self.chunk_pages, len(plan.pages))
+                begin, npages = extents(plan.pages[lo:hi], MAX_COALESCE_PAGES)
+                futures = [f.pread(self._staging[int(b) * pb: (int(b) + int(n)) * pb], int(n) * pb,
+                                   int(plan.pages[lo + int(b)]) * pb) for b, n in zip(begin, npages)]
+                got = sum(fut.get() for fut in futures)
+                if got != (hi - lo) * pb:
+                    raise errors.StorageError(f"short read of {plan.path}: {got} of {(hi - lo) * pb} bytes")
+                staged = self._staging[: (hi - lo) * pb].view(hi - lo, pb)
+                crcs = self._crc(staged).cpu().numpy()
+                bad = np.flatnonzero(crcs != plan.crcs[lo:hi].astype(np.int64))
+                if len(bad):
+                    raise _corrupt(layer, plan, plan.pages[lo:hi][bad])
+                a, b = np.searchsorted(sorted_pages, (lo, hi))
+                sel = order[a:b]
+                body = staged[:, : rpp * rb].reshape(hi - lo, rpp, rb)
+                pi = torch.from_numpy(plan.page_index[sel] - lo).to(self.device)
+                slot = torch.from_numpy(plan.slots[sel]).to(self.device)
+                out[torch.from_numpy(plan.positions[sel]).to(self.device)] = body[pi, slot]
+
+    def close(self) -> None:
+        with self._lock:
+            files, self._files = self._files, {}
+        for f in files.values():
+            f.close()
