@@ -90,13 +90,19 @@ class EngramPrefetcher:
     multimodal pad ids >= 1,000,000) breaks the n-gram (vLLM: always; SGLang: when the
     model has a vision tower). ``max_rollback``: how many tokens :meth:`rollback` can
     take back. ``timing``: record per-layer timings (:meth:`timings`) over the last
-    ``timing_window`` steps. Not thread-safe: one engine thread submits and waits.
+    ``timing_window`` steps. ``plan``: cold rows of a cached daemon's layers read by this
+    process from the layer files (plan mode, :meth:`EngramClient.lookup_planned`: every page
+    checked against its crc32c; the daemon reads them where the files are not readable here).
+    ``None`` (default) leaves it off: on the host it costs as much as the daemon's own read
+    plus the daemon's second read for its cache (measured: no gain); ``True`` turns it on.
+    Not thread-safe: one engine thread submits and waits.
     """
 
     def __init__(self, client: Any, device: "str | torch.device" = "cpu", *, max_tokens: int = 8192,
                  depth: int = 2, prefetch: bool = True, resident: bool | None = None, validate: bool = True,
                  raw_ids: bool = False, token_map: "TokenMap | str | None" = None, block_images: bool = True,
-                 max_rollback: int = 16, timing: bool = True, timing_window: int = 1024) -> None:
+                 max_rollback: int = 16, timing: bool = True, timing_window: int = 1024,
+                 plan: bool | None = None) -> None:
         import torch
 
         info = client.info()
@@ -132,7 +138,11 @@ class EngramPrefetcher:
         # CPU + a client with submit() (EngramClient over unix://): lookups go out from submit() itself and
         # are collected in wait(); the daemon is the background worker, so no thread of ours competes
         # with the model for the GIL. Up to `depth` steps are outstanding, so each gets a share of the region.
-        region = getattr(client, "shared_region", None) if self._lookup_path == "staged" else None
+        self.plan = bool(plan) and bool(self._lookup_li) and hasattr(client, "lookup_planned")
+        if plan and not self.plan:
+            raise InvalidRequest("plan=True needs a client with lookup_planned (EngramClient) and a layer the daemon "
+                                 "caches")
+        region = getattr(client, "shared_region", None) if self._lookup_path == "staged" and not self.plan else None
         self._async = region is not None and hasattr(client, "submit")
         share = region.nbytes // (depth + 1) // len(self._lookup_li) - 2 * 4096 if self._async else 0
         self._async_rows = max(share, 0) // (8 + self.spec.row_bytes)
@@ -306,7 +316,8 @@ class EngramPrefetcher:
         lookups = ("on-wait" if not self.prefetch else "async-submit" if self._async else
                    "gpu-stream" if not self._lookup_li and self._cuda else "thread-per-layer")
         return {"path": self.path, "lookups": lookups,
-                "placement": {layer: "resident" if layer in self._resident_layers else "lookup" for layer in self.layers}, "device": str(self.device), "prefetch": self.prefetch,
+                "placement": {layer: "resident" if layer in self._resident_layers else "lookup" for layer in self.layers},
+                "plan": self.client.plan_info() if self.plan else None, "device": str(self.device), "prefetch": self.prefetch,
                 "depth": self.depth,
                 "max_tokens": self.max_tokens, "layers": list(self.layers), "rows_per_token": self.spec.rows_per_token,
                 "row_bytes": self.spec.row_bytes, "spec": self.spec.name, "active_requests": len(self._history)}
@@ -504,7 +515,7 @@ class EngramPrefetcher:
         if self._cuda:
             fut._ids_ready.synchronize()  # this layer's thread waits for the ids, the engine thread does not
             with self._region_lock:
-                use_region = handle is None and self._use_region(T * R)
+                use_region = handle is None and not self.plan and self._use_region(T * R)
             if use_region:
                 handle = self.client.submit(layer, fut._ids[li].numpy())
         if handle is not None:  # rows sit in the client's shared region
@@ -538,7 +549,10 @@ class EngramPrefetcher:
             if self._last_copy[fut.slot][li] is not None:  # the staging buffer is still being read
                 self._last_copy[fut.slot][li].synchronize()
         staging = self._staging[fut.slot, li, :T]
-        self.client.lookup_into(layer, fut._ids[li].numpy().reshape(T, R), staging.numpy())
+        if self.plan:  # cold rows read here from the layer file, every page checked first
+            self.client.lookup_planned(layer, fut._ids[li].numpy().reshape(T, R), staging.numpy())
+        else:
+            self.client.lookup_into(layer, fut._ids[li].numpy().reshape(T, R), staging.numpy())
         if self._cuda:
             with torch.cuda.stream(self._stream):
                 self._stream.wait_event(self._consumed[fut.slot])

@@ -251,3 +251,26 @@ def test_read_extents_coalesce_runs():
 
     begin, n = extents(np.array([1, 2, 3, 7, 8, 20, 21, 22, 23, 24]), 3)
     assert begin.tolist() == [0, 3, 5, 8] and n.tolist() == [3, 2, 3, 2]
+
+
+def test_the_prefetcher_reads_cold_rows_by_plan_when_asked(tmp_path):
+    """EngramPrefetcher(plan=True) over a cached daemon: cold rows read by this process, pages
+    checked, rows byte-exact over a churn of steps; info() reports the plan executor."""
+    from daemon_helpers import DaemonProcess
+    from daemon_helpers import make_tables as make_daemon_tables
+    from test_gpu_client_daemon import churn
+
+    from engram_store.client.client import EngramClient
+    from gpu_client import EngramPrefetcher
+
+    ts = make_daemon_tables(tmp_path / "tiny")
+    (tmp_path / "d").mkdir()
+    with DaemonProcess(ts.directory, tmp_path / "d", dram_bytes="64KiB") as daemon:
+        with EngramClient.connect(daemon.unix) as client:
+            with EngramPrefetcher(client, max_tokens=64, plan=True) as pf:
+                assert pf.plan and not pf._async
+                churn(pf, ts, seed=5, max_len=20)
+                info = pf.info()["plan"]
+                assert info["executor"] == "host" and info["pages_read"] > 0 and not info["fallbacks"]
+            with EngramPrefetcher(client, max_tokens=64) as pf:
+                assert not pf.plan and pf.info()["plan"] is None  # off by default: no gain on the host
