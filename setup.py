@@ -8,7 +8,10 @@ fast path (``_unixfast``, which needs ``_gather``) to Python (each logs so).
 from setuptools import Extension, setup
 
 setup(ext_modules=[
-    Extension("engram_store.native._pread", ["engram_store/native/_pread.c"], optional=True),
+    Extension("engram_store.native._pread", ["engram_store/native/_pread.c"],
+              depends=["engram_store/native/crc32c.h"], optional=True),
+    Extension("engram_store.native._uring", ["engram_store/native/_uring.c"],
+              depends=["engram_store/native/crc32c.h"], optional=True),
     Extension("engram_store.native._gather", ["engram_store/native/_gather.c"],
               depends=["engram_store/native/_gather_api.h"], optional=True),
     Extension("engram_store.daemon._unixfast", ["engram_store/daemon/_unixfast.c"],

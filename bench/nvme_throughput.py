@@ -5,15 +5,21 @@ Run it on a new host before choosing ``dram_bytes`` and ``queue_depth``. On one
 layer file of a table set (synthesized here unless ``--tables`` names one), at
 each queue depth:
 
-- random 4 KiB reads (O_DIRECT) through ``PageReader``: IOPS and GB/s;
-- ``fio`` on the same file, same block size, same queue depth (libaio,
-  direct=1), when fio is installed; our/fio ratio;
+- random 4 KiB reads (O_DIRECT) through each page reader of ``--readers``
+  (default: every one this host runs: uring, aio, threads): IOPS, GB/s and CPU
+  microseconds per page read (the process's user+system time, all its threads,
+  over the pages read);
+- ``fio`` on the same file, same block size, same queue depth (``--fio-engine``,
+  io_uring with registered files and buffers by default, direct=1), when fio is
+  installed: IOPS and fio's own CPU per I/O ((usr_cpu + sys_cpu) / 100 * runtime
+  / total I/Os, from its JSON); ours over fio's, for both;
 - cold-row lookups through ``TieredStore`` (cached mode, a cache too small to
-  hit): rows/s, pages/s and pages/s over fio IOPS.
+  hit) with ``--reader``: rows/s, pages/s and pages/s over fio IOPS.
 
-Then sequential reads (1 MiB, what filling the resident arena costs): our bulk
-reader against fio ``rw=read``. Each point alternates ours and fio so both see
-the same disk state.
+Each point runs the readers and fio in turn, ``--reps`` times, the order reversed
+every other time so all see the same disk state; IOPS keep each one's best, CPU
+per page its median and spread. Then sequential reads (1 MiB, what filling the
+resident arena costs): our bulk reader against fio ``rw=read``.
 
 Last, what the per-page crc32c checks cost: cold-row lookups at one queue depth
 with the checks and without them (the same store, its pages' expected crcs
@@ -25,22 +31,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's idle BLAS threads would count as the readers' CPU
 import numpy as np
 from _common import ensure_tables, run_in_workdir  # bench/ is on sys.path when run as a script
 
 QUICK_QDS = (1, 16)
 DEFAULT_QDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+READERS = ("uring", "aio", "threads")
+OFFSET_BATCHES = 8  # random offsets drawn before the timed loop, cycled through
+
+
+def cpu_seconds() -> float:
+    """User + system time of this process, every thread (a reader's pool or SQPOLL thread too)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def random_iops(path: Path, qd: int, seconds: float, backend: str) -> dict:
-    """Random 4 KiB O_DIRECT reads through PageReader for ``seconds``; with the native
-    reader, through ``read_rows`` (a ring of queue-depth slots, as the store reads)."""
+    """Random 4 KiB O_DIRECT reads through a PageReader for ``seconds``; with a reader that
+    streams rows, through ``read_rows`` (a ring of queue-depth slots, as the store reads).
+    Returns IOPS, GB/s and CPU microseconds per page read."""
     from engram_store.native.syscalls import aligned_buffer, as_array, open_direct
     from engram_store.storage.readers import open_reader
 
@@ -55,37 +73,65 @@ def random_iops(path: Path, qd: int, seconds: float, backend: str) -> dict:
     lengths = np.full(batch, 4096, dtype=np.int64)
     dst = np.arange(batch, dtype=np.int64) * 4096
     first_row, row_off = np.arange(batch + 1, dtype=np.int64), np.zeros(batch, dtype=np.int64)
-    pages = f.size // 4096
+    offsets = [rng.integers(0, f.size // 4096, batch) * 4096 for _ in range(OFFSET_BATCHES)]
+
+    def one(k: int) -> None:
+        if native:
+            reader.read_rows(f.fd, out, 8, offsets[k % OFFSET_BATCHES], lengths, first_row, row_off, buf)
+        else:
+            reader.read(f.fd, buf, offsets[k % OFFSET_BATCHES], lengths, dst)
+
     reads = 0
     try:
-        t0 = time.perf_counter()
+        one(0)  # the reader's first call sets up its ring, context or threads: not timed
+        c0, t0 = cpu_seconds(), time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            offsets = rng.integers(0, pages, batch) * 4096
-            if native:
-                reader.read_rows(f.fd, out, 8, offsets, lengths, first_row, row_off, buf)
-            else:
-                reader.read(f.fd, buf, offsets, lengths, dst)
+            one(reads // batch)
             reads += batch
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     finally:
         reader.close()
         f.close()
-    return {"iops": reads / dt, "gbps": reads * 4096 / dt / 1e9, "direct": f.direct, "backend": reader.name}
+    return {"iops": reads / dt, "gbps": reads * 4096 / dt / 1e9, "cpu_us_per_page": cpu / reads * 1e6,
+            "direct": f.direct, "backend": reader.name}
 
 
-def fio(path: Path, rw: str, bs: str, qd: int, seconds: float) -> dict | None:
+def fio(path: Path, rw: str, bs: str, qd: int, seconds: float, engine: str = "io_uring") -> dict | None:
+    """fio on ``path``: IOPS, GB/s and fio's own CPU microseconds per I/O (its usr_cpu and
+    sys_cpu are percentages of the job's runtime)."""
     exe = shutil.which("fio")
     if exe is None:
         return None
     cmd = [exe, "--name=engram", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", "--direct=1",
-           "--ioengine=libaio", f"--iodepth={qd}", f"--runtime={max(1, int(seconds * 1000))}ms", "--time_based", "--readonly",
-           "--output-format=json"]
+           f"--ioengine={engine}", f"--iodepth={qd}", f"--runtime={max(1, int(seconds * 1000))}ms", "--time_based",
+           "--readonly", "--output-format=json"]
+    if engine == "io_uring":  # as our uring reader: registered files and buffers
+        cmd += ["--registerfiles=1", "--fixedbufs=1"]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         print(f"fio failed: {res.stderr.strip()[:300]}", file=sys.stderr)
         return None
-    read = json.loads(res.stdout)["jobs"][0]["read"]
-    return {"iops": read["iops"], "gbps": read["bw_bytes"] / 1e9}
+    job = json.loads(res.stdout)["jobs"][0]
+    read = job["read"]
+    cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100 * job["job_runtime"] / 1000
+    return {"iops": read["iops"], "gbps": read["bw_bytes"] / 1e9,
+            "cpu_us_per_io": cpu / read["total_ios"] * 1e6 if read["total_ios"] else None}
+
+
+def spread(runs: list[dict], key: str) -> dict:
+    """Median, min and max of ``key`` over runs (None when no run has it)."""
+    vals = sorted(r[key] for r in runs if r and r.get(key) is not None)
+    if not vals:
+        return {"median": None, "min": None, "max": None}
+    return {"median": float(np.median(vals)), "min": vals[0], "max": vals[-1]}
+
+
+def reader_point(runs: list[dict], fio_runs: list[dict | None]) -> dict:
+    """One reader at one queue depth: best IOPS, CPU per page (median, spread), over fio's."""
+    cpu, fio_cpu = spread(runs, "cpu_us_per_page"), spread(fio_runs, "cpu_us_per_io")
+    return {"iops": max(r["iops"] for r in runs), "iops_median": spread(runs, "iops")["median"],
+            "cpu_us_per_page": cpu["median"], "cpu_us_per_page_min": cpu["min"], "cpu_us_per_page_max": cpu["max"],
+            "cpu_vs_fio": ratio(cpu["median"], fio_cpu["median"]), "runs": runs}
 
 
 def cold_lookups(tables: Path, layer: int, qd: int, seconds: float, batch_rows: int, backend: str,
@@ -183,7 +229,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=2.0, help="seconds per measurement")
     ap.add_argument("--reps", type=int, default=1, help="alternate ours/fio this many times per point, keep each best")
     ap.add_argument("--lookup-rows", type=int, default=6144, help="rows per cold lookup request")
-    ap.add_argument("--reader", default="auto", choices=["auto", "native", "threads"])
+    ap.add_argument("--reader", default="auto", choices=["auto", "native", *READERS],
+                    help="the reader of the cold lookups and the page-check measurement")
+    ap.add_argument("--readers", nargs="+", choices=READERS, help="readers of the random-read points "
+                    "(default: every one this host runs)")
+    ap.add_argument("--fio-engine", default="io_uring", help="fio's --ioengine (io_uring, libaio, ...)")
     ap.add_argument("--no-fio", action="store_true", help="skip fio even when installed")
     ap.add_argument("--check-qd", type=int, default=64, help="queue depth of the page-check cost measurement")
     ap.add_argument("--check-reps", type=int, default=7, help="with/without page checks, alternated this many times")
@@ -204,27 +254,42 @@ def run(args) -> int:
     manifest = Manifest.load(tables)
     entry = max(manifest.layers, key=lambda e: e.file_bytes)
     path = tables / entry.file
+    from engram_store.storage.readers import aio, best_backend, uring
+
     use_fio = not args.no_fio and shutil.which("fio") is not None
+    runnable = {"uring": uring.available(), "aio": aio.available(), "threads": True}
+    ours_name = best_backend() if args.reader in ("auto", "native") else args.reader
+    names = [n for n in (args.readers or READERS) if runnable[n]]
+    if ours_name not in names:
+        names.append(ours_name)
     points = []
     best = lambda runs, key: max(runs, key=lambda r: r[key]) if runs and runs[0] else None  # noqa: E731
     for qd in args.qd:
-        ours_runs, fio_runs, cold_runs = [], [], []
-        for _ in range(max(1, args.reps)):
-            ours_runs.append(random_iops(path, qd, args.seconds, args.reader))
-            fio_runs.append(fio(path, "randread", "4k", qd, args.seconds) if use_fio else None)
+        runs: dict[str, list[dict]] = {n: [] for n in names}
+        fio_runs, cold_runs = [], []
+        for rep in range(max(1, args.reps)):
+            for name in names if rep % 2 == 0 else names[::-1]:  # fio after the readers, then before them
+                runs[name].append(random_iops(path, qd, args.seconds, name))
+            fio_runs.append(fio(path, "randread", "4k", qd, args.seconds, args.fio_engine) if use_fio else None)
             cold_runs.append(cold_lookups(tables, entry.layer, qd, args.seconds, args.lookup_rows, args.reader))
-        ours, theirs, cold = best(ours_runs, "iops"), best(fio_runs, "iops"), best(cold_runs, "pages_per_s")
+        ours, theirs, cold = best(runs[ours_name], "iops"), best(fio_runs, "iops"), best(cold_runs, "pages_per_s")
+        fio_cpu = spread(fio_runs, "cpu_us_per_io")
         points.append({"qd": qd, "ours_iops": ours["iops"], "ours_gbps": ours["gbps"],
+                       "ours_cpu_us_per_page": spread(runs[ours_name], "cpu_us_per_page")["median"],
                        "fio_iops": theirs["iops"] if theirs else None, "fio_gbps": theirs["gbps"] if theirs else None,
+                       "fio_cpu_us_per_io": fio_cpu["median"], "fio_cpu_us_per_io_min": fio_cpu["min"],
+                       "fio_cpu_us_per_io_max": fio_cpu["max"],
                        "ratio_iops": ratio(ours["iops"], theirs["iops"] if theirs else None),
+                       "readers": {n: reader_point(runs[n], fio_runs) for n in names},
                        "lookup_rows_per_s": cold["rows_per_s"], "lookup_pages_per_s": cold["pages_per_s"],
                        "lookup_ratio_vs_fio": ratio(cold["pages_per_s"], theirs["iops"] if theirs else None),
                        "direct": ours["direct"], "backend": ours["backend"]})
     seq = sequential(path, args.seconds)
-    seq_fio = fio(path, "read", "1m", 8, args.seconds) if use_fio else None
+    seq_fio = fio(path, "read", "1m", 8, args.seconds, args.fio_engine) if use_fio else None
     checks = page_checks(tables, entry.layer, args.check_qd, args.seconds, args.lookup_rows, args.reader, args.check_reps)
     crc = crc32c_rate(min(args.seconds, 1.0))
-    result = {"file": str(path), "file_bytes": entry.file_bytes, "fio": use_fio, "points": points,
+    result = {"file": str(path), "file_bytes": entry.file_bytes, "fio": use_fio, "fio_engine": args.fio_engine,
+              "readers": names, "reps": max(1, args.reps), "points": points,
               "sequential_gbps": seq["gbps"], "fio_sequential_gbps": seq_fio["gbps"] if seq_fio else None,
               "sequential_ratio": ratio(seq["gbps"], seq_fio["gbps"] if seq_fio else None),
               "lookup_rows": args.lookup_rows, "page_checks": checks, "crc32c_gbps": crc["gbps"],
@@ -241,6 +306,15 @@ def run(args) -> int:
         print(f"{p['qd']:>4} {p['ours_iops']:>11,.0f} {fmt(p['fio_iops'], '>11,.0f')} {fmt(p['ratio_iops'], '>6.2f')} "
               f"{p['ours_gbps']:>9.3f} {p['lookup_rows_per_s']:>13,.0f} {p['lookup_pages_per_s']:>10,.0f} "
               f"{fmt(p['lookup_ratio_vs_fio'], '>6.2f')}")
+    print(f"\nCPU per 4 KiB random read (us; median [min..max] of {result['reps']} runs), fio {args.fio_engine}:")
+    print(f"{'QD':>4} {'reader':>8} {'IOPS':>11} {'CPU us/page':>24} {'vs fio':>6}")
+    for p in points:
+        for name, r in p["readers"].items():
+            print(f"{p['qd']:>4} {name:>8} {r['iops']:>11,.0f} {r['cpu_us_per_page']:>8.2f} "
+                  f"[{r['cpu_us_per_page_min']:.2f}..{r['cpu_us_per_page_max']:.2f}]{'':>3} {fmt(r['cpu_vs_fio'], '>6.2f')}")
+        if p["fio_cpu_us_per_io"] is not None:
+            print(f"{p['qd']:>4} {'fio':>8} {p['fio_iops']:>11,.0f} {p['fio_cpu_us_per_io']:>8.2f} "
+                  f"[{p['fio_cpu_us_per_io_min']:.2f}..{p['fio_cpu_us_per_io_max']:.2f}]")
     print(f"sequential 1 MiB reads: ours {seq['gbps']:.3f} GB/s, fio {fmt(result['fio_sequential_gbps'], '.3f')} GB/s, "
           f"ratio {fmt(result['sequential_ratio'], '.2f')}")
     print(f"per-page crc32c checks, cold lookups at QD {checks['qd']} ({checks['reps']} alternated runs, medians): "

@@ -182,7 +182,7 @@ def test_cached_mode_has_no_arena_and_config_errors(tables):
     for bad in [dict(dram_bytes=1 << 30, mode="bogus"), dict(dram_bytes=1 << 30, policy="fifo"),
                 dict(dram_bytes=-1), dict(dram_bytes=10), dict(dram_bytes=1000, mode="resident"),
                 dict(dram_bytes=1 << 30, queue_depth=0), dict(dram_bytes=1 << 30, queue_depth=257),
-                dict(dram_bytes=1 << 30, max_coalesce_pages=0), dict(dram_bytes=1 << 30, reader="uring"),
+                dict(dram_bytes=1 << 30, max_coalesce_pages=0), dict(dram_bytes=1 << 30, reader="bogus"),
                 dict(dram_bytes=1 << 30, gds="sometimes")]:
         with pytest.raises(ConfigError):
             TieredStore.open(tables["tiny"], **bad)

@@ -4,7 +4,8 @@
 - ``shm``: client regions (sealed memfds) and passing fds over a Unix socket;
 - ``gather``: the row gather pool (``_gather.c``, numpy fallback) that the daemon,
   clients reading a mapped arena and ``LocalClient`` share;
-- ``_pread.c`` (Linux AIO reads, crc32c) and ``_gather.c`` (row gathers; its C API
-  in ``_gather_api.h``): optional extensions, each probed once where it is used,
-  with a pure-Python fallback that logs.
+- ``_uring.c`` (io_uring reads through raw syscalls), ``_pread.c`` (Linux AIO reads),
+  both checking pages with ``crc32c.h`` (the one crc32c), and ``_gather.c`` (row
+  gathers; its C API in ``_gather_api.h``): optional extensions, each probed once
+  where it is used, with a pure-Python fallback that logs.
 """

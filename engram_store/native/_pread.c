@@ -23,7 +23,7 @@
  *     SSE4.2's crc32 instruction when the CPU has it (probed once, at import),
  *     four pages interleaved so the instruction's latency is hidden; otherwise
  *     slicing-by-8 tables (software=True forces them, for tests). The GIL is
- *     released while either runs.
+ *     released while either runs. The code is native/crc32c.h, shared with _uring.c.
  *
  * Up to queue_depth reads are kept in flight with Linux native AIO (io_setup /
  * io_submit / io_getevents as raw syscalls, completions reaped from the
@@ -52,97 +52,7 @@
 #define MAX_QD 256   /* events of one AIO context; larger queue depths are clamped */
 #define CTX_POOL 64  /* idle contexts kept: io_destroy waits for an RCU grace period (ms) */
 
-/* --- crc32c ------------------------------------------------------------------------- */
-#define PAGE 4096
-#define MAX_CHECKED_PAGES 64  /* pages of one checked extent: a bit each in a uint64_t mask */
-#define CRC32C_POLY 0x82F63B78u  /* Castagnoli, reflected */
-
-static uint32_t crc_table[8][256];
-static int crc_hw = 0;  /* SSE4.2 crc32 instruction available (probed once in PyInit) */
-
-static void crc_init(void) {
-    for (uint32_t i = 0; i < 256; i++) {
-        uint32_t c = i;
-        for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ CRC32C_POLY : c >> 1;
-        crc_table[0][i] = c;
-    }
-    for (uint32_t i = 0; i < 256; i++)
-        for (int t = 1; t < 8; t++) crc_table[t][i] = (crc_table[t - 1][i] >> 8) ^ crc_table[0][crc_table[t - 1][i] & 0xFF];
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    __builtin_cpu_init();
-    crc_hw = __builtin_cpu_supports("sse4.2");
-#endif
-}
-
-/* Raw (not inverted) crc register over n bytes, slicing by 8. */
-static uint32_t crc_sw(uint32_t c, const uint8_t *p, size_t n) {
-    while (n >= 8) {
-        uint64_t w;
-        memcpy(&w, p, 8);
-        w ^= c;
-        c = crc_table[7][w & 0xFF] ^ crc_table[6][(w >> 8) & 0xFF] ^ crc_table[5][(w >> 16) & 0xFF] ^
-            crc_table[4][(w >> 24) & 0xFF] ^ crc_table[3][(w >> 32) & 0xFF] ^ crc_table[2][(w >> 40) & 0xFF] ^
-            crc_table[1][(w >> 48) & 0xFF] ^ crc_table[0][w >> 56];
-        p += 8;
-        n -= 8;
-    }
-    while (n--) c = (c >> 8) ^ crc_table[0][(c ^ *p++) & 0xFF];
-    return c;
-}
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define HAVE_CRC_HW 1
-__attribute__((target("sse4.2"))) static uint32_t crc_hw_run(uint32_t c, const uint8_t *p, size_t n) {
-    uint64_t c64 = c;
-    while (n >= 8) {
-        uint64_t w;
-        memcpy(&w, p, 8);
-        c64 = __builtin_ia32_crc32di(c64, w);
-        p += 8;
-        n -= 8;
-    }
-    c = (uint32_t)c64;
-    while (n--) c = __builtin_ia32_crc32qi(c, *p++);
-    return c;
-}
-
-/* Four pages at once: four independent dependency chains keep the crc32 unit busy. */
-__attribute__((target("sse4.2"))) static void crc_hw_pages4(const uint8_t *p, uint32_t *out) {
-    uint64_t a = 0xFFFFFFFFu, b = a, c = a, d = a;
-    for (size_t k = 0; k < PAGE; k += 8) {
-        uint64_t wa, wb, wc, wd;
-        memcpy(&wa, p + k, 8);
-        memcpy(&wb, p + PAGE + k, 8);
-        memcpy(&wc, p + 2 * PAGE + k, 8);
-        memcpy(&wd, p + 3 * PAGE + k, 8);
-        a = __builtin_ia32_crc32di(a, wa);
-        b = __builtin_ia32_crc32di(b, wb);
-        c = __builtin_ia32_crc32di(c, wc);
-        d = __builtin_ia32_crc32di(d, wd);
-    }
-    out[0] = ~(uint32_t)a; out[1] = ~(uint32_t)b; out[2] = ~(uint32_t)c; out[3] = ~(uint32_t)d;
-}
-#endif
-
-static uint32_t crc32c_any(uint32_t crc, const uint8_t *p, size_t n, int hw) {
-#ifdef HAVE_CRC_HW
-    if (hw) return ~crc_hw_run(~crc, p, n);
-#endif
-    (void)hw;
-    return ~crc_sw(~crc, p, n);
-}
-
-/* out[i] = crc32c of page i of p (npages whole pages); hw: may use SSE4.2 (else tables). */
-static void crc32c_pages_any(const uint8_t *p, int64_t npages, uint32_t *out, int hw) {
-    int64_t i = 0;
-#ifdef HAVE_CRC_HW
-    if (hw)
-        for (; i + 4 <= npages; i += 4) crc_hw_pages4(p + i * PAGE, out + i);
-#endif
-    for (; i < npages; i++) out[i] = crc32c_any(0, p + i * PAGE, PAGE, hw);
-}
-
-static void crc32c_pages(const uint8_t *p, int64_t npages, uint32_t *out) { crc32c_pages_any(p, npages, out, crc_hw); }
+#include "crc32c.h"  /* crc32c, page checks; PAGE, MAX_CHECKED_PAGES */
 
 static long sys_io_setup(unsigned nr, aio_context_t *ctx) { return syscall(SYS_io_setup, nr, ctx); }
 static long sys_io_destroy(aio_context_t ctx) { return syscall(SYS_io_destroy, ctx); }
@@ -238,17 +148,8 @@ static void complete(batch_t *b, Py_ssize_t i, int slot) {
     if (!b->scratch) return;
     const char *src = b->scratch + (int64_t)slot * b->slot;
     uint64_t bad_mask = 0;
-    if (b->crcs) {
-        int64_t first = b->off[i] / PAGE, n = b->len[i] / PAGE;
-        uint32_t got[MAX_CHECKED_PAGES];
-        crc32c_pages((const uint8_t *)src, n, got);
-        for (int64_t k = 0; k < n; k++) {
-            if (got[k] != b->crcs[first + k]) {
-                bad_mask |= (uint64_t)1 << k;
-                b->bad[b->nbad++] = first + k;
-            }
-        }
-    }
+    if (b->crcs)
+        bad_mask = crc32c_check_pages((const uint8_t *)src, b->off[i] / PAGE, b->len[i] / PAGE, b->crcs, b->bad, &b->nbad);
     for (int64_t r = b->first_row[i]; r < b->first_row[i + 1]; r++)
         if (!bad_mask || !(bad_mask >> (b->row_off[r] / PAGE) & 1))
             memcpy(b->out + r * b->row_bytes, src + b->row_off[r], (size_t)b->row_bytes);

@@ -128,7 +128,7 @@ class TieredStore:
         "cached"}`` for the layers to place by hand (with ``mode="auto"``).
         ``queue_depth``: NVMe reads in flight. ``policy``: cache policy (``s3fifo``, ``lru``).
         ``huge_pages``: use huge pages where the host allows. ``gds``: ``auto``/``on``/``off``,
-        kvikio for the resident fill. ``reader``: ``auto``/``native``/``threads``.
+        kvikio for the resident fill. ``reader``: ``auto``/``native``/``uring``/``aio``/``threads``.
         ``warmup``: an access profile to load into the cache at start.
         ``gather_threads``: threads copying rows of one large request (default: CPU count, at most 8).
         ``scrub_bytes_per_second``: cached mode, read and check every page in the background at
