@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engram_store.format.layout import PAGE_BYTES
+from engram_store.format.manifest import Manifest
 from engram_store.format.tableset import TableSet
 from engram_store.spec import get_spec
 from engram_store.tools.synth import synth_rows, write_synthetic
@@ -33,3 +35,14 @@ def cache_budget(spec, fraction: float) -> int:
     """dram_bytes giving a cache of about ``fraction`` of the table's rows."""
     rows = sum(spec.rows(layer) for layer in spec.layers)
     return int(rows * fraction) * (spec.row_bytes + 40)
+
+
+def flip(directory, layer: int, page: int, at: int = 100) -> None:
+    """Flip one byte inside ``page`` of ``layer``'s data file (inside a row, not the padding)."""
+    path = directory / Manifest.load(directory).layer(layer).file
+    with open(path, "r+b") as f:
+        f.seek(page * PAGE_BYTES + at)
+        b = f.read(1)
+        f.seek(page * PAGE_BYTES + at)
+        f.write(bytes([b[0] ^ 0x5A]))
+        f.flush()

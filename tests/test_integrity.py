@@ -17,6 +17,7 @@ import urllib.request
 import numpy as np
 import pytest
 from daemon_helpers import DaemonProcess, expected
+from storage_helpers import flip
 
 from engram_store import errors
 from engram_store.format import checksums
@@ -47,17 +48,6 @@ def tables(pristine, tmp_path):
     copy = tmp_path / "tables"
     shutil.copytree(pristine, copy)
     return copy
-
-
-def flip(directory, layer: int, page: int, at: int = 100) -> None:
-    """Flip one byte inside ``page`` of ``layer``'s data file (inside a row, not the padding)."""
-    path = directory / Manifest.load(directory).layer(layer).file
-    with open(path, "r+b") as f:
-        f.seek(page * PAGE_BYTES + at)
-        b = f.read(1)
-        f.seek(page * PAGE_BYTES + at)
-        f.write(bytes([b[0] ^ 0x5A]))
-        f.flush()
 
 
 def rows_of(page: int) -> np.ndarray:

@@ -16,13 +16,13 @@ import time
 import numpy as np
 import pytest
 from daemon_helpers import DaemonProcess, expected, make_tables
+from storage_helpers import flip
 
 from engram_store import errors
 from engram_store.client import plan as client_plan
 from engram_store.client.client import EngramClient
 from engram_store.format import checksums
 from engram_store.format.layout import PAGE_BYTES
-from engram_store.format.manifest import Manifest
 from engram_store.format.tableset import TableSet
 from engram_store.storage.tiered import TieredStore
 from engram_store.wire import frames as wire
@@ -170,15 +170,6 @@ def test_a_resident_layer_is_served_as_a_normal_lookup(tables, tmp_path):
             assert client.plan_info()["pages_read"] == 0
             if extra:  # the Python path counts it as a plan request served whole
                 assert client.stats()["store_plan_rows_served"] == 2 * ids.size
-
-
-def flip(directory, layer: int, page: int, at: int = 100) -> None:
-    path = directory / Manifest.load(directory).layer(layer).file
-    with open(path, "r+b") as f:
-        f.seek(page * PAGE_BYTES + at)
-        b = f.read(1)
-        f.seek(page * PAGE_BYTES + at)
-        f.write(bytes([b[0] ^ 0x5A]))
 
 
 def test_a_corrupt_page_is_refused_by_the_client(tables, tmp_path):

@@ -19,12 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from storage_helpers import FLASH, TINY, check_rows, make_tables
+from storage_helpers import FLASH, TINY, check_rows, flip, make_tables
 
 from engram_store import errors
 from engram_store.format import checksums
 from engram_store.format.layout import PAGE_BYTES
-from engram_store.format.manifest import Manifest
 from engram_store.native import syscalls
 from engram_store.storage import readers
 from engram_store.storage.readers import aio, open_reader, uring
@@ -90,15 +89,6 @@ def test_store_lookups_from_many_threads_each_get_a_ring(tmp_path):
         assert len(reader._rings) == 0  # the rings of finished threads are freed with them
 
 
-def _flip(directory, layer: int, page: int, at: int = 100) -> None:
-    path = directory / Manifest.load(directory).layer(layer).file
-    with open(path, "r+b") as f:
-        f.seek(page * PAGE_BYTES + at)
-        b = f.read(1)
-        f.seek(page * PAGE_BYTES + at)
-        f.write(bytes([b[0] ^ 0x5A]))
-
-
 def test_a_page_flipped_on_disk_is_detected_and_refused(tmp_path):
     tables = tmp_path / "copy"
     shutil.copytree(make_tables(tmp_path, TINY), tables)
@@ -106,7 +96,7 @@ def test_a_page_flipped_on_disk_is_detected_and_refused(tmp_path):
     with TieredStore.open(tables, dram_bytes=1 << 20, mode="cached", reader="uring") as store:
         good = np.arange(0, 200, dtype=np.int64)
         check_rows(store, tables, TINY, layer, good, store.lookup(layer, good).reshape(len(good), -1))
-        _flip(tables, layer, 20)
+        flip(tables, layer, 20)
         with pytest.raises(errors.CorruptRows, match=f"layer {layer}: .*page 20 at file offset {20 * PAGE_BYTES}"):
             store.lookup(layer, np.array([3, 20 * rpp + 1], dtype=np.int64))
         others = np.setdiff1d(np.arange(0, TINY.rows(layer), 7), np.arange(20 * rpp, 21 * rpp))

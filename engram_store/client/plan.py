@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .. import errors
+from .. import errors, native
 from ..format import checksums
 from ..format.layout import PAGE_BYTES, extents
 from ..native.syscalls import OpenedFile, aligned_buffer, as_array, open_direct
@@ -73,14 +73,8 @@ class PlanExecutor(Protocol):
     def close(self) -> None: ...
 
 
-@functools.cache
 def _native_reader():
-    try:
-        from ..native import _pread
-    except ImportError as exc:
-        log.warning("native reader _pread not built (%s); plan pages are read one by one with os.preadv", exc)
-        return None
-    return _pread
+    return native.load("_pread", "plan pages are read one by one with os.preadv")
 
 
 def _corrupt(layer: int, plan: ReadPlan, bad_pages: np.ndarray) -> errors.CorruptRows:

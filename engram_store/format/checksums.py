@@ -17,6 +17,7 @@ import logging
 
 import numpy as np
 
+from .. import native
 from .layout import PAGE_BYTES
 
 log = logging.getLogger(__name__)
@@ -24,14 +25,8 @@ log = logging.getLogger(__name__)
 POLY = 0x82F63B78  # crc32c, reflected
 
 
-@functools.cache
 def _native():
-    try:
-        from ..native import _pread
-    except ImportError as exc:
-        log.warning("native crc32c (_pread) not built (%s); page checksums use numpy (slow)", exc)
-        return None
-    return _pread
+    return native.load("_pread", "page checksums use numpy (slow)")
 
 
 def implementation() -> str:

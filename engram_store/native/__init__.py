@@ -9,3 +9,34 @@
   gathers; its C API in ``_gather_api.h``): optional extensions, each probed once
   where it is used, with a pure-Python fallback that logs.
 """
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+
+def load(name: str, without: str) -> ModuleType | None:
+    """The extension module ``name`` of this package (``_pread``, ``_uring``, ``_gather``), or None
+    when it is not built; each caller's fallback (``without``: what runs instead) is logged once."""
+    module, why = _import(name)
+    if module is None:
+        _warn(name, why, without)
+    return module
+
+
+@functools.cache
+def _import(name: str) -> tuple[ModuleType | None, str]:
+    try:
+        return importlib.import_module(f"{__name__}.{name}"), ""
+    except ImportError as exc:
+        return None, str(exc)
+
+
+@functools.cache
+def _warn(name: str, why: str, without: str) -> None:
+    log.warning("native module %s not built (%s); %s", name, why, without)

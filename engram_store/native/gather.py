@@ -16,20 +16,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from . import load
+
 log = logging.getLogger(__name__)
 
 PARALLEL_MIN_ROWS = 16384  # fallback only: numpy gathers this large are split across Python threads
 
 
-@functools.cache
 def native_gather():
     """The ``_gather`` extension module (row gathers on a native thread pool), or None."""
-    try:
-        from . import _gather
-    except ImportError as exc:
-        log.warning("native gather _gather not built (%s); using np.take on a Python thread pool", exc)
-        return None
-    return _gather
+    return load("_gather", "using np.take on a Python thread pool")
 
 
 class Gatherer:

@@ -7,6 +7,7 @@ import logging
 
 import numpy as np
 
+from ... import native
 from ...format.layout import PAGE_BYTES
 
 log = logging.getLogger(__name__)
@@ -15,13 +16,10 @@ log = logging.getLogger(__name__)
 @functools.cache
 def native_reader():
     """The ``_pread`` extension module, or None (not built); probed once, logged."""
-    try:
-        from ...native import _pread
-    except ImportError as exc:
-        log.warning("native reader _pread not built (%s); using a Python thread pool of os.preadv", exc)
-        return None
-    log.info("native reader _pread (Linux AIO) in use")
-    return _pread
+    module = native.load("_pread", "the AIO reader is unavailable (the next backend is used)")
+    if module is not None:
+        log.info("native reader _pread (Linux AIO) available")
+    return module
 
 
 def available() -> bool:
