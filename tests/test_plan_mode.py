@@ -10,6 +10,7 @@ as a normal lookup). The wire format and the store's side are checked in process
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 
@@ -265,3 +266,22 @@ def test_the_prefetcher_reads_cold_rows_by_plan_when_asked(tmp_path):
                 assert info["executor"] == "host" and info["pages_read"] > 0 and not info["fallbacks"]
             with EngramPrefetcher(client, max_tokens=64) as pf:
                 assert not pf.plan and pf.info()["plan"] is None  # off by default: no gain on the host
+
+
+def test_plan_counters_reach_prometheus(tables, tmp_path):
+    import urllib.request
+
+    from daemon_helpers import DaemonProcess
+
+    from engram_store.client.client import EngramClient
+
+    (tmp_path / "d").mkdir()
+    with DaemonProcess(tables.directory, tmp_path / "d", dram_bytes="64KiB",
+                       extra=["--metrics", "127.0.0.1:0"]) as daemon:
+        with EngramClient.connect(daemon.unix) as client:
+            ids = np.arange(0, 3000, 7)
+            out = np.empty((ids.size, tables.row_bytes), np.uint8)
+            client.lookup_planned(1, ids, out)
+        text = urllib.request.urlopen(f"http://{daemon.ready['metrics']}/metrics", timeout=10).read().decode()
+        m = re.search(r"^engram_store_plan_rows_planned_total (\S+)$", text, re.M)
+        assert m and float(m.group(1)) > 0, text[:2000]

@@ -36,6 +36,13 @@ _STORE_METRICS: tuple[tuple[str, str, str, str], ...] = (
      "Rows of lookups refused because their page is corrupt"),
     ("scrub_bytes", "engram_store_scrub_bytes", "counter", "Bytes read and checked by the background scrub"),
     ("scrub_passes", "engram_store_scrub_passes", "counter", "Complete scrub passes over the table set"),
+    ("plan_rows_planned", "engram_store_plan_rows_planned", "counter",
+     "Row positions of plan lookups left to the client's read plan (read by the engine process)"),
+    ("plan_pages_planned", "engram_store_plan_pages_planned", "counter", "Distinct pages in the read plans sent"),
+    ("plan_admitted_rows", "engram_store_plan_admitted_rows", "counter",
+     "Planned rows read, checked and admitted into the cache in the background"),
+    ("plan_admit_dropped_rows", "engram_store_plan_admit_dropped_rows", "counter",
+     "Planned rows not admitted because the background queue was full"),
 )
 
 
