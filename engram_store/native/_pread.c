@@ -53,6 +53,7 @@
 #define CTX_POOL 64  /* idle contexts kept: io_destroy waits for an RCU grace period (ms) */
 
 #include "crc32c.h"  /* crc32c, page checks; PAGE, MAX_CHECKED_PAGES */
+#include "batch.h"   /* the calls' arguments and checks, the per-extent page check and row copy */
 
 static long sys_io_setup(unsigned nr, aio_context_t *ctx) { return syscall(SYS_io_setup, nr, ctx); }
 static long sys_io_destroy(aio_context_t ctx) { return syscall(SYS_io_destroy, ctx); }
@@ -120,15 +121,8 @@ static void ctx_put(aio_context_t ctx, int drained) {
 }
 
 typedef struct {
+    batch_args_t a;                  /* what the call asked for, checked (batch.h) */
     int fd;
-    Py_ssize_t n;                    /* extents */
-    const int64_t *off, *len;
-    char *buf; const int64_t *dst;   /* read_batch: destination of each extent */
-    char *scratch; int64_t slot;     /* read_rows: slot buffers of `slot` bytes */
-    char *out; int64_t row_bytes;
-    const int64_t *first_row, *row_off;
-    const uint32_t *crcs; int64_t ncrcs;  /* read_rows: expected crc32c per page of the file, or NULL */
-    int64_t *bad; int64_t nbad;      /* read_rows: page numbers that failed their check */
     int err;                         /* errno of the first failure, 0 if none */
     int64_t err_off;                 /* file offset of the first failure */
     int short_read;                  /* the failure was a short read */
@@ -138,36 +132,19 @@ static void fail(batch_t *b, int err, int64_t off, int is_short) {
     if (!b->err) { b->err = err; b->err_off = off; b->short_read = is_short; }
 }
 
-static char *target(batch_t *b, Py_ssize_t i, int slot) {
-    return b->scratch ? b->scratch + (int64_t)slot * b->slot : b->buf + b->dst[i];
-}
-
-/* Extent i has arrived in its slot: check its pages (when crcs are given), then copy out the
-   rows of the pages that passed. */
-static void complete(batch_t *b, Py_ssize_t i, int slot) {
-    if (!b->scratch) return;
-    const char *src = b->scratch + (int64_t)slot * b->slot;
-    uint64_t bad_mask = 0;
-    if (b->crcs)
-        bad_mask = crc32c_check_pages((const uint8_t *)src, b->off[i] / PAGE, b->len[i] / PAGE, b->crcs, b->bad, &b->nbad);
-    for (int64_t r = b->first_row[i]; r < b->first_row[i + 1]; r++)
-        if (!bad_mask || !(bad_mask >> (b->row_off[r] / PAGE) & 1))
-            memcpy(b->out + r * b->row_bytes, src + b->row_off[r], (size_t)b->row_bytes);
-}
-
 static int64_t read_sync(batch_t *b) {
     int64_t total = 0;
-    for (Py_ssize_t i = 0; i < b->n && !b->err; i++) {
-        char *dst = target(b, i, 0);
+    for (Py_ssize_t i = 0; i < b->a.n && !b->err; i++) {
+        char *dst = batch_target(&b->a, i, 0);
         int64_t done = 0;
-        while (done < b->len[i]) {
-            ssize_t r = pread(b->fd, dst + done, (size_t)(b->len[i] - done), b->off[i] + done);
+        while (done < b->a.len[i]) {
+            ssize_t r = pread(b->fd, dst + done, (size_t)(b->a.len[i] - done), b->a.off[i] + done);
             if (r < 0 && errno == EINTR) continue;
-            if (r < 0) { fail(b, errno, b->off[i], 0); break; }
-            if (r == 0) { fail(b, EIO, b->off[i], 1); break; }
+            if (r < 0) { fail(b, errno, b->a.off[i], 0); break; }
+            if (r == 0) { fail(b, EIO, b->a.off[i], 1); break; }
             done += r;
         }
-        if (!b->err) complete(b, i, 0);
+        if (!b->err) batch_complete(&b->a, i, 0);
         total += done;
     }
     return total;
@@ -186,17 +163,17 @@ static int64_t read_aio(batch_t *b, int qd) {
     Py_ssize_t next = 0;
     long inflight = 0;
     int64_t total = 0;
-    while ((next < b->n && !b->err) || inflight > 0) {
+    while ((next < b->a.n && !b->err) || inflight > 0) {
         long batch = 0;
-        while (next < b->n && nfree > 0 && !b->err) {
+        while (next < b->a.n && nfree > 0 && !b->err) {
             int slot = free_idx[--nfree];
             struct iocb *cb = &cbs[slot];
             memset(cb, 0, sizeof(*cb));
             cb->aio_fildes = (uint32_t)b->fd;
             cb->aio_lio_opcode = IOCB_CMD_PREAD;
-            cb->aio_buf = (uint64_t)(uintptr_t)target(b, next, slot);
-            cb->aio_nbytes = (uint64_t)b->len[next];
-            cb->aio_offset = b->off[next];
+            cb->aio_buf = (uint64_t)(uintptr_t)batch_target(&b->a, next, slot);
+            cb->aio_nbytes = (uint64_t)b->a.len[next];
+            cb->aio_offset = b->a.off[next];
             cb->aio_data = (uint64_t)next;
             ptrs[batch++] = cb;
             next++;
@@ -222,9 +199,9 @@ static int64_t read_aio(batch_t *b, int qd) {
             int slot = (int)((struct iocb *)(uintptr_t)events[k].obj - cbs);
             Py_ssize_t i = (Py_ssize_t)events[k].data;
             int64_t res = (int64_t)events[k].res;
-            if (res < 0) fail(b, (int)-res, b->off[i], 0);
-            else if (res != b->len[i]) fail(b, EIO, b->off[i], 1);
-            else { total += res; complete(b, i, slot); }
+            if (res < 0) fail(b, (int)-res, b->a.off[i], 0);
+            else if (res != b->a.len[i]) fail(b, EIO, b->a.off[i], 1);
+            else { total += res; batch_complete(&b->a, i, slot); }
             free_idx[nfree++] = slot;
         }
         inflight -= got;
@@ -238,7 +215,7 @@ static PyObject *run(batch_t *b, int qd) {  /* bytes read, or NULL with OSError 
     if (qd > MAX_QD) qd = MAX_QD;
     int64_t total;
     Py_BEGIN_ALLOW_THREADS
-    total = b->n ? read_aio(b, qd) : 0;
+    total = b->a.n ? read_aio(b, qd) : 0;
     if (total < 0) total = read_sync(b);
     Py_END_ALLOW_THREADS
     if (b->err) {
@@ -250,63 +227,16 @@ static PyObject *run(batch_t *b, int qd) {  /* bytes read, or NULL with OSError 
     return PyLong_FromLongLong(total);
 }
 
-#define MAX_VIEWS 8
-
-static int get_view(PyObject *obj, Py_buffer *views, int *nviews, int writable, int int64, const char *name) {
-    Py_buffer *v = &views[*nviews];
-    if (PyObject_GetBuffer(obj, v, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
-    (*nviews)++;
-    if (int64 && (v->itemsize != 8 || v->len % 8)) {
-        PyErr_Format(PyExc_TypeError, "%s must be an int64 buffer", name);
-        return -1;
-    }
-    return 0;
-}
-
-static void release(Py_buffer *views, int nviews) {
-    for (int i = 0; i < nviews; i++) PyBuffer_Release(&views[i]);
-}
-
-static int check_extents(batch_t *b, Py_ssize_t n_len) {
-    if (n_len != b->n) {
-        PyErr_SetString(PyExc_ValueError, "file_offsets and lengths must have one length");
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < b->n; i++) {
-        if (b->off[i] < 0 || b->len[i] <= 0) {
-            PyErr_Format(PyExc_ValueError, "extent %zd: offset %lld, length %lld", i, (long long)b->off[i], (long long)b->len[i]);
-            return -1;
-        }
-    }
-    return 0;
-}
-
 static PyObject *read_batch(PyObject *Py_UNUSED(self), PyObject *args) {
     int fd, qd;
     PyObject *o_buf, *o_off, *o_len, *o_dst;
     if (!PyArg_ParseTuple(args, "iOOOOi", &fd, &o_buf, &o_off, &o_len, &o_dst, &qd)) return NULL;
-    Py_buffer v[MAX_VIEWS];
-    int nv = 0;
+    batch_t b = {.fd = fd};
     PyObject *result = NULL;
-    if (get_view(o_buf, v, &nv, 1, 0, "buf") < 0 || get_view(o_off, v, &nv, 0, 1, "file_offsets") < 0 ||
-        get_view(o_len, v, &nv, 0, 1, "lengths") < 0 || get_view(o_dst, v, &nv, 0, 1, "buf_offsets") < 0)
-        goto done;
-    batch_t b = {0};
-    b.fd = fd;
-    b.n = v[1].len / 8;
-    b.off = v[1].buf; b.len = v[2].buf; b.buf = v[0].buf; b.dst = v[3].buf;
-    if (check_extents(&b, v[2].len / 8) < 0) goto done;
-    if (v[3].len / 8 != b.n) { PyErr_SetString(PyExc_ValueError, "buf_offsets must match file_offsets"); goto done; }
-    for (Py_ssize_t i = 0; i < b.n; i++) {
-        if (b.dst[i] < 0 || b.dst[i] + b.len[i] > v[0].len) {
-            PyErr_Format(PyExc_ValueError, "read %zd (%lld bytes to %lld) is outside the %zd-byte buffer",
-                         i, (long long)b.len[i], (long long)b.dst[i], v[0].len);
-            goto done;
-        }
-    }
-    result = run(&b, qd);
-done:
-    release(v, nv);
+    if (batch_views_batch(&b.a, o_buf, o_off, o_len, o_dst) == 0 && batch_check_extents(&b.a, 0) == 0 &&
+        batch_check_dst(&b.a) == 0)
+        result = run(&b, qd);
+    batch_release(&b.a);
     return result;
 }
 
@@ -317,77 +247,24 @@ static PyObject *read_rows(PyObject *Py_UNUSED(self), PyObject *args) {
     if (!PyArg_ParseTuple(args, "iOLOOOOOi|OO", &fd, &o_out, &row_bytes, &o_off, &o_len, &o_first, &o_roff, &o_scratch,
                           &qd, &o_crcs, &o_bad))
         return NULL;
-    Py_buffer v[MAX_VIEWS];
-    int nv = 0;
+    batch_t b = {.fd = fd};
     PyObject *result = NULL;
-    if (get_view(o_out, v, &nv, 1, 0, "out") < 0 || get_view(o_off, v, &nv, 0, 1, "file_offsets") < 0 ||
-        get_view(o_len, v, &nv, 0, 1, "lengths") < 0 || get_view(o_first, v, &nv, 0, 1, "first_row") < 0 ||
-        get_view(o_roff, v, &nv, 0, 1, "row_offsets") < 0 || get_view(o_scratch, v, &nv, 1, 0, "scratch") < 0)
+    if (batch_views_rows(&b.a, o_out, row_bytes, o_off, o_len, o_first, o_roff) < 0 ||
+        batch_view(&b.a, o_scratch, 1, 0, "scratch") < 0 || batch_check_extents(&b.a, 0) < 0)
         goto done;
-    batch_t b = {0};
-    b.fd = fd;
-    b.n = v[1].len / 8;
-    b.off = v[1].buf; b.len = v[2].buf; b.out = v[0].buf; b.row_bytes = row_bytes;
-    b.first_row = v[3].buf; b.row_off = v[4].buf; b.scratch = v[5].buf;
-    if (check_extents(&b, v[2].len / 8) < 0) goto done;
     if (qd < 1) qd = 1;
     if (qd > MAX_QD) qd = MAX_QD;
-    Py_ssize_t rows = v[4].len / 8;
-    int64_t longest = 0;
-    for (Py_ssize_t i = 0; i < b.n; i++) longest = b.len[i] > longest ? b.len[i] : longest;
-    b.slot = longest;
-    if (row_bytes <= 0 || v[3].len / 8 != b.n + 1 || rows * row_bytes > v[0].len || (int64_t)qd * longest > v[5].len) {
-        PyErr_SetString(PyExc_ValueError, "read_rows: first_row needs n+1 entries, out rows * row_bytes bytes, "
-                                          "scratch queue_depth * max(lengths) bytes");
+    const Py_buffer *scratch = &b.a.views[b.a.nviews - 1];
+    b.a.scratch = scratch->buf;
+    b.a.slot = batch_longest(&b.a);
+    if (batch_check_rows(&b.a, (int64_t)qd * b.a.slot, scratch->len) < 0 || batch_check_pages(&b.a, o_crcs, o_bad) < 0)
         goto done;
-    }
-    for (Py_ssize_t i = 0; i < b.n; i++) {
-        if (b.first_row[i] < 0 || b.first_row[i] > b.first_row[i + 1] || b.first_row[i + 1] > rows) {
-            PyErr_Format(PyExc_ValueError, "read_rows: first_row must be non-decreasing within [0, %zd]", rows);
-            goto done;
-        }
-        for (int64_t r = b.first_row[i]; r < b.first_row[i + 1]; r++) {
-            if (b.row_off[r] < 0 || b.row_off[r] + row_bytes > b.len[i]) {
-                PyErr_Format(PyExc_ValueError, "read_rows: row %lld at %lld is outside extent %zd", (long long)r,
-                             (long long)b.row_off[r], i);
-                goto done;
-            }
-        }
-    }
-    if (o_crcs != Py_None) {
-        if ((o_bad == Py_None) || get_view(o_crcs, v, &nv, 0, 0, "page_crcs") < 0 ||
-            get_view(o_bad, v, &nv, 1, 1, "bad") < 0) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "read_rows: page_crcs needs a bad buffer too");
-            goto done;
-        }
-        if (v[6].itemsize != 4 || v[6].len % 4) {
-            PyErr_SetString(PyExc_TypeError, "page_crcs must be a uint32 buffer");
-            goto done;
-        }
-        b.crcs = v[6].buf; b.ncrcs = v[6].len / 4; b.bad = v[7].buf;
-        int64_t pages = 0;
-        for (Py_ssize_t i = 0; i < b.n; i++) {
-            if (b.off[i] % PAGE || b.len[i] % PAGE || b.len[i] > MAX_CHECKED_PAGES * PAGE ||
-                (b.off[i] + b.len[i]) / PAGE > b.ncrcs) {
-                PyErr_Format(PyExc_ValueError, "read_rows: checked extent %zd (%lld bytes at %lld) must be whole pages, "
-                             "at most %d, inside the %lld pages page_crcs covers", i, (long long)b.len[i],
-                             (long long)b.off[i], MAX_CHECKED_PAGES, (long long)b.ncrcs);
-                goto done;
-            }
-            pages += b.len[i] / PAGE;
-        }
-        if (v[7].len / 8 < pages) {
-            PyErr_Format(PyExc_ValueError, "read_rows: bad holds %zd entries, %lld pages are read", v[7].len / 8,
-                         (long long)pages);
-            goto done;
-        }
-    }
     PyObject *got = run(&b, qd);
     if (got != NULL) {
-        result = Py_BuildValue("(NL)", got, (long long)b.nbad);
+        result = Py_BuildValue("(NL)", got, (long long)b.a.nbad);
     }
 done:
-    release(v, nv);
+    batch_release(&b.a);
     return result;
 }
 
@@ -408,10 +285,10 @@ static PyObject *py_page_crcs(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *o_data, *o_out;
     int software = 0;
     if (!PyArg_ParseTuple(args, "OO|p", &o_data, &o_out, &software)) return NULL;
-    Py_buffer v[2];
-    int nv = 0;
+    batch_args_t views = {0};  /* only its buffer views */
+    const Py_buffer *v = views.views;
     PyObject *result = NULL;
-    if (get_view(o_data, v, &nv, 0, 0, "data") < 0 || get_view(o_out, v, &nv, 1, 0, "out") < 0) goto done;
+    if (batch_view(&views, o_data, 0, 0, "data") < 0 || batch_view(&views, o_out, 1, 0, "out") < 0) goto done;
     if (v[0].len % PAGE || v[1].itemsize != 4 || v[1].len / 4 != v[0].len / PAGE) {
         PyErr_Format(PyExc_ValueError, "page_crcs: data must be whole 4 KiB pages (%zd bytes) and out one uint32 per "
                      "page (%zd bytes, item size %zd)", v[0].len, v[1].len, v[1].itemsize);
@@ -422,7 +299,7 @@ static PyObject *py_page_crcs(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
-    release(v, nv);
+    batch_release(&views);
     return result;
 }
 

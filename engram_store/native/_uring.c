@@ -86,6 +86,7 @@
 #define SQPOLL_IDLE_MS 50    /* the polling thread sleeps after this long with nothing to submit */
 
 #include "crc32c.h"          /* page checks; PAGE, MAX_CHECKED_PAGES */
+#include "batch.h"           /* the calls' arguments and checks, the per-extent page check and row copy */
 
 static int sys_setup(unsigned entries, struct io_uring_params *p) {
     return (int)syscall(__NR_io_uring_setup, entries, p);
@@ -132,16 +133,9 @@ typedef struct {
 
 /* --- one batch -------------------------------------------------------------------------- */
 typedef struct {
+    batch_args_t a;                  /* what the call asked for, checked (batch.h) */
     int fd, fixed;                   /* fd, or a fixed index when fixed */
     int qd;                          /* reads in flight at most */
-    Py_ssize_t n;                    /* extents */
-    const int64_t *off, *len;
-    char *buf; const int64_t *dst;   /* read_batch: destination of each extent */
-    char *scratch; int64_t slot;     /* read_rows: the ring's slots */
-    char *out; int64_t row_bytes;
-    const int64_t *first_row, *row_off;
-    const uint32_t *crcs;            /* expected crc32c per page of the file, or NULL */
-    int64_t *bad; int64_t nbad;
     int64_t total;                   /* bytes read */
     int err; int64_t err_off; int short_read;  /* the first failure */
     int sys_err;                     /* a ring syscall failed (not a read): errno */
@@ -151,33 +145,19 @@ static void fail(batch_t *b, int err, int64_t off, int is_short) {
     if (!b->err) { b->err = err; b->err_off = off; b->short_read = is_short; }
 }
 
-/* Extent i has arrived in its slot: check its pages (when crcs are given), then copy out the
-   rows of the pages that passed. */
-static void complete(batch_t *b, Py_ssize_t i, int slot) {
-    if (!b->scratch) return;
-    const char *src = b->scratch + (int64_t)slot * b->slot;
-    uint64_t bad_mask = 0;
-    if (b->crcs)
-        bad_mask = crc32c_check_pages((const uint8_t *)src, b->off[i] / PAGE, b->len[i] / PAGE, b->crcs, b->bad, &b->nbad);
-    for (int64_t r = b->first_row[i]; r < b->first_row[i + 1]; r++)
-        if (!bad_mask || !(bad_mask >> (b->row_off[r] / PAGE) & 1))
-            memcpy(b->out + r * b->row_bytes, src + b->row_off[r], (size_t)b->row_bytes);
-}
-
 static void queue_read(Ring *r, batch_t *b, Py_ssize_t i, int slot) {
     struct io_uring_sqe *sqe = &r->sqes[r->tail & r->sq_mask];
     memset(sqe, 0, sizeof(*sqe));
     sqe->flags = b->fixed ? IOSQE_FIXED_FILE : 0;
     sqe->fd = b->fd;
-    sqe->off = (uint64_t)b->off[i];
-    sqe->len = (uint32_t)b->len[i];
+    sqe->off = (uint64_t)b->a.off[i];
+    sqe->len = (uint32_t)b->a.len[i];
     sqe->user_data = (uint64_t)i << 16 | (uint64_t)slot;
-    if (b->scratch) {
-        sqe->addr = (uint64_t)(uintptr_t)(b->scratch + (int64_t)slot * b->slot);
+    sqe->addr = (uint64_t)(uintptr_t)batch_target(&b->a, i, slot);
+    if (b->a.scratch) {
         sqe->opcode = r->fixed_buffers ? IORING_OP_READ_FIXED : IORING_OP_READ;
         sqe->buf_index = r->fixed_buffers ? (uint16_t)slot : 0;
     } else {
-        sqe->addr = (uint64_t)(uintptr_t)(b->buf + b->dst[i]);
         sqe->opcode = IORING_OP_READ;
     }
     r->tail++;
@@ -193,9 +173,9 @@ static int reap(Ring *r, batch_t *b, int *nfree) {
         Py_ssize_t i = (Py_ssize_t)(cqe->user_data >> 16);
         int slot = (int)(cqe->user_data & 0xFFFF);
         int64_t res = cqe->res;
-        if (res < 0) fail(b, (int)-res, b->off[i], 0);
-        else if (res != b->len[i]) fail(b, EIO, b->off[i], 1);
-        else { b->total += res; complete(b, i, slot); }
+        if (res < 0) fail(b, (int)-res, b->a.off[i], 0);
+        else if (res != b->a.len[i]) fail(b, EIO, b->a.off[i], 1);
+        else { b->total += res; batch_complete(&b->a, i, slot); }
         r->free_slots[(*nfree)++] = slot;
     }
     __atomic_store_n(r->cq_head, head, __ATOMIC_RELEASE);
@@ -211,7 +191,7 @@ static void ring_run(Ring *r, batch_t *b) {
     int inflight = 0;     /* submitted, not yet completed */
     unsigned pending = 0; /* queued in the SQ, not yet consumed by io_uring_enter */
     for (;;) {
-        while (next < b->n && nfree > 0 && !b->err) {
+        while (next < b->a.n && nfree > 0 && !b->err) {
             queue_read(r, b, next++, r->free_slots[--nfree]);
             pending++;
         }
@@ -423,7 +403,7 @@ static int fixed_index(Ring *r, int fd) {
 
 /* Run b with the GIL released; returns bytes read, or NULL with OSError set. */
 static PyObject *ring_batch(Ring *r, batch_t *b) {
-    if (b->n) {
+    if (b->a.n) {
         Py_BEGIN_ALLOW_THREADS
         int k = fixed_index(r, b->fd);
         if (k >= 0) { b->fd = k; b->fixed = 1; }
@@ -445,7 +425,7 @@ static PyObject *ring_batch(Ring *r, batch_t *b) {
     return PyLong_FromLongLong(b->total);
 }
 
-/* --- argument checks (as _pread's) ----------------------------------------------------------- */
+/* --- the calls (their buffers are checked in batch.h, as _pread's are) -------------------------- */
 /* queue_depth=None: the ring's; else 1..the ring's. */
 static int call_qd(Ring *r, PyObject *o, int *qd) {
     if (o == Py_None) { *qd = r->qd; return 0; }
@@ -459,67 +439,18 @@ static int call_qd(Ring *r, PyObject *o, int *qd) {
     return 0;
 }
 
-#define MAX_VIEWS 8
-
-static int get_view(PyObject *obj, Py_buffer *views, int *nviews, int writable, int int64, const char *name) {
-    Py_buffer *v = &views[*nviews];
-    if (PyObject_GetBuffer(obj, v, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
-    (*nviews)++;
-    if (int64 && (v->itemsize != 8 || v->len % 8)) {
-        PyErr_Format(PyExc_TypeError, "%s must be an int64 buffer", name);
-        return -1;
-    }
-    return 0;
-}
-
-static void release(Py_buffer *views, int nviews) {
-    for (int i = 0; i < nviews; i++) PyBuffer_Release(&views[i]);
-}
-
-static int check_extents(batch_t *b, Py_ssize_t n_len, int64_t longest) {
-    if (n_len != b->n) {
-        PyErr_SetString(PyExc_ValueError, "file_offsets and lengths must have one length");
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < b->n; i++) {
-        if (b->off[i] < 0 || b->len[i] <= 0 || b->len[i] > longest) {
-            PyErr_Format(PyExc_ValueError, "extent %zd: offset %lld, length %lld (lengths must be within 1..%lld)", i,
-                         (long long)b->off[i], (long long)b->len[i], (long long)longest);
-            return -1;
-        }
-    }
-    return 0;
-}
-
 static PyObject *ring_read_batch(Ring *r, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"fd", "buf", "file_offsets", "lengths", "buf_offsets", "queue_depth", NULL};
     int fd;
     PyObject *o_buf, *o_off, *o_len, *o_dst, *o_qd = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOOO|$O", kwlist, &fd, &o_buf, &o_off, &o_len, &o_dst, &o_qd))
         return NULL;
-    Py_buffer v[MAX_VIEWS];
-    int nv = 0;
+    batch_t b = {.fd = fd};
     PyObject *result = NULL;
-    if (get_view(o_buf, v, &nv, 1, 0, "buf") < 0 || get_view(o_off, v, &nv, 0, 1, "file_offsets") < 0 ||
-        get_view(o_len, v, &nv, 0, 1, "lengths") < 0 || get_view(o_dst, v, &nv, 0, 1, "buf_offsets") < 0)
-        goto done;
-    batch_t b = {0};
-    b.fd = fd;
-    b.n = v[1].len / 8;
-    b.off = v[1].buf; b.len = v[2].buf; b.buf = v[0].buf; b.dst = v[3].buf;
-    if (call_qd(r, o_qd, &b.qd) < 0) goto done;
-    if (check_extents(&b, v[2].len / 8, MAX_EXTENT) < 0) goto done;
-    if (v[3].len / 8 != b.n) { PyErr_SetString(PyExc_ValueError, "buf_offsets must match file_offsets"); goto done; }
-    for (Py_ssize_t i = 0; i < b.n; i++) {
-        if (b.dst[i] < 0 || b.dst[i] + b.len[i] > v[0].len) {
-            PyErr_Format(PyExc_ValueError, "read %zd (%lld bytes to %lld) is outside the %zd-byte buffer",
-                         i, (long long)b.len[i], (long long)b.dst[i], v[0].len);
-            goto done;
-        }
-    }
-    if (ring_acquire(r) == 0) result = ring_batch(r, &b);
-done:
-    release(v, nv);
+    if (batch_views_batch(&b.a, o_buf, o_off, o_len, o_dst) == 0 && call_qd(r, o_qd, &b.qd) == 0 &&
+        batch_check_extents(&b.a, MAX_EXTENT) == 0 && batch_check_dst(&b.a) == 0 && ring_acquire(r) == 0)
+        result = ring_batch(r, &b);
+    batch_release(&b.a);
     return result;
 }
 
@@ -532,72 +463,16 @@ static PyObject *ring_read_rows(Ring *r, PyObject *args, PyObject *kwds) {
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOLOOOO|OO$O", kwlist, &fd, &o_out, &row_bytes, &o_off, &o_len,
                                      &o_first, &o_roff, &o_crcs, &o_bad, &o_qd))
         return NULL;
-    Py_buffer v[MAX_VIEWS];
-    int nv = 0;
+    batch_t b = {.fd = fd};
     PyObject *result = NULL;
-    if (get_view(o_out, v, &nv, 1, 0, "out") < 0 || get_view(o_off, v, &nv, 0, 1, "file_offsets") < 0 ||
-        get_view(o_len, v, &nv, 0, 1, "lengths") < 0 || get_view(o_first, v, &nv, 0, 1, "first_row") < 0 ||
-        get_view(o_roff, v, &nv, 0, 1, "row_offsets") < 0)
-        goto done;
-    batch_t b = {0};
-    b.fd = fd;
-    b.n = v[1].len / 8;
-    b.off = v[1].buf; b.len = v[2].buf; b.out = v[0].buf; b.row_bytes = row_bytes;
-    b.first_row = v[3].buf; b.row_off = v[4].buf; b.scratch = r->scratch; b.slot = r->slot_bytes;
-    if (call_qd(r, o_qd, &b.qd) < 0) goto done;
-    if (check_extents(&b, v[2].len / 8, r->slot_bytes) < 0) goto done;
-    Py_ssize_t rows = v[4].len / 8;
-    if (row_bytes <= 0 || v[3].len / 8 != b.n + 1 || rows * row_bytes > v[0].len) {
-        PyErr_SetString(PyExc_ValueError, "read_rows: first_row needs n+1 entries, out rows * row_bytes bytes");
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < b.n; i++) {
-        if (b.first_row[i] < 0 || b.first_row[i] > b.first_row[i + 1] || b.first_row[i + 1] > rows) {
-            PyErr_Format(PyExc_ValueError, "read_rows: first_row must be non-decreasing within [0, %zd]", rows);
-            goto done;
-        }
-        for (int64_t k = b.first_row[i]; k < b.first_row[i + 1]; k++) {
-            if (b.row_off[k] < 0 || b.row_off[k] + row_bytes > b.len[i]) {
-                PyErr_Format(PyExc_ValueError, "read_rows: row %lld at %lld is outside extent %zd", (long long)k,
-                             (long long)b.row_off[k], i);
-                goto done;
-            }
-        }
-    }
-    if (o_crcs != Py_None) {
-        if ((o_bad == Py_None) || get_view(o_crcs, v, &nv, 0, 0, "page_crcs") < 0 ||
-            get_view(o_bad, v, &nv, 1, 1, "bad") < 0) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "read_rows: page_crcs needs a bad buffer too");
-            goto done;
-        }
-        if (v[5].itemsize != 4 || v[5].len % 4) {
-            PyErr_SetString(PyExc_TypeError, "page_crcs must be a uint32 buffer");
-            goto done;
-        }
-        int64_t ncrcs = v[5].len / 4, pages = 0;
-        b.crcs = v[5].buf; b.bad = v[6].buf;
-        for (Py_ssize_t i = 0; i < b.n; i++) {
-            if (b.off[i] % PAGE || b.len[i] % PAGE || b.len[i] > MAX_CHECKED_PAGES * PAGE ||
-                (b.off[i] + b.len[i]) / PAGE > ncrcs) {
-                PyErr_Format(PyExc_ValueError, "read_rows: checked extent %zd (%lld bytes at %lld) must be whole pages, "
-                             "at most %d, inside the %lld pages page_crcs covers", i, (long long)b.len[i],
-                             (long long)b.off[i], MAX_CHECKED_PAGES, (long long)ncrcs);
-                goto done;
-            }
-            pages += b.len[i] / PAGE;
-        }
-        if (v[6].len / 8 < pages) {
-            PyErr_Format(PyExc_ValueError, "read_rows: bad holds %zd entries, %lld pages are read", v[6].len / 8,
-                         (long long)pages);
-            goto done;
-        }
-    }
-    if (ring_acquire(r) == 0) {
+    if (batch_views_rows(&b.a, o_out, row_bytes, o_off, o_len, o_first, o_roff) == 0 && call_qd(r, o_qd, &b.qd) == 0 &&
+        batch_check_extents(&b.a, r->slot_bytes) == 0 && batch_check_rows(&b.a, 0, -1) == 0 &&
+        batch_check_pages(&b.a, o_crcs, o_bad) == 0 && ring_acquire(r) == 0) {
+        b.a.scratch = r->scratch; b.a.slot = r->slot_bytes;
         PyObject *got = ring_batch(r, &b);
-        if (got != NULL) result = Py_BuildValue("(NL)", got, (long long)b.nbad);
+        if (got != NULL) result = Py_BuildValue("(NL)", got, (long long)b.a.nbad);
     }
-done:
-    release(v, nv);
+    batch_release(&b.a);
     return result;
 }
 
