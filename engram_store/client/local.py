@@ -137,7 +137,7 @@ class LocalClient:
 
     def __init__(self, store: RowStore, spec: ModelSpec | None = None) -> None:
         if spec is None:
-            spec = getattr(store, "spec", None) or getattr(getattr(store, "manifest", None), "spec", None)
+            spec = getattr(store, "spec", None)  # RowStore.spec; a bare test double passes spec= instead
         if not isinstance(spec, ModelSpec):
             raise InvalidRequest("LocalClient needs the table set's ModelSpec: pass spec= or a store with .spec")
         self.store = store

@@ -44,6 +44,7 @@ import numpy as np
 from .. import errors
 from ..format import requests
 from ..native import shm, syscalls
+from ..storage.base import PlanningStore
 from ..wire import frames as wire
 from ..wire.frames import DType, Frame, Op, Status
 from . import fastpath, limits
@@ -326,7 +327,7 @@ class Connection:
         except errors.EngramStoreError as exc:
             self._finish(frame, t0, exc)
             return
-        if getattr(self.server.store, "plan_into", None) is None:
+        if not isinstance(self.server.store, PlanningStore):
             self._finish(frame, t0, self._gather(frame, 0, frame.count))
             return
         try:

@@ -8,6 +8,7 @@
   ``TieredStore`` implements it (its views are empty in cached mode).
 - :class:`ProfiledStore`: a store that can write its hottest rows as an access
   profile (the daemon's ``save_profile``, read back by ``warmup_profile``).
+- :class:`PlanningStore`: a store that can answer with a read plan of its cold rows.
 
 The other seams of the engine sit with their implementations: the page readers
 (:class:`.readers.PageReader`, one module per backend) and the cache policies
@@ -21,9 +22,11 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from ..format.arena_layout import ArenaInfo, ArenaLayer, ArenaLayout
+from ..spec import ModelSpec
 from .stats import LookupStats
 
-__all__ = ["ArenaInfo", "ArenaLayer", "ArenaLayout", "LookupStats", "ProfiledStore", "ResidentStore", "RowStore"]
+__all__ = ["ArenaInfo", "ArenaLayer", "ArenaLayout", "LookupStats", "PlanningStore", "ProfiledStore", "ResidentStore",
+           "RowStore"]
 
 
 @runtime_checkable
@@ -55,6 +58,11 @@ class RowStore(Protocol):
 
     @property
     def row_bytes(self) -> int: ...
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The model spec of the table set."""
+        ...
 
     @property
     def mode(self) -> str:
@@ -139,3 +147,17 @@ class ProfiledStore(RowStore, Protocol):
     """
 
     def write_profile(self, path: str) -> int: ...
+
+
+@runtime_checkable
+class PlanningStore(RowStore, Protocol):
+    """A :class:`RowStore` that can answer a lookup with a read plan (plan mode).
+
+    ``plan_into(layer, ids, out, max_plan_bytes=N)`` copies the rows it holds in DRAM into
+    ``out`` and returns the :class:`~engram_store.wire.frames.ReadPlan` of the others, unread
+    (their rows in ``out`` untouched), or None when it wrote every row (a resident layer, all
+    cached, a plan over ``max_plan_bytes``). Rows of pages known corrupt raise ``CorruptRows``.
+    The planned rows may be admitted into DRAM later, in the background; never blocks on them.
+    """
+
+    def plan_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray, *, max_plan_bytes: int): ...

@@ -198,6 +198,10 @@ class TieredStore:
         return self.manifest.spec.row_bytes
 
     @property
+    def spec(self):
+        return self.manifest.spec
+
+    @property
     def mode(self) -> str:
         """``resident`` (every layer), ``cached`` (every layer) or ``mixed``."""
         kinds = set(self._placement.values())
