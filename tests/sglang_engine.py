@@ -305,8 +305,9 @@ def scenario_renamed(tables_dir: str, how: str) -> None:
 
         HookRegistry._patched.discard(f"{ENGRAM}.EngramEmbedding._load_rows")
         E.EngramEmbedding._load_rows = E.EngramEmbedding._load_rows.__wrapped__
-        E.EngramLayout.from_config(model_config(__import__("engram_store.format.tableset").tableset.TableSet.open(
-            tables_dir).spec))
+        from engram_store.format.tableset import TableSet
+
+        E.EngramLayout.from_config(model_config(TableSet.open(tables_dir).spec))
         raise AssertionError("a half-hooked SGLang built a layout")
     load_plugin()
     raise AssertionError("load_plugins returned")
