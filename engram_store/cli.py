@@ -30,6 +30,10 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+_STRIPE_HELP = ("stripe every layer's pages round-robin over these directories (give it twice or more, one per "
+                "device; page p goes to the p mod K-th); default: one file per layer in --out")
+
+
 def _cmd_synth(args) -> int:
     from .progress import Progress
     from .spec import get_spec
@@ -38,7 +42,8 @@ def _cmd_synth(args) -> int:
 
     spec = get_spec(args.model, args.scale)
     bar = Progress(f"synth {spec.name}", output_bytes(spec), enabled=args.progress)
-    manifest = write_synthetic(args.out, spec, args.seed, overwrite=args.force, progress=bar, group=args.group)
+    manifest = write_synthetic(args.out, spec, args.seed, overwrite=args.force, progress=bar, group=args.group,
+                               stripe_dirs=args.stripe_dir)
     bar.close()
     print(json.dumps({"out": str(args.out), "layers": {e.layer: e.rows for e in manifest.layers},
                       "bytes": bar.done, "seconds": round(bar.elapsed, 3), "mb_per_s": round(bar.rate_mb_s(), 1)}))
@@ -55,7 +60,8 @@ def _cmd_import(args) -> int:
     spec = get_spec(args.model) if args.model else checkpoint_spec(Path(args.ckpt))  # the pad is checked again with the map
     bar = Progress(f"import {spec.name}", output_bytes(spec), enabled=args.progress)
     manifest = import_checkpoint(args.ckpt, args.out, get_spec(args.model) if args.model else None,
-                                 overwrite=args.force, progress=bar, group=args.group, tokenizer=args.tokenizer)
+                                 overwrite=args.force, progress=bar, group=args.group, tokenizer=args.tokenizer,
+                                 stripe_dirs=args.stripe_dir)
     bar.close()
     print(json.dumps({"out": str(args.out), "layers": {e.layer: e.rows for e in manifest.layers},
                       "bytes": bar.done, "seconds": round(bar.elapsed, 3), "mb_per_s": round(bar.rate_mb_s(), 1)}))
@@ -68,7 +74,8 @@ def _cmd_info(args) -> int:
     ts = TableSet.open(args.dir)
     print(json.dumps({
         "model": ts.spec.name, "scale": ts.spec.scale, "row_bytes": ts.row_bytes,
-        "layers": [{"layer": e.layer, "rows": e.rows, "bytes": e.file_bytes, "file": e.file} for e in ts.manifest.layers],
+        "layers": [{"layer": e.layer, "rows": e.rows, "bytes": e.file_bytes, "file": e.file,
+                    **({"stripes": [st.file for st in e.stripes]} if e.stripes else {})} for e in ts.manifest.layers],
         "rows": sum(e.rows for e in ts.manifest.layers), "bytes": ts.total_bytes(), "source": ts.manifest.source,
     }, indent=1))
     return 0
@@ -204,6 +211,7 @@ def register(sub) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing table set")
     p.add_argument("--group", default=None, help=_GROUP_HELP)
     p.add_argument("--progress", action="store_true", default=None, help="show progress even when not on a terminal")
+    p.add_argument("--stripe-dir", action="append", default=None, metavar="DIR", help=_STRIPE_HELP)
     p.set_defaults(func=_cmd_synth)
 
     p = sub.add_parser("import", help="import Engram tables from a safetensors checkpoint",
@@ -217,6 +225,7 @@ def register(sub) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing table set")
     p.add_argument("--group", default=None, help=_GROUP_HELP)
     p.add_argument("--progress", action="store_true", default=None, help="show progress even when not on a terminal")
+    p.add_argument("--stripe-dir", action="append", default=None, metavar="DIR", help=_STRIPE_HELP)
     p.set_defaults(func=_cmd_import)
 
     p = sub.add_parser("info", help="print a table set's layers, rows and bytes as JSON")

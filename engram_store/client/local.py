@@ -67,10 +67,10 @@ class MemoryTables:
             layers = {}
             for layer in ts.layers:
                 entry = ts.manifest.layer(layer)
-                pages = np.fromfile(ts.path(layer), dtype=np.uint8)
+                pages = ts.read_pages(layer)  # in layer page order, striped or not
                 bad = bad_pages(pages, ts.page_crcs(layer))
                 if len(bad):  # never serve a row whose bytes were not verified
-                    raise CorruptRows(f"layer {layer}: {len(bad)} page(s) of {ts.path(layer)} fail their crc32c "
+                    raise CorruptRows(f"layer {layer}: {len(bad)} page(s) of its data fail their crc32c "
                                       f"(first: page {int(bad[0])}, offset {int(bad[0]) * PAGE_BYTES}); "
                                       "run `engram-store verify`, then re-import or re-synth")
                 layers[layer] = entry.layout.unpack(pages, 0, entry.rows)

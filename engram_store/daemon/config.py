@@ -402,20 +402,22 @@ def _check_tables(config: DaemonConfig) -> None:
     except EngramStoreError as exc:
         raise ConfigError(f"config key 'tables': {exc}") from None
     for e in manifest.layers:
-        path = os.path.join(config.tables, e.file)
-        if os.path.exists(path) and not os.access(path, os.R_OK):
-            raise ConfigError(f"config key 'tables': layer {e.layer} file {path} is not readable by the daemon "
-                              f"(uid {os.geteuid()}); publish the table set for the daemon's group "
-                              "(`engram-store synth/import --group GROUP`)")
-        if not config.verify:  # the store serves the other layers and reports this one unavailable
-            continue
-        try:  # a verifying daemon refuses a missing or truncated layer file: say so now
-            size = os.stat(path).st_size
-        except OSError as exc:
-            raise ConfigError(f"config key 'tables': layer {e.layer} file {path}: {exc.strerror}") from None
-        if size != e.file_bytes:
-            raise ConfigError(f"config key 'tables': layer {e.layer} file {path} has {size} bytes, the manifest "
-                              f"says {e.file_bytes} (truncated?); re-import or re-synth the table set")
+        files = list(zip(map(str, e.stripe_paths(config.tables)), (s.file_bytes for s in e.stripes))) if e.stripes \
+            else [(os.path.join(config.tables, e.file), e.file_bytes)]
+        for path, want in files:  # the layer's data file, or each of its stripe files
+            if os.path.exists(path) and not os.access(path, os.R_OK):
+                raise ConfigError(f"config key 'tables': layer {e.layer} file {path} is not readable by the daemon "
+                                  f"(uid {os.geteuid()}); publish the table set for the daemon's group "
+                                  "(`engram-store synth/import --group GROUP`)")
+            if not config.verify:  # the store serves the other layers and reports this one unavailable
+                continue
+            try:  # a verifying daemon refuses a missing or truncated layer file: say so now
+                size = os.stat(path).st_size
+            except OSError as exc:
+                raise ConfigError(f"config key 'tables': layer {e.layer} file {path}: {exc.strerror}") from None
+            if size != want:
+                raise ConfigError(f"config key 'tables': layer {e.layer} file {path} has {size} bytes, the manifest "
+                                  f"says {want} (truncated?); re-import or re-synth the table set")
     dense = resident_layout([(e.layer, e.rows) for e in manifest.layers], manifest.spec.row_format).size
     if config.store_mode == "resident" and config.dram_bytes < dense:
         raise ConfigError(f"config key 'dram_bytes': store_mode 'resident' needs at least {dense} bytes (the dense "

@@ -7,6 +7,14 @@ A table set is a directory::
     layer_001.crc ...    its page checksums: a PageCrcHeader, then the crc32c of
                          every 4 KiB page of the data file (uint32 little-endian)
 
+A layer may instead be *striped* over K >= 2 files, typically on different
+devices (``LayerEntry.stripes``, written by ``TableSetWriter(stripe_dirs=...)``):
+page ``p`` of the layer lives in stripe ``p % K`` at byte offset
+``(p // K) * 4096``, so stripe ``k`` holds ``ceil((pages - k) / K)`` pages. The
+checksum file stays one per layer, in layer page order; ``file`` is then only
+the layer's name (no such file exists). Readers that predate striping ignore
+the field and report the layer's data file missing.
+
 ``manifest.json`` appears only when every data and checksum file is complete
 and fsynced, and the directory itself is published by rename, so an
 interrupted import or synth never leaves something that opens as a table set.
@@ -71,6 +79,19 @@ class PageCrcHeader:
 
 
 @dataclass(frozen=True)
+class StripeEntry:
+    """One stripe file of a striped layer."""
+
+    file: str  # absolute path, or relative to the table-set directory
+    file_bytes: int  # its exact size: stripe_pages(...) * page_bytes
+
+
+def stripe_pages(pages: int, stripes: int, k: int) -> int:
+    """Pages of a ``pages``-page layer held by stripe ``k`` of ``stripes``: ceil((pages - k) / stripes)."""
+    return max(0, -(-(pages - k) // stripes))
+
+
+@dataclass(frozen=True)
 class LayerEntry:
     layer: int  # Engram layer id
     rows: int  # row count
@@ -78,10 +99,21 @@ class LayerEntry:
     file: str  # data file name, relative to the table directory
     file_bytes: int  # exact size of the data file
     crc_file: str  # its page checksum file (PageCrcHeader + one crc32c per page), same directory
+    stripes: tuple["StripeEntry", ...] = ()  # K >= 2 stripe files in order, or () for the one file ``file``
 
     @property
     def layout(self) -> PageLayout:
         return PageLayout(self.rows, self.row_bytes)
+
+    def stripe_paths(self, directory: str | os.PathLike) -> list[Path]:
+        """Each stripe's path (absolute, or resolved against the table-set ``directory``)."""
+        return [Path(directory) / s.file for s in self.stripes]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if not self.stripes:
+            del d["stripes"]  # an unstriped layer's entry is exactly as before striping
+        return d
 
     def crc_header(self) -> PageCrcHeader:
         return PageCrcHeader(self.layer, self.layout.pages)
@@ -111,7 +143,7 @@ class Manifest:
                 "spec": self.spec.to_dict(),
                 "source": self.source,
                 "token_map": self.token_map,
-                "layers": [asdict(e) for e in self.layers],
+                "layers": [e.to_dict() for e in self.layers],
             },
             indent=1,
         )
@@ -142,6 +174,7 @@ class Manifest:
                 LayerEntry(
                     layer=int(e["layer"]), rows=int(e["rows"]), row_bytes=int(e["row_bytes"]), file=str(e["file"]),
                     file_bytes=int(e["file_bytes"]), crc_file=str(e["crc_file"]),
+                    stripes=tuple(StripeEntry(str(s["file"]), int(s["file_bytes"])) for s in e.get("stripes") or ()),
                 )
                 for e in raw["layers"]
             )
@@ -154,11 +187,31 @@ class Manifest:
                     raise TableFormatError(f"{path}: layer {e.layer} file name {name!r} must be a plain name")
             if e.layout.file_bytes != e.file_bytes:
                 raise TableFormatError(f"{path}: layer {e.layer} declares {e.file_bytes} bytes, layout needs {e.layout.file_bytes}")
+            _check_stripes(path, e)
         if raw.get("token_map") is not None:
             if not isinstance(raw["token_map"], dict):
                 raise TableFormatError(f"{path}: token_map must be an object, got {raw['token_map']!r}")
             manifest = replace(manifest, token_map=raw["token_map"])
         return manifest
+
+
+def _check_stripes(path: Path, e: LayerEntry) -> None:
+    if not e.stripes:
+        return
+    k_total = len(e.stripes)
+    if k_total < 2:
+        raise TableFormatError(f"{path}: layer {e.layer} has {k_total} stripe; a striped layer needs at least 2 "
+                               "(an unstriped one lists none)")
+    names = [s.file for s in e.stripes]
+    if len(set(names)) != k_total:
+        raise TableFormatError(f"{path}: layer {e.layer} lists a stripe file twice: {names}")
+    for k, s in enumerate(e.stripes):
+        if not s.file or s.file.startswith(".") and "/" not in s.file:
+            raise TableFormatError(f"{path}: layer {e.layer} stripe {k} file name {s.file!r} is empty or hidden")
+        want = stripe_pages(e.layout.pages, k_total, k) * PAGE_BYTES
+        if s.file_bytes != want:
+            raise TableFormatError(f"{path}: layer {e.layer} stripe {k} declares {s.file_bytes} bytes, the layout "
+                                   f"needs {want} ({e.layout.pages} pages over {k_total} stripes)")
 
 
 def layer_file_name(layer: int) -> str:

@@ -4,7 +4,8 @@ Simple and obviously right (a memory map and a vectorized gather); the ground
 truth that tests compare every faster path against. Not for serving.
 ``read_rows`` returns the bytes on disk as they are, checked or not (so that a
 test can see what a corrupt page holds); :meth:`TableSet.verify` checks every
-page against its crc32c and names the ones that differ.
+page against its crc32c and names the ones that differ. A striped layer (see
+:mod:`engram_store.format.manifest`) is read through one memory map per stripe.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ VERIFY_CHUNK_BYTES = 64 << 20  # bytes read and checked at a time by verify
 @dataclass(frozen=True)
 class Corruption:
     layer: int
-    page: int  # page index within the layer file
-    offset: int  # first byte of that page in the file
+    page: int  # page index within the layer
+    offset: int  # first byte of that page in its file (the stripe's, for a striped layer)
     expected: int  # crc32c in the layer's checksum file
     actual: int  # crc32c of the page's bytes on disk
-    file: str = ""  # the data file's name
+    file: str = ""  # the data file's name (the stripe file's path, for a striped layer)
 
     def __str__(self) -> str:
         return (f"layer {self.layer}: page {self.page} (bytes {self.offset}..{self.offset + PAGE_BYTES - 1} of "
@@ -45,20 +46,22 @@ class TableSet:
         self.directory = directory
         self.manifest = manifest
         self.spec = manifest.spec
-        self._maps: dict[int, np.ndarray] = {}
+        self._maps: dict[int, list[np.ndarray]] = {}  # per layer: its file's map, or one per stripe
 
     @classmethod
     def open(cls, directory: str | os.PathLike) -> "TableSet":
         directory = Path(directory)
         manifest = Manifest.load(directory)
         for e in manifest.layers:
-            path = directory / e.file
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                raise TableFormatError(f"{path}: layer {e.layer} data file is missing") from None
-            if size != e.file_bytes:
-                raise TableFormatError(f"{path}: layer {e.layer} file has {size} bytes, manifest says {e.file_bytes} (truncated?)")
+            sized = list(zip(e.stripe_paths(directory), (st.file_bytes for st in e.stripes))) if e.stripes \
+                else [(directory / e.file, e.file_bytes)]
+            for path, want in sized:
+                try:
+                    size = path.stat().st_size
+                except FileNotFoundError:
+                    raise TableFormatError(f"{path}: layer {e.layer} data file is missing") from None
+                if size != want:
+                    raise TableFormatError(f"{path}: layer {e.layer} file has {size} bytes, manifest says {want} (truncated?)")
             crc_path = directory / e.crc_file
             try:
                 crc_size = crc_path.stat().st_size
@@ -81,7 +84,18 @@ class TableSet:
         return self._entry(layer).rows
 
     def path(self, layer: int) -> Path:
+        """The layer's data file; a striped layer has none (its stripes: ``manifest.layer(l).stripe_paths``)."""
         return self.directory / self._entry(layer).file
+
+    def read_pages(self, layer: int) -> np.ndarray:
+        """Every page of ``layer`` in layer page order, striped or not: uint8 ``[file_bytes]`` (a copy)."""
+        maps = self._map(layer)
+        if len(maps) == 1:
+            return np.array(maps[0])
+        pages = np.empty((self._entry(layer).layout.pages, PAGE_BYTES), dtype=np.uint8)
+        for k, m in enumerate(maps):
+            pages[k :: len(maps)] = m.reshape(-1, PAGE_BYTES)
+        return pages.reshape(-1)
 
     def total_bytes(self) -> int:
         return sum(e.file_bytes for e in self.manifest.layers)
@@ -92,10 +106,17 @@ class TableSet:
         except KeyError:
             raise UnknownLayer(f"layer {layer} is not in this table set; layers are {list(self.layers)}") from None
 
-    def _map(self, layer: int) -> np.ndarray:
+    def _files(self, layer: int) -> list[tuple[Path, int]]:
+        """(path, bytes) of the layer's data file, or of each of its stripes in order."""
+        e = self._entry(layer)
+        if e.stripes:
+            return list(zip(e.stripe_paths(self.directory), (st.file_bytes for st in e.stripes)))
+        return [(self.directory / e.file, e.file_bytes)]
+
+    def _map(self, layer: int) -> list[np.ndarray]:
         if layer not in self._maps:
-            e = self._entry(layer)
-            self._maps[layer] = np.memmap(self.directory / e.file, dtype=np.uint8, mode="r", shape=(e.file_bytes,))
+            self._maps[layer] = [np.memmap(path, dtype=np.uint8, mode="r", shape=(size,)) if size else
+                                 np.empty(0, dtype=np.uint8) for path, size in self._files(layer)]
         return self._maps[layer]
 
     def read_rows(self, layer: int, row_ids) -> np.ndarray:
@@ -103,8 +124,18 @@ class TableSet:
         e = self._entry(layer)
         ids = requests.flat_row_ids(row_ids)
         requests.check_bounds(layer, ids, e.rows)
-        start = e.layout.byte_offset(ids)
-        return self._map(layer)[start[:, None] + np.arange(e.row_bytes)]
+        maps = self._map(layer)
+        if len(maps) == 1:
+            return maps[0][e.layout.byte_offset(ids)[:, None] + np.arange(e.row_bytes)]
+        out = np.empty((len(ids), e.row_bytes), dtype=np.uint8)
+        page, slot = np.divmod(ids, e.layout.rows_per_page)
+        stripe, local = np.divmod(page, len(maps))[::-1]
+        for k, m in enumerate(maps):  # page p: stripe p % K, local page p // K
+            at = np.flatnonzero(stripe == k)
+            if len(at):
+                start = local[at] * PAGE_BYTES + slot[at] * e.row_bytes
+                out[at] = m[start[:, None] + np.arange(e.row_bytes)]
+        return out
 
     def page_crcs(self, layer: int) -> np.ndarray:
         """The expected crc32c of every page of ``layer`` (uint32, from its checksum file)."""
@@ -119,18 +150,31 @@ class TableSet:
             if layer is not None and e.layer != layer:
                 continue
             want = self.page_crcs(e.layer)
-            with open(self.directory / e.file, "rb") as f:  # buffered: readinto fills the whole chunk
-                for p0 in range(0, e.layout.pages, VERIFY_CHUNK_BYTES // PAGE_BYTES):
-                    got_bytes = f.readinto(buf)
-                    n = got_bytes // PAGE_BYTES
-                    got = page_crcs(buf, n)
-                    for i in np.flatnonzero(got != want[p0 : p0 + n]).tolist():
-                        page = p0 + i
-                        bad.append(Corruption(e.layer, page, page * PAGE_BYTES, int(want[page]), int(got[i]), e.file))
-                    if n < min(VERIFY_CHUNK_BYTES // PAGE_BYTES, e.layout.pages - p0):
-                        raise TableFormatError(f"{self.directory / e.file}: layer {e.layer} ended after page "
-                                               f"{p0 + n} of {e.layout.pages} (truncated while verifying?)")
+            files = self._files(e.layer)
+            found = []
+            for k, (path, size) in enumerate(files):
+                name = e.file if len(files) == 1 else str(path)
+                found += _verify_file(e.layer, path, name, want[k :: len(files)], buf, k, len(files))
+            bad += sorted(found, key=lambda c: c.page)
         return bad
 
     def close(self) -> None:
         self._maps.clear()
+
+
+def _verify_file(layer: int, path: Path, name: str, want: np.ndarray, buf: bytearray, k: int, stripes: int) -> list[Corruption]:
+    """Check every page of one data file (or stripe ``k`` of ``stripes``: its local page q is layer
+    page k + stripes * q) against ``want``, its pages' expected crc32c in file order."""
+    bad = []
+    pages = len(want)
+    with open(path, "rb") as f:  # buffered: readinto fills the whole chunk
+        for q0 in range(0, pages, VERIFY_CHUNK_BYTES // PAGE_BYTES):
+            n = f.readinto(buf) // PAGE_BYTES
+            got = page_crcs(buf, n)
+            for i in np.flatnonzero(got != want[q0 : q0 + n]).tolist():
+                q = q0 + i
+                bad.append(Corruption(layer, k + stripes * q, q * PAGE_BYTES, int(want[q]), int(got[i]), name))
+            if n < min(VERIFY_CHUNK_BYTES // PAGE_BYTES, pages - q0):
+                raise TableFormatError(f"{path}: layer {layer} ended after page {q0 + n} of {pages} "
+                                       "(truncated while verifying?)")
+    return bad

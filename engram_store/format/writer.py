@@ -14,6 +14,15 @@ must fit, as the old one stays until the rename), and running out anyway
 the path and the bytes needed. A published table set is readable by its group:
 directory :data:`DIR_MODE` (0750), files :data:`FILE_MODE` (0640), whatever the
 umask; ``group`` gives it to the daemon's group (e.g. ``engram-store``).
+
+With ``stripe_dirs`` (K >= 2 directories, typically one per NVMe device) each
+layer's pages are dealt round-robin into K stripe files, one per directory,
+named ``<table-set name>.layer_NNN.sK.bin`` (see
+:mod:`engram_store.format.manifest`). They are written under a hidden temp
+name in their directory, fsynced, and renamed to their final name just before
+the table-set directory is published; leaving the ``with`` block without
+commit removes them too (a killed process leaves hidden ``.*.tmp-PID`` files
+there, never a name a manifest points to).
 """
 
 from __future__ import annotations
@@ -34,8 +43,9 @@ import numpy as np
 from ..errors import InsufficientSpace, TableFormatError
 from ..spec import ModelSpec
 from .checksums import page_crcs
-from .layout import PageLayout
-from .manifest import MANIFEST, LayerEntry, Manifest, PageCrcHeader, crc_file_name, layer_file_name
+from .layout import PAGE_BYTES, PageLayout
+from .manifest import (MANIFEST, LayerEntry, Manifest, PageCrcHeader, StripeEntry, crc_file_name, layer_file_name,
+                       stripe_pages)
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +97,15 @@ class TableSetWriter:
     """Context manager producing one table set directory at ``out``."""
 
     def __init__(self, out: str | os.PathLike, spec: ModelSpec, *, source: dict | None = None, overwrite: bool = False,
-                 group: str | None = None) -> None:
+                 group: str | None = None, stripe_dirs: Sequence[str | os.PathLike] | None = None) -> None:
         self.out = Path(out)
+        self.stripe_dirs = [Path(d).resolve() for d in stripe_dirs or ()]
+        if len(self.stripe_dirs) == 1:
+            raise TableFormatError(f"stripe_dirs: one directory ({self.stripe_dirs[0]}) is no striping; give at least "
+                                   "two (one per device), or none to write one file per layer")
+        if len(set(self.stripe_dirs)) != len(self.stripe_dirs):
+            raise TableFormatError(f"stripe_dirs: a directory is listed twice: {[str(d) for d in self.stripe_dirs]}")
+        self._stripe_tmp: list[tuple[Path, Path]] = []  # (temp path, final path) of every stripe file written
         self.spec = spec
         self.source = source or {}
         self.overwrite = overwrite
@@ -97,6 +114,8 @@ class TableSetWriter:
         self.tmp: Path | None = None
         self.token_map: dict | None = None  # manifest entry of files written by add_file (engram_store.tokens)
         self.needed = space_needed(spec)
+        if self.stripe_dirs:  # the directory holds only checksum files and the manifest
+            self.needed -= sum(PageLayout(spec.rows(layer), spec.row_bytes).file_bytes for layer in spec.layers)
 
     def __enter__(self) -> "TableSetWriter":
         if self.out.exists() and not self.overwrite:
@@ -107,9 +126,27 @@ class TableSetWriter:
         if free < self.needed:
             raise InsufficientSpace(f"{self.out.parent}: the table set needs {self.needed} bytes, {free} are free; "
                                     "free some space or write it elsewhere")
+        self._check_stripe_space()
         with self._space(self.out.parent):
             self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
         return self
+
+    def _check_stripe_space(self) -> None:
+        """Each stripe directory must exist and hold its stripes (summed per filesystem)."""
+        k_total = len(self.stripe_dirs)
+        per_fs: dict[int, tuple[Path, int]] = {}
+        for k, d in enumerate(self.stripe_dirs):
+            if not d.is_dir():
+                raise TableFormatError(f"stripe directory {d} does not exist or is not a directory; create it first")
+            need = sum(stripe_pages(PageLayout(self.spec.rows(layer), self.spec.row_bytes).pages, k_total, k)
+                       for layer in self.spec.layers) * PAGE_BYTES
+            dev = os.stat(d).st_dev
+            per_fs[dev] = (d, per_fs.get(dev, (d, 0))[1] + need)
+        for d, need in per_fs.values():
+            free = free_bytes(d)
+            if free < need:
+                raise InsufficientSpace(f"{d}: the table set's stripes there need {need} bytes, {free} are free; free "
+                                        "some space or stripe over other directories")
 
     @contextlib.contextmanager
     def _space(self, path: Path) -> Iterator[None]:
@@ -123,8 +160,18 @@ class TableSetWriter:
                                     f"needs {self.needed} bytes, {free_bytes(path.parent)} are free now") from None
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self.tmp is not None and self.tmp.exists():
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.tmp is not None:
+            for tmp, _ in self._stripe_tmp:
+                tmp.unlink(missing_ok=True)
+            if self.tmp.exists():
+                shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _stripe_file(self, layer: int, k: int) -> tuple[Path, Path]:
+        d = self.stripe_dirs[k]
+        final = d / f"{self.out.name}.layer_{layer:03d}.s{k}.bin"
+        tmp = d / f".{final.name}.tmp-{os.getpid()}"
+        self._stripe_tmp.append((tmp, final))
+        return tmp, final
 
     def write_layer(self, layer: int, blocks: Iterable[np.ndarray | Sequence[np.ndarray]], progress: Progress | None = None) -> LayerEntry:
         """Write one layer from blocks of rows: uint8 ``[n, row_bytes]`` arrays, or tuples of
@@ -133,10 +180,17 @@ class TableSetWriter:
         assert self.tmp is not None, "use TableSetWriter as a context manager"
         layout = PageLayout(self.spec.rows(layer), self.spec.row_bytes)
         name, crc_name = layer_file_name(layer), crc_file_name(layer)
+        k_total = len(self.stripe_dirs)
+        if k_total:
+            stripe_files = [self._stripe_file(layer, k) for k in range(k_total)]
+            paths = [tmp for tmp, _ in stripe_files]
+        else:
+            paths = [self.tmp / name]
         written_rows = 0
         t0 = time.perf_counter()
-        with self._space(self.tmp / name), open(self.tmp / name, "wb", buffering=0) as f, \
+        with self._space(paths[0].parent), contextlib.ExitStack() as files, \
                 open(self.tmp / crc_name, "wb") as crc_f:
+            data_files = [files.enter_context(open(p, "wb", buffering=0)) for p in paths]
             crc_f.write(PageCrcHeader(layer, layout.pages).pack())
             for block in blocks:
                 parts = [block] if isinstance(block, np.ndarray) else list(block)
@@ -148,18 +202,25 @@ class TableSetWriter:
                     raise TableFormatError(f"layer {layer}: only the last block may end inside a page")
                 packed = layout.pack(parts)
                 crc_f.write(page_crcs(packed).astype("<u4").tobytes())
-                pages = memoryview(packed).cast("B")
-                f.write(pages)
+                if k_total:  # page p goes to stripe p % K, in order
+                    p0 = written_rows // layout.rows_per_page
+                    for k, f in enumerate(data_files):
+                        f.write(np.ascontiguousarray(packed[(k - p0) % k_total :: k_total]).reshape(-1))
+                else:
+                    data_files[0].write(memoryview(packed).cast("B"))
                 written_rows += n
                 if progress:
-                    progress(len(pages))
+                    progress(packed.nbytes)
             if written_rows != layout.rows:
                 raise TableFormatError(f"layer {layer}: wrote {written_rows} rows, the spec says {layout.rows}")
-            os.fsync(f.fileno())
+            for f in data_files:
+                os.fsync(f.fileno())
             crc_f.flush()
             os.fsync(crc_f.fileno())
         log.debug("layer %d: %d rows in %.2fs", layer, written_rows, time.perf_counter() - t0)
-        entry = LayerEntry(layer, layout.rows, layout.row_bytes, name, layout.file_bytes, crc_name)
+        stripes = tuple(StripeEntry(str(final), stripe_pages(layout.pages, k_total, k) * PAGE_BYTES)
+                        for k, (_, final) in enumerate(stripe_files)) if k_total else ()
+        entry = LayerEntry(layer, layout.rows, layout.row_bytes, name, layout.file_bytes, crc_name, stripes)
         self.entries.append(entry)
         return entry
 
@@ -182,10 +243,27 @@ class TableSetWriter:
                             token_map=self.token_map)
         with self._space(self.tmp / MANIFEST):
             write_file_atomic(self.tmp / MANIFEST, manifest.to_json().encode())
-        for path in (*self.tmp.iterdir(), self.tmp):  # readable by the group, whatever the umask
+        for path in (*self.tmp.iterdir(), self.tmp, *(tmp for tmp, _ in self._stripe_tmp)):  # group-readable
             os.chown(path, -1, self.gid)
             os.chmod(path, DIR_MODE if path.is_dir() else FILE_MODE)
         fsync_dir(self.tmp)
+        published = []
+        try:
+            for tmp, final in self._stripe_tmp:  # complete and fsynced: give them their final names
+                os.replace(tmp, final)
+                published.append(final)
+            for d in self.stripe_dirs:
+                fsync_dir(d)
+            self._publish_dir()
+        except BaseException:
+            for final in published:
+                final.unlink(missing_ok=True)
+            raise
+        self.tmp = None
+        return manifest
+
+    def _publish_dir(self) -> None:
+        assert self.tmp is not None
         if self.out.exists():
             old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
             os.replace(self.out, old)
@@ -194,8 +272,6 @@ class TableSetWriter:
         else:
             os.replace(self.tmp, self.out)
         fsync_dir(self.out.parent)
-        self.tmp = None
-        return manifest
 
 
 def _group_id(group: str) -> int:

@@ -30,9 +30,11 @@ LOGGED_PER_CALL = 8  # pages logged one by one per report; the rest in one summa
 class PageHealth:
     """Bad pages of every layer. Thread-safe."""
 
-    def __init__(self, layouts: dict[int, PageLayout], paths: dict[int, str]) -> None:
+    def __init__(self, layouts: dict[int, PageLayout], paths: dict[int, str | list[str]]) -> None:
+        """``paths``: each layer's data file, or the list of its stripe files (page p in stripe
+        p % K at (p // K) * 4096)."""
         self._layouts = layouts
-        self._paths = paths
+        self._paths = {layer: [p] if isinstance(p, str) else list(p) for layer, p in paths.items()}
         self._lock = threading.Lock()
         self._bad: dict[int, set[int]] = {}
         self._bitmap: dict[int, np.ndarray] = {}  # layer -> uint8 [pages], 1 = bad
@@ -55,15 +57,13 @@ class PageHealth:
             if bitmap is None:
                 bitmap = self._bitmap[layer] = np.zeros(self._layouts[layer].pages, dtype=np.uint8)
             bitmap[new] = 1
-        path = self._paths.get(layer, "")
         for p in new[:LOGGED_PER_CALL]:
-            log.error("corrupt page: layer %d page %d (file offset %d of %s) does not match its crc32c (found by %s); "
-                      "its rows are refused, the rest of the layer is served; repair the table set (engram-store "
-                      "verify, then re-import or re-synth)", layer, p, p * PAGE_BYTES, path, found_by)
+            log.error("corrupt page: layer %d page %d (%s) does not match its crc32c (found by %s); its rows are "
+                      "refused, the rest of the layer is served; repair the table set (engram-store verify, then "
+                      "re-import or re-synth)", layer, p, self.where(layer, p), found_by)
         if len(new) > LOGGED_PER_CALL:
-            log.error("corrupt pages: layer %d, %d more pages in file offsets %d..%d of %s (found by %s)", layer,
-                      len(new) - LOGGED_PER_CALL, new[LOGGED_PER_CALL] * PAGE_BYTES, new[-1] * PAGE_BYTES + PAGE_BYTES,
-                      path, found_by)
+            log.error("corrupt pages: layer %d, %d more pages, %d..%d (found by %s)", layer,
+                      len(new) - LOGGED_PER_CALL, new[LOGGED_PER_CALL], new[-1], found_by)
         return len(new)
 
     # --- asking ---------------------------------------------------------------------
@@ -98,6 +98,12 @@ class PageHealth:
         with self._lock:
             return sum(len(s) for s in self._bad.values())
 
+    def where(self, layer: int, page: int) -> str:
+        """Where layer page ``page`` sits on disk: ``file offset N of PATH`` (of its stripe file)."""
+        paths = self._paths.get(layer) or [""]
+        k = len(paths)
+        return f"file offset {(page // k) * PAGE_BYTES} of {paths[page % k]}"
+
     # --- the error ---------------------------------------------------------------------
     def refuse(self, layer: int, rows: np.ndarray, positions: int) -> CorruptRows:
         """The error for a request of ``layer`` whose ``rows`` (distinct, in bad pages) were
@@ -106,10 +112,10 @@ class PageHealth:
         pages = np.unique(rows // rpp)
         with self._lock:
             self.rows_refused += positions
-        shown = ", ".join(f"page {p} at file offset {p * PAGE_BYTES}" for p in pages[:4].tolist())
+        shown = ", ".join(f"page {p} at {self.where(layer, p)}" for p in pages[:4].tolist())
         more = f" and {len(pages) - 4} more" if len(pages) > 4 else ""
         row_list = ", ".join(map(str, rows[:8].tolist())) + (", ..." if len(rows) > 8 else "")
         return CorruptRows(f"layer {layer}: {len(rows)} row(s) asked ({row_list}) are in {len(pages)} corrupt page(s) "
-                           f"of {self._paths.get(layer, '')} ({shown}{more}: crc32c mismatch); the layer's other rows "
+                           f"({shown}{more}: crc32c mismatch); the layer's other rows "
                            "are served; repair the table set (engram-store verify, then re-import or re-synth)",
                            layer, tuple(pages.tolist()))

@@ -14,13 +14,23 @@ layer's checksum file): natively, as each read completes and before a row is
 copied out of it; in the fallback, once per chunk. Pages that fail come back
 in ``ReadStats.bad_pages`` (their rows in ``out`` are not to be used); the
 caller decides what that means for the request (see ``TieredStore``).
+
+A striped layer (``LayerFile.stripes``) is read per stripe: the request's
+distinct pages are grouped by stripe (page ``p`` is local page ``p // K`` of
+stripe ``p % K``), coalesced in local page numbers and read concurrently, one
+thread per stripe (the calling thread takes the first stripe with pages, a
+small pool owned by the tier the others). With the io_uring reader each thread
+has its own ring, so each device is driven by its own ring. Rows land in
+``out`` at their positions; bad pages are reported as layer page numbers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import queue
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,6 +100,9 @@ class NvmeTier:
             self.buffers = BufferPool(min(reader.queue_depth, MAX_NATIVE_QD) * self.max_coalesce_pages * PAGE_BYTES)
         else:
             self.buffers = BufferPool(self.chunk_pages * PAGE_BYTES)
+        self._stripe_threads = max((len(lf.stripes) for lf in files.values()), default=0) - 1
+        self._pool: ThreadPoolExecutor | None = None  # the stripe readers, made on the first striped read
+        self._pool_lock = threading.Lock()
 
     def read_rows(self, layer: int, rows: np.ndarray, out: np.ndarray) -> ReadStats:
         """Fill ``out[i]`` (C-contiguous uint8 ``[n, row_bytes]``) with row ``rows[i]``;
@@ -98,6 +111,49 @@ class NvmeTier:
         lf = self.files[layer]
         if lf.file is None:
             raise StorageError(f"layer {layer} is unavailable: {lf.error}")
+        if lf.stripes and len(rows):
+            return self._read_striped(lf, rows, out)
+        return self._read_file(lf, rows, out)
+
+    def _read_striped(self, lf: LayerFile, rows: np.ndarray, out: np.ndarray) -> ReadStats:
+        t0 = time.perf_counter()
+        rpp = lf.layout.rows_per_page
+        k_total = len(lf.stripes)
+        page, slot = np.divmod(rows, rpp)
+        local, stripe = np.divmod(page, k_total)
+        order = np.argsort(stripe, kind="stable")  # by stripe; rows (so local pages) stay ascending within one
+        bounds = np.searchsorted(stripe[order], np.arange(k_total + 1))
+        work = [(lf.stripes[k], order[bounds[k]: bounds[k + 1]]) for k in range(k_total) if bounds[k + 1] > bounds[k]]
+
+        def read(view: LayerFile, at: np.ndarray) -> ReadStats:
+            part = np.empty((len(at), lf.layout.row_bytes), dtype=np.uint8)
+            got = self._read_file(view, local[at] * rpp + slot[at], part)
+            out[at] = part
+            got.bad_pages = view.layer_pages(got.bad_pages)
+            return got
+
+        futures = [self._stripe_pool().submit(read, view, at) for view, at in work[1:]]
+        try:
+            results = [read(*work[0])]
+        finally:
+            wait(futures)  # every stripe's read is over before out is handed back, even on an error
+        results += [f.result() for f in futures]
+        stats = ReadStats()
+        for got in results:
+            stats.pages += got.pages
+            stats.reads += got.reads
+            stats.bytes += got.bytes
+        stats.bad_pages = np.sort(np.concatenate([got.bad_pages for got in results]))
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _stripe_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max(1, self._stripe_threads), thread_name_prefix="engram-stripe")
+            return self._pool
+
+    def _read_file(self, lf: LayerFile, rows: np.ndarray, out: np.ndarray) -> ReadStats:
         stats = ReadStats()
         if not len(rows):
             return stats
@@ -165,6 +221,7 @@ class NvmeTier:
             self.buffers.put(buf)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         for lf in self.files.values():
-            if lf.file is not None:
-                lf.file.close()
+            lf.close()

@@ -112,40 +112,51 @@ def fill_split(weights: np.ndarray, scales: np.ndarray, lf: LayerFile, bulk_read
     current one is split) and write each row's payload into ``weights`` (uint8 ``[rows, wb]``)
     and its scales into ``scales`` (uint8 ``[rows, sb]``). Each chunk's pages are checked
     against ``lf.crcs`` (when set); returns the int64 page numbers that failed, or whose
-    chunk could not be read (logged), whose rows are left zero."""
+    chunk could not be read (logged), whose rows are left zero. A striped layer is read
+    stripe after stripe, each front to back; its local page q of stripe k is layer page
+    k + K * q (see :meth:`LayerFile.layer_pages`)."""
     layout = lf.layout
     rpp, rb, wb = layout.rows_per_page, layout.row_bytes, weights.shape[1]
     chunk_pages = max(1, chunk_bytes // PAGE_BYTES)
-    spans = [(p, min(p + chunk_pages, layout.pages)) for p in range(0, layout.pages, chunk_pages)]
+    spans = [(part, q, min(q + chunk_pages, part.layout.pages)) for part in lf.parts()
+             for q in range(0, part.layout.pages, chunk_pages)]
     if not spans:
         return np.empty(0, dtype=np.int64)
-    buffers = [aligned_buffer(min(chunk_pages, layout.pages) * PAGE_BYTES) for _ in range(min(2, len(spans)))]
+    biggest = max(q1 - q0 for _, q0, q1 in spans)
+    buffers = [aligned_buffer(biggest * PAGE_BYTES) for _ in range(min(2, len(spans)))]
 
     def read(i: int) -> tuple[object, np.ndarray]:
-        p0, p1 = spans[i]
+        part, q0, q1 = spans[i]
         buf = buffers[i % len(buffers)]
         try:
-            bulk_read(lf, p0 * PAGE_BYTES, (p1 - p0) * PAGE_BYTES, buf)
+            bulk_read(part, q0 * PAGE_BYTES, (q1 - q0) * PAGE_BYTES, buf)
         except StorageError as exc:
-            log.error("layer %d: pages %d..%d (file offsets %d..%d) unreadable, their rows are refused: %s",
-                      lf.layer, p0, p1 - 1, p0 * PAGE_BYTES, p1 * PAGE_BYTES, exc)
-            return buf, np.arange(p0, p1, dtype=np.int64)
-        if lf.crcs is None:
+            log.error("layer %d: pages %d..%d of %s (file offsets %d..%d) unreadable, their rows are refused: %s",
+                      lf.layer, q0, q1 - 1, part.path, q0 * PAGE_BYTES, q1 * PAGE_BYTES, exc)
+            return buf, np.arange(q0, q1, dtype=np.int64)
+        if part.crcs is None:
             return buf, np.empty(0, dtype=np.int64)
-        return buf, p0 + check_pages(buf, lf.crcs[p0:p1])
+        return buf, q0 + check_pages(buf, part.crcs[q0:q1])
 
     bad_parts = []
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-fill") as ex:
         pending = ex.submit(read, 0)
-        for i, (p0, p1) in enumerate(spans):
+        for i, (part, q0, q1) in enumerate(spans):
             buf, bad = pending.result()
             if i + 1 < len(spans):
                 pending = ex.submit(read, i + 1)
-            r0, r1 = p0 * rpp, min(p1 * rpp, layout.rows)
-            pages = as_array(buf, (p1 - p0) * PAGE_BYTES).reshape(p1 - p0, PAGE_BYTES)
-            rows = pages[:, : rpp * rb].reshape((p1 - p0) * rpp, rb)[: r1 - r0]
-            weights[r0:r1] = rows[:, :wb]
-            scales[r0:r1] = rows[:, wb:]
+            pages = as_array(buf, (q1 - q0) * PAGE_BYTES).reshape(q1 - q0, PAGE_BYTES)
+            rows = pages[:, : rpp * rb].reshape((q1 - q0) * rpp, rb)
+            if part.stripe_count == 1:  # the layer's own file: its rows are one run
+                r0, r1 = q0 * rpp, min(q1 * rpp, layout.rows)
+                weights[r0:r1] = rows[: r1 - r0, :wb]
+                scales[r0:r1] = rows[: r1 - r0, wb:]
+            else:  # a stripe: its pages are every K-th page of the layer
+                at = (part.layer_pages(np.arange(q0, q1))[:, None] * rpp + np.arange(rpp)).reshape(-1)
+                keep = at < layout.rows
+                weights[at[keep]] = rows[keep, :wb]
+                scales[at[keep]] = rows[keep, wb:]
+            bad = part.layer_pages(bad)
             if len(bad):  # never leave a corrupt page's bytes where an in-place reader could take them
                 bad_parts.append(bad)
                 bad_rows = (bad[:, None] * rpp + np.arange(rpp)).reshape(-1)
@@ -155,4 +166,4 @@ def fill_split(weights: np.ndarray, scales: np.ndarray, lf: LayerFile, bulk_read
             del pages, rows
     for buf in buffers:
         buf.close()
-    return np.concatenate(bad_parts) if bad_parts else np.empty(0, dtype=np.int64)
+    return np.sort(np.concatenate(bad_parts)) if bad_parts else np.empty(0, dtype=np.int64)

@@ -68,6 +68,11 @@ log = logging.getLogger(__name__)
 CACHE_BYTES_PER_SLOT = 8 + 4  # slot key + free-stack entry, besides the policy's own
 
 
+def _disk_paths(files: dict[int, LayerFile]) -> dict[int, str | list[str]]:
+    """Each layer's data file, or its stripe files in order (for messages naming a bad page)."""
+    return {k: [part.path for part in lf.stripes] if lf.stripes else lf.path for k, lf in files.items()}
+
+
 def slot_bytes(row_bytes: int, policy: str) -> int:
     """DRAM one cache slot costs: the row, its key and free-stack entry, the policy's state."""
     return row_bytes + CACHE_BYTES_PER_SLOT + policy_bytes_per_slot(policy)
@@ -102,7 +107,7 @@ class TieredStore:
         self._sampler = sampler
         self._gather = gatherer
         self._counters = StoreCounters()
-        self._health = health or PageHealth({k: lf.layout for k, lf in files.items()}, {k: lf.path for k, lf in files.items()})
+        self._health = health or PageHealth({k: lf.layout for k, lf in files.items()}, _disk_paths(files))
         self._scrub: Scrubber | None = None
         self._closed = False
         self._gate = threading.Condition()  # guards _closed and _active: close() waits for lookups in flight
@@ -143,7 +148,7 @@ class TieredStore:
         directory = Path(directory)
         manifest = Manifest.load(directory)
         files = {e.layer: open_layer(directory, e) for e in manifest.layers}
-        health = PageHealth({k: lf.layout for k, lf in files.items()}, {k: lf.path for k, lf in files.items()})
+        health = PageHealth({k: lf.layout for k, lf in files.items()}, _disk_paths(files))
         table_pages = sum(e.layout.pages for e in manifest.layers)
         nvme = NvmeTier(files, page_reader, max_coalesce_pages=max_coalesce_pages,
                         chunk_pages=min(DEFAULT_CHUNK_PAGES, max(256, table_pages // 64)))
@@ -296,7 +301,8 @@ class TieredStore:
                   max_plan_bytes: int) -> ReadPlan | None:
         """Copy the rows this store holds in DRAM into ``out`` and return the read plan of the
         others, unread (``out`` at their positions is left as it was); None when every row is
-        in ``out``: a resident layer, all rows cached, a layer without page checksums, or a
+        in ``out``: a resident layer, all rows cached, a layer without page checksums, a
+        striped layer (a plan names one file; the store reads the stripes itself), or a
         plan that would exceed ``max_plan_bytes`` (then the misses are read here as by
         :meth:`lookup_into`). Rows of pages known corrupt are refused with CorruptRows, as by
         :meth:`lookup_into`. The planned rows are queued for background admission into the
@@ -314,7 +320,7 @@ class TieredStore:
         lf = self._layer(layer)
         flat, out2 = self._check_request(lf, row_ids, out)
         n = len(flat)
-        if lf.layer in self._resident or lf.file is None or lf.crcs is None or self._cache is None or not n:
+        if lf.layer in self._resident or lf.file is None or lf.crcs is None or lf.stripes or self._cache is None or not n:
             self._lookup_into(layer, row_ids, out, t0)
             self._plan_counters.add(requests=1, rows=n, rows_served=n)
             return None

@@ -157,7 +157,8 @@ def _layer_blocks(weight: TensorRef, scale: TensorRef, block_rows: int,
 
 def import_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, spec: ModelSpec | None = None, *,
                       overwrite: bool = False, progress: Progress | None = None, block_rows: int = 1 << 18,
-                      group: str | None = None, tokenizer: str | os.PathLike | None = None) -> Manifest:
+                      group: str | None = None, tokenizer: str | os.PathLike | None = None,
+                      stripe_dirs: list | None = None) -> Manifest:
     """Import every Engram layer of ``spec`` (default: the spec config.json describes) from ``ckpt`` into
     a table set at ``out``, readable by ``group`` (default: the writer's group). The compressed token
     map of ``tokenizer`` (default: ``ckpt/tokenizer.json`` when present) is stored with the tables."""
@@ -170,7 +171,7 @@ def import_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, spec: Mod
     rpp = PageLayout(0, spec.row_bytes).rows_per_page  # blocks of whole pages
     block_rows = max(rpp, block_rows // rpp * rpp)
     with TableSetWriter(out, spec, source={"kind": "checkpoint", "path": str(ckpt.resolve())}, overwrite=overwrite,
-                        group=group) as w, \
+                        group=group, stripe_dirs=stripe_dirs) as w, \
             ThreadPoolExecutor(1, thread_name_prefix="import-read") as pool:
         for layer, (weight, scale) in layers.items():
             log.info("importing layer %d: %d rows from %s", layer, weight.shape[0], weight.file.name)

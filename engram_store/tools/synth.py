@@ -57,10 +57,13 @@ def synth_blocks(spec: ModelSpec, seed: int, layer: int, block_rows: int) -> Ite
 
 
 def write_synthetic(out: str | Path, spec: ModelSpec, seed: int = 0, *, overwrite: bool = False,
-                    progress: Progress | None = None, block_rows: int = 1 << 17, group: str | None = None) -> Manifest:
+                    progress: Progress | None = None, block_rows: int = 1 << 17, group: str | None = None,
+                    stripe_dirs: list | None = None) -> Manifest:
     """Write the synthetic table set of ``spec`` and ``seed`` to ``out`` (atomically), readable
-    by ``group`` (default: the writer's group; see :mod:`engram_store.format.writer`)."""
-    with TableSetWriter(out, spec, source={"kind": "synthetic", "seed": seed}, overwrite=overwrite, group=group) as w:
+    by ``group`` (default: the writer's group; see :mod:`engram_store.format.writer`), striped over
+    ``stripe_dirs`` when given (two or more directories)."""
+    with TableSetWriter(out, spec, source={"kind": "synthetic", "seed": seed}, overwrite=overwrite, group=group,
+                        stripe_dirs=stripe_dirs) as w:
         for layer in spec.layers:
             w.write_layer(layer, synth_blocks(spec, seed, layer, block_rows), progress)
         return w.commit()
