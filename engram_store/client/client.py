@@ -228,7 +228,7 @@ class EngramClient:
         def call(t: Any) -> np.ndarray:
             if t.kind != "unix":
                 return t.lookup_into(layer, ids, out)
-            return t.lookup_planned(layer, ids, out)
+            return t.planned.lookup(layer, ids, out)
 
         return self._with_transport(call)
 
@@ -239,10 +239,7 @@ class EngramClient:
         def info(t: Any) -> dict[str, Any]:
             if t.kind != "unix":
                 return {"executor": "daemon", "fallbacks": {}, "pages_read": 0, "bytes_read": 0}
-            ex = t._plan_executor
-            return {"executor": "host", "fallbacks": dict(t.plan_fallbacks),
-                    "pages_read": ex.pages_read if ex is not None else 0,
-                    "bytes_read": ex.bytes_read if ex is not None else 0}
+            return t.planned.info()
 
         return self._with_transport(info)
 

@@ -7,12 +7,10 @@ extent. :meth:`UnixTransport.submit` hands back the extent as a read-only
 view (zero copy) until :meth:`UnixPending.release`; ``lookup_into`` copies
 into the caller's buffer piece by piece, several pieces in flight.
 
-:meth:`UnixTransport.lookup_planned` is the plan mode (cached daemons): rows the
-daemon holds in DRAM come through the region, the others as a read plan that
-this process executes itself (:mod:`.plan`: the layer file's pages read with
-``O_DIRECT``, each checked against its crc32c before a row of it is used); when
-the plan cannot be executed here (the file is not readable by this process) the
-daemon reads those rows instead, and the reason is logged once per layer.
+:meth:`UnixTransport.plan_lookup` is one plan-mode round trip (cached daemons):
+rows the daemon holds in DRAM come through the region, the others as a read
+plan; executing plans, piece by piece with a fallback to the daemon, is
+:class:`.plan.PlannedLookups` (``transport.planned``).
 
 Whichever waiting thread holds no result reads the socket for everyone
 (no receiver thread, so a lone caller pays no thread hand-off).
@@ -46,7 +44,7 @@ from ..format.arena_layout import ArenaLayout, ArenaView
 from ..native import shm, syscalls
 from ..wire import frames as wire
 from ..wire.frames import Frame, Op, Status
-from .plan import HostPlanExecutor, PlanExecutor, PlanUnusable
+from .plan import PlannedLookups
 from .region import Extents
 
 log = logging.getLogger(__name__)
@@ -156,8 +154,7 @@ class UnixTransport:
         self._reading = False
         self._broken = ""
         self._reserved: dict[int, int] = {}  # offset -> bytes of reserve() buffers
-        self._plan_executor: HostPlanExecutor | None = None
-        self.plan_fallbacks: dict[int, str] = {}  # layer -> why its plans are not executed here
+        self.planned = PlannedLookups(self)  # plan mode over this connection (:mod:`.plan`)
 
     def _welcome(self) -> None:
         data, fds = shm.recv_with_fds(self._sock, wire.FRAME.size, 2)
@@ -323,53 +320,6 @@ class UnixTransport:
         """Rows of one plan lookup at most (a quarter of the shared region)."""
         return max(1, min(self.max_request_rows, (self._extents.size // 4) // (8 + self.row_bytes + 2 * wire.ALIGN)))
 
-    def lookup_planned(self, layer: int, row_ids: np.ndarray, out: np.ndarray,
-                       executor: PlanExecutor | None = None) -> np.ndarray:
-        """``lookup_into`` in plan mode: the daemon writes the rows it holds in DRAM, this process
-        reads the others from the layer file (``executor``, default a :class:`.plan.HostPlanExecutor`
-        of this connection), every page checked against its crc32c first (CorruptRows, and no
-        row of it returned, when one fails). Where the plan cannot be executed here
-        (:class:`.plan.PlanUnusable`: e.g. the file is not readable by this process) the daemon
-        reads those rows instead, and later calls for that layer are plain lookups; logged once.
-        Byte-exact with ``lookup_into`` either way."""
-        ids = requests.row_ids(row_ids)
-        flat = requests.rows_out(out, ids.shape, self.row_bytes)
-        ids = ids.reshape(-1)
-        if not ids.size:
-            requests.check_layer(layer, self.info_cached["layers"])
-            return out
-        if layer in self.plan_fallbacks:
-            self.lookup_into(layer, ids, flat)
-            return out
-        executor = executor or self._host_executor()
-        step = self.plan_piece_rows()
-        for start in range(0, ids.size, step):
-            piece_ids, piece_out = ids[start: start + step], flat[start: start + step]
-            plan = self.plan_lookup(layer, piece_ids, piece_out)
-            if plan is None:
-                continue
-            try:
-                executor.execute(layer, plan, piece_out)
-            except PlanUnusable as exc:
-                self._plan_fallback(layer, str(exc))
-                missing = plan.positions
-                piece_out[missing] = self.lookup_into(layer, piece_ids[missing],
-                                                      np.empty((len(missing), self.row_bytes), np.uint8))
-        return out
-
-    def _host_executor(self) -> HostPlanExecutor:
-        with self._cond:
-            if self._plan_executor is None:
-                self._plan_executor = HostPlanExecutor()
-            return self._plan_executor
-
-    def _plan_fallback(self, layer: int, why: str) -> None:
-        with self._cond:
-            first = layer not in self.plan_fallbacks
-            self.plan_fallbacks[layer] = why
-        if first:
-            log.warning("plan mode off for layer %d: %s; the daemon reads its cold rows instead", layer, why)
-
     @staticmethod
     def _drain_one(inflight: list[tuple[int, UnixPending]], flat: np.ndarray) -> None:
         start, p = inflight.pop(0)
@@ -466,9 +416,8 @@ class UnixTransport:
 
     def close(self) -> None:
         self._sock.close()
-        executor, self._plan_executor = getattr(self, "_plan_executor", None), None
-        if executor is not None:
-            executor.close()
+        if getattr(self, "planned", None) is not None:
+            self.planned.close()
         if getattr(self, "_cond", None) is not None:
             self._break("connection closed by the client")
         if self.arena is not None:
