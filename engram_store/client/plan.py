@@ -1,6 +1,6 @@
 """Executing a read plan: the client reads a plan lookup's cold rows from the layer file itself.
 
-A plan lookup (``UnixTransport.lookup_planned``) gets the rows a cached daemon
+A plan lookup (``EngramClient.lookup_planned``, :class:`PlannedLookups`) gets the rows a cached daemon
 holds in DRAM through the shared region, and for the others a
 :class:`~engram_store.wire.frames.ReadPlan`: which pages of which layer file,
 each page's expected crc32c, and where each missing row sits in its page. An
