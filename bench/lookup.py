@@ -338,13 +338,12 @@ def hit_rates(args, layer_rows: dict[int, int], spec=None) -> list[dict]:
 
 
 def dram_for(mode: str, layer_rows: dict[int, int], row_bytes: int, policy: str) -> int:
-    from engram_store.storage.policies import policy_bytes_per_slot
-    from engram_store.storage.tiered import CACHE_BYTES_PER_SLOT
+    from engram_store.storage.placement import slot_bytes
 
     if mode == "resident":
         return 1 << 62
     slots = int(sum(layer_rows.values()) * int(mode.split("-")[1]) / 100)
-    return slots * (row_bytes + CACHE_BYTES_PER_SLOT + policy_bytes_per_slot(policy))
+    return slots * slot_bytes(row_bytes, policy)
 
 
 def main(argv=None) -> int:

@@ -17,9 +17,8 @@ from engram_store.daemon.config import DaemonConfig, preflight
 from engram_store.format.tableset import TableSet
 from engram_store.integrations.tables import EngramStoreTables
 from engram_store.spec import get_spec
-from engram_store.storage.placement import parse_placement, plan_placement
+from engram_store.storage.placement import parse_placement, plan_placement, slot_bytes
 from engram_store.storage.resident import resident_layout
-from engram_store.storage.tiered import slot_bytes
 
 TINY = get_spec("tiny")
 FIRST, LAST = TINY.layers  # 1 and 3

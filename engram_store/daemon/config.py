@@ -391,9 +391,9 @@ def _check_socket(config: DaemonConfig) -> None:
 def _check_tables(config: DaemonConfig) -> None:
     """The manifest (not the data) against the DRAM settings and the warm-up profile."""
     from ..format.manifest import Manifest
+    from ..storage.placement import plan_store, slot_bytes
     from ..storage.profile import read_profile
     from ..storage.resident import resident_layout
-    from ..storage.tiered import plan_store, slot_bytes
 
     if not config.tables:
         raise ConfigError("config key 'tables' is empty: give --tables DIR (a table-set directory)")

@@ -22,6 +22,9 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 from ..errors import ConfigError
+from ..format.manifest import Manifest
+from .policies import policy_bytes_per_slot
+from .resident import resident_layout
 
 RESIDENT, CACHED = "resident", "cached"
 PLACEMENTS = (RESIDENT, CACHED)
@@ -105,3 +108,23 @@ def _fits(plan: Mapping[int, str], layer_rows: Mapping[int, int], dram_bytes: in
         return False
     cached_rows = sum(rows for layer, rows in layer_rows.items() if plan.get(layer) != RESIDENT)
     return cached_rows == 0 or (dram_bytes - need) // slot_bytes >= max(1, int(cached_rows * min_fraction))
+
+
+CACHE_BYTES_PER_SLOT = 8 + 4  # slot key + free-stack entry, besides the policy's own
+
+
+
+def slot_bytes(row_bytes: int, policy: str) -> int:
+    """DRAM one cache slot costs: the row, its key and free-stack entry, the policy's state."""
+    return row_bytes + CACHE_BYTES_PER_SLOT + policy_bytes_per_slot(policy)
+
+
+def plan_store(manifest: Manifest, *, dram_bytes: int, mode: str, policy: str,
+               placement: Mapping[int, str] | None = None) -> dict[int, str]:
+    """Each layer's placement for ``open`` (and for the daemon's config checks, before any
+    table byte is read); ConfigError when it cannot fit ``dram_bytes``."""
+    row_format = manifest.spec.row_format
+    return plan_placement({e.layer: e.rows for e in manifest.layers}, dram_bytes=dram_bytes, mode=mode,
+                          asked=dict(placement or {}),
+                          arena_bytes=lambda layer_rows: resident_layout(layer_rows, row_format).size,
+                          slot_bytes=slot_bytes(manifest.spec.row_bytes, policy))

@@ -53,40 +53,20 @@ from .integrity import PageHealth
 from .layer_file import LayerFile, open_layer
 from .nvme import DEFAULT_CHUNK_PAGES, DEFAULT_MAX_COALESCE_PAGES, NvmeTier
 from .opening import MAX_QUEUE_DEPTH, check_open_args  # noqa: F401  (MAX_QUEUE_DEPTH: config checks it)
-from .placement import CACHED, RESIDENT, cache_slots, format_placement, plan_placement
+from .placement import CACHED, RESIDENT, cache_slots, format_placement, plan_store, slot_bytes
 from .plan import Admitter, PlanCounters
-from .policies import policy_bytes_per_slot
 from .profile import DEFAULT_CAPACITY, AccessSampler, merge_hottest, read_profile, write_profile
 from .readers import DEFAULT_QUEUE_DEPTH, open_reader
-from .resident import ResidentArena, resident_layout
+from .resident import ResidentArena
 from .row_cache import LAYER_SHIFT, ROW_MASK, RowCache
 from .scrub import Scrubber
 from .stats import LookupStats, StoreCounters
 
 log = logging.getLogger(__name__)
 
-CACHE_BYTES_PER_SLOT = 8 + 4  # slot key + free-stack entry, besides the policy's own
-
-
 def _disk_paths(files: dict[int, LayerFile]) -> dict[int, str | list[str]]:
     """Each layer's data file, or its stripe files in order (for messages naming a bad page)."""
     return {k: [part.path for part in lf.stripes] if lf.stripes else lf.path for k, lf in files.items()}
-
-
-def slot_bytes(row_bytes: int, policy: str) -> int:
-    """DRAM one cache slot costs: the row, its key and free-stack entry, the policy's state."""
-    return row_bytes + CACHE_BYTES_PER_SLOT + policy_bytes_per_slot(policy)
-
-
-def plan_store(manifest: Manifest, *, dram_bytes: int, mode: str, policy: str,
-               placement: Mapping[int, str] | None = None) -> dict[int, str]:
-    """Each layer's placement for ``open`` (and for the daemon's config checks, before any
-    table byte is read); ConfigError when it cannot fit ``dram_bytes``."""
-    row_format = manifest.spec.row_format
-    return plan_placement({e.layer: e.rows for e in manifest.layers}, dram_bytes=dram_bytes, mode=mode,
-                          asked=dict(placement or {}),
-                          arena_bytes=lambda layer_rows: resident_layout(layer_rows, row_format).size,
-                          slot_bytes=slot_bytes(manifest.spec.row_bytes, policy))
 
 
 class TieredStore:
@@ -272,11 +252,7 @@ class TieredStore:
             except IndexError:  # the gather checks every id before it copies any
                 requests.check_bounds(lf.layer, flat, lf.layout.rows)
                 raise
-            if self._health.has_bad(lf.layer):
-                bad = self._health.bad_rows(lf.layer, flat)
-                if bad.any():
-                    self._counters.error()
-                    raise self._health.refuse(lf.layer, np.unique(flat[bad]), int(np.count_nonzero(bad)))
+            self._refuse_known_bad(lf.layer, flat)
             self._sampler.record(lf.layer, flat)
             seconds = time.perf_counter() - t0
             self._counters.add_dram(n, n * self.row_bytes, seconds)
@@ -325,11 +301,7 @@ class TieredStore:
             self._plan_counters.add(requests=1, rows=n, rows_served=n)
             return None
         requests.check_bounds(lf.layer, flat, lf.layout.rows)
-        if self._health.has_bad(lf.layer):
-            bad = self._health.bad_rows(lf.layer, flat)
-            if bad.any():
-                self._counters.error()
-                raise self._health.refuse(lf.layer, np.unique(flat[bad]), int(np.count_nonzero(bad)))
+        self._refuse_known_bad(lf.layer, flat)
         path, dev, ino = self._file_id(lf)
         cache = self._cache
         token, found = cache.begin(lf.layer, flat)
@@ -382,14 +354,9 @@ class TieredStore:
                 rows = rows[cache.maps[li][rows] == 0]
             if not len(rows):
                 return
-            data = np.empty((len(rows), self.row_bytes), dtype=np.uint8)
-            rs = self._nvme.read_rows(layer, rows, data)
-            if len(rs.bad_pages):
-                self._health.mark(layer, rs.bad_pages, "a background admission")
-                good = ~np.isin(rows // self._files[layer].layout.rows_per_page, rs.bad_pages)
-                rows, data = rows[good], data[good]
+            rows, data, nbytes = self._read_verified(layer, rows, "a background admission")
             admitted = cache.admit(layer, rows, data) if len(rows) else 0
-            self._plan_counters.add(admitted_rows=admitted, admit_bytes_read=rs.bytes)
+            self._plan_counters.add(admitted_rows=admitted, admit_bytes_read=nbytes)
         finally:
             self._exit()
 
@@ -467,6 +434,26 @@ class TieredStore:
         st.nvme_pages_read, st.nvme_reads, st.nvme_bytes_read, st.nvme_read_seconds = rs.pages, rs.reads, rs.bytes, rs.seconds
         st.cache_admitted = cache.admit(layer, distinct, data)
 
+    def _refuse_known_bad(self, layer: int, flat: np.ndarray) -> None:
+        """CorruptRows when any of ``flat`` sits in a page already known corrupt (rows read in place)."""
+        if self._health.has_bad(layer):
+            bad = self._health.bad_rows(layer, flat)
+            if bad.any():
+                self._counters.error()
+                raise self._health.refuse(layer, np.unique(flat[bad]), int(np.count_nonzero(bad)))
+
+    def _read_verified(self, layer: int, rows: np.ndarray, who: str) -> tuple[np.ndarray, np.ndarray, int]:
+        """Read distinct sorted ``rows`` from NVMe for the cache (warm-up, background admission):
+        pages failing their crc32c are marked (found by ``who``) and their rows dropped. Returns
+        (rows kept, their bytes, bytes read)."""
+        data = np.empty((len(rows), self.row_bytes), dtype=np.uint8)
+        rs = self._nvme.read_rows(layer, rows, data)
+        if len(rs.bad_pages):
+            self._health.mark(layer, rs.bad_pages, who)
+            good = ~np.isin(rows // self._files[layer].layout.rows_per_page, rs.bad_pages)
+            rows, data = rows[good], data[good]
+        return rows, data, rs.bytes
+
     def _refuse_read(self, layer: int, distinct: np.ndarray, inverse: np.ndarray, data: np.ndarray,
                      bad_pages: np.ndarray) -> None:
         """Rows just read include some of corrupt pages: admit the verified ones, raise CorruptRows."""
@@ -521,12 +508,7 @@ class TieredStore:
                 log.warning("warm-up: layer %d: %d row ids out of range ignored", layer, len(rows) - len(valid))
             for lo in range(0, len(valid), self._cache.admit_limit):
                 part = valid[lo : lo + self._cache.admit_limit]
-                data = np.empty((len(part), self.row_bytes), dtype=np.uint8)
-                rs = self._nvme.read_rows(int(layer), part, data)
-                if len(rs.bad_pages):
-                    self._health.mark(int(layer), rs.bad_pages, "the warm-up")
-                    good = ~np.isin(part // lf.layout.rows_per_page, rs.bad_pages)
-                    part, data = part[good], data[good]
+                part, data, _ = self._read_verified(int(layer), part, "the warm-up")
                 loaded += self._cache.admit(int(layer), part, data, main=True)
         log.info("warm-up: %d rows loaded in %.2fs", loaded, time.perf_counter() - t0)
         return loaded
