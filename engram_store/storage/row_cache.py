@@ -27,6 +27,7 @@ LAYER_SHIFT = 40  # cache key = layer_index << LAYER_SHIFT | row
 
 
 ROW_MASK = (1 << LAYER_SHIFT) - 1
+ADMIT_DIVISOR = 4  # one lookup admits at most n_slots // ADMIT_DIVISOR new rows
 
 
 class RowCache:
@@ -52,7 +53,7 @@ class RowCache:
         self.epoch = 0
         self.active: dict[int, int] = {}
         self.policy = make_policy(policy, n_slots)
-        self.admit_limit = max(1, n_slots // 4)
+        self.admit_limit = max(1, n_slots // ADMIT_DIVISOR)
         self.lock = threading.Lock()
         self.admitted = 0
         self.evicted = 0
