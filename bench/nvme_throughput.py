@@ -59,8 +59,8 @@ def random_iops(path: Path, qd: int, seconds: float, backend: str) -> dict:
     """Random 4 KiB O_DIRECT reads through a PageReader for ``seconds``; with a reader that
     streams rows, through ``read_rows`` (a ring of queue-depth slots, as the store reads).
     Returns IOPS, GB/s and CPU microseconds per page read."""
+    from engram_store.native.readers import open_reader
     from engram_store.native.syscalls import aligned_buffer, as_array, open_direct
-    from engram_store.storage.readers import open_reader
 
     f = open_direct(path)
     reader = open_reader(qd, backend)
@@ -161,10 +161,10 @@ def cold_lookups(tables: Path, layer: int, qd: int, seconds: float, batch_rows: 
 
 def sequential(path: Path, seconds: float) -> dict:
     """Whole-file 1 MiB O_DIRECT reads with the resident fill's bulk reader."""
+    from engram_store.native.readers import open_reader
     from engram_store.native.syscalls import aligned_buffer, open_direct
     from engram_store.storage.gds import posix_bulk_reader
     from engram_store.storage.layer_file import LayerFile
-    from engram_store.storage.readers import open_reader
 
     f = open_direct(path)
     reader = open_reader(8)
@@ -254,7 +254,7 @@ def run(args) -> int:
     manifest = Manifest.load(tables)
     entry = max(manifest.layers, key=lambda e: e.file_bytes)
     path = tables / entry.file
-    from engram_store.storage.readers import aio, best_backend, uring
+    from engram_store.native.readers import aio, best_backend, uring
 
     use_fio = not args.no_fio and shutil.which("fio") is not None
     runnable = {"uring": uring.available(), "aio": aio.available(), "threads": True}

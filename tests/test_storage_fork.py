@@ -14,7 +14,7 @@ import pytest
 from storage_helpers import make_tables
 
 from engram_store.format.tableset import TableSet
-from engram_store.storage.readers.aio import native_reader
+from engram_store.native.readers.aio import native_reader
 from engram_store.storage.tiered import TieredStore
 
 pytestmark = pytest.mark.skipif(native_reader() is None, reason="native reader _pread not built")

@@ -10,8 +10,8 @@ from storage_helpers import FLASH, check_rows, make_tables
 
 from engram_store import TieredStore
 from engram_store.errors import ConfigError
+from engram_store.native.readers import open_reader
 from engram_store.storage.gds import make_bulk_reader, probe_kvikio
-from engram_store.storage.readers import open_reader
 
 
 def test_posix_reader_is_used_and_logged_without_kvikio(caplog):

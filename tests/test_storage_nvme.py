@@ -12,10 +12,10 @@ from storage_helpers import FLASH, SEED, make_tables
 
 from engram_store.format.layout import PageLayout
 from engram_store.native import syscalls
+from engram_store.native.readers import open_reader
+from engram_store.native.readers.aio import native_reader
 from engram_store.storage.layer_file import LayerFile
 from engram_store.storage.nvme import NvmeTier
-from engram_store.storage.readers import open_reader
-from engram_store.storage.readers.aio import native_reader
 from engram_store.tools.synth import synth_rows
 
 

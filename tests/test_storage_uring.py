@@ -24,9 +24,8 @@ from storage_helpers import FLASH, TINY, check_rows, flip, make_tables
 from engram_store import errors
 from engram_store.format import checksums
 from engram_store.format.layout import PAGE_BYTES
-from engram_store.native import syscalls
-from engram_store.storage import readers
-from engram_store.storage.readers import aio, open_reader, uring
+from engram_store.native import readers, syscalls
+from engram_store.native.readers import aio, open_reader, uring
 from engram_store.storage.tiered import TieredStore
 
 pytestmark = pytest.mark.skipif(uring.probe() is not None, reason=f"io_uring reader unavailable: {uring.probe()}")
@@ -258,7 +257,7 @@ def test_auto_falls_back_to_aio_and_logs_why_when_the_probe_fails(tmp_path, monk
         pytest.skip("native reader _pread not built")
     monkeypatch.setattr(_uring, "probe", lambda: "io_uring_setup failed: Operation not permitted (test)")
     tables = make_tables(tmp_path, TINY)
-    with caplog.at_level(logging.INFO, logger="engram_store.storage.readers"):
+    with caplog.at_level(logging.INFO, logger="engram_store.native.readers"):
         with TieredStore.open(tables, dram_bytes=1 << 20, mode="cached") as store:
             assert store._nvme.reader.name == "aio"
             ids = np.arange(0, TINY.rows(TINY.layers[0]), 5)
@@ -272,7 +271,7 @@ def test_auto_falls_back_to_aio_and_logs_why_when_the_probe_fails(tmp_path, monk
 
 
 def test_auto_picks_uring_when_the_probe_passes(fresh_probes, caplog):
-    with caplog.at_level(logging.INFO, logger="engram_store.storage.readers"):
+    with caplog.at_level(logging.INFO, logger="engram_store.native.readers"):
         reader = open_reader(4)
     try:
         assert reader.name == "uring" and reader.streams_rows

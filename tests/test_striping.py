@@ -96,7 +96,7 @@ def test_reference_reader_and_verify(striped, plain):
 
 @pytest.mark.parametrize("reader", ["uring", "aio", "threads"])
 def test_cached_store_cold_and_warm(striped, plain, reader):
-    from engram_store.storage.readers import aio, uring
+    from engram_store.native.readers import aio, uring
 
     if reader == "uring" and uring.probe():
         pytest.skip(f"io_uring unavailable: {uring.probe()}")
@@ -122,9 +122,9 @@ def test_resident_store(striped, plain):
 
 def test_resident_fill_in_small_chunks(tmp_path, plain):
     """Several chunks per stripe: the fill maps each stripe's local pages back to layer pages."""
+    from engram_store.native.readers import open_reader
     from engram_store.storage import resident
     from engram_store.storage.gds import posix_bulk_reader
-    from engram_store.storage.readers import open_reader
 
     out, _ = make_striped(tmp_path, FLASH, 3)
     manifest = Manifest.load(out)
@@ -284,8 +284,8 @@ def test_nvme_tier_reads_stripes_concurrently_with_a_ring_each(tmp_path, plain):
     ring); rows land at their positions and a bad page comes back as a layer page number."""
     import threading
 
+    from engram_store.native.readers import open_reader, uring
     from engram_store.storage.nvme import NvmeTier
-    from engram_store.storage.readers import open_reader, uring
 
     out, _ = make_striped(tmp_path, FLASH, 3)
     e = Manifest.load(out).layers[0]

@@ -38,9 +38,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .. import errors, native
+from .. import errors
 from ..format import checksums, requests
 from ..format.layout import PAGE_BYTES, extents
+from ..native.readers import PageReader, open_reader
 from ..native.syscalls import OpenedFile, aligned_buffer, as_array, open_direct
 from ..wire.frames import ReadPlan
 
@@ -73,10 +74,6 @@ class PlanExecutor(Protocol):
     def close(self) -> None: ...
 
 
-def _native_reader():
-    return native.load("_pread", "plan pages are read one by one with os.preadv")
-
-
 def _corrupt(layer: int, plan: ReadPlan, bad_pages: np.ndarray) -> errors.CorruptRows:
     pages = tuple(int(p) for p in bad_pages)
     shown = ", ".join(map(str, pages[:8])) + (" ..." if len(pages) > 8 else "")
@@ -99,6 +96,7 @@ class HostPlanExecutor:
         self._files: dict[str, OpenedFile] = {}
         self._lock = threading.Lock()
         self._buffers: queue.SimpleQueue = queue.SimpleQueue()
+        self._page_reader: PageReader | None = None  # the NVMe tier's readers (io_uring, AIO, threads)
         self.pages_read = self.bytes_read = 0
 
     def opener(self, path: str) -> OpenedFile:
@@ -163,13 +161,7 @@ class HostPlanExecutor:
         dests = begin.astype(np.int64) * pb
         want = int(lengths.sum())
         try:
-            native = _native_reader()
-            if native is not None:
-                got = native.read_batch(f.fd, buf, offsets, lengths, dests, self.queue_depth)
-            else:
-                view, got = memoryview(buf), 0
-                for off, n, dst in zip(offsets.tolist(), lengths.tolist(), dests.tolist()):
-                    got += os.preadv(f.fd, [view[dst: dst + n]], off)
+            got = self._reader().read(f.fd, buf, offsets, lengths, dests)
         except OSError as exc:
             raise errors.StorageError(f"reading {hi - lo} pages of {plan.path} failed: {exc}") from exc
         if got != want:
@@ -177,11 +169,20 @@ class HostPlanExecutor:
         self.pages_read += hi - lo
         self.bytes_read += want
 
+    def _reader(self) -> PageReader:
+        with self._lock:
+            if self._page_reader is None:
+                self._page_reader = open_reader(self.queue_depth)
+            return self._page_reader
+
     def close(self) -> None:
         with self._lock:
             files, self._files = self._files, {}
+            reader, self._page_reader = self._page_reader, None
         for f in files.values():
             f.close()
+        if reader is not None:
+            reader.close()
         self._buffers = queue.SimpleQueue()  # pooled buffers are unmapped when no view holds them
 
 

@@ -2,6 +2,9 @@
 
 - ``syscalls``: ``O_DIRECT`` files, aligned buffers, memfds, seals, the one ``map_fd``;
 - ``shm``: client regions (sealed memfds) and passing fds over a Unix socket;
+- ``readers``: the page readers (``PageReader``, one module per backend, probed in
+  the order io_uring, Linux AIO, threads), used by the NVMe tier and by clients
+  executing read plans;
 - ``gather``: the row gather pool (``_gather.c``, numpy fallback) that the daemon,
   clients reading a mapped arena and ``LocalClient`` share;
 - ``_uring.c`` (io_uring reads through raw syscalls), ``_pread.c`` (Linux AIO reads),

@@ -11,7 +11,7 @@
 - :class:`PlanningStore`: a store that can answer with a read plan of its cold rows.
 
 The other seams of the engine sit with their implementations: the page readers
-(:class:`.readers.PageReader`, one module per backend) and the cache policies
+(:class:`engram_store.native.readers.PageReader`, one module per backend) and the cache policies
 (:class:`.policies.EvictionPolicy`, one module per policy).
 """
 

@@ -5,7 +5,7 @@ imported lazily and probed once (:func:`probe_kvikio`); whether cuFile is really
 in use or kvikio runs in its POSIX compatibility mode is logged when a reader
 is made. Absent kvikio or CUDA, :func:`make_bulk_reader` returns the POSIX
 reader (``O_DIRECT`` reads of 1 MiB extents through
-:class:`~engram_store.storage.readers.PageReader`) and the log says why.
+:class:`~engram_store.native.readers.PageReader`) and the log says why.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError, StorageError
+from ..native.readers import PageReader
 from .layer_file import LayerFile
-from .readers import PageReader
 
 log = logging.getLogger(__name__)
 

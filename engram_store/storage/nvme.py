@@ -2,7 +2,7 @@
 
 :class:`NvmeTier` turns rows into reads: the distinct 4 KiB pages that hold a
 request's missing rows are read once each, adjacent pages coalesced into one
-read of up to ``max_coalesce_pages``, through a :class:`~.readers.PageReader`.
+read of up to ``max_coalesce_pages``, through a :class:`~engram_store.native.readers.PageReader`.
 With a reader that streams rows, reads land in a ring of ``queue_depth`` slots
 and each row is copied out as soon as its read completes, so a request never
 holds all its pages in memory; otherwise pages are read in chunks of
@@ -38,9 +38,9 @@ import numpy as np
 from ..errors import StorageError
 from ..format.checksums import bad_pages as check_pages
 from ..format.layout import PAGE_BYTES, extents
+from ..native.readers import MAX_CHECKED_PAGES, MAX_NATIVE_QD, PageReader
 from ..native.syscalls import aligned_buffer, as_array
 from .layer_file import LayerFile
-from .readers import MAX_CHECKED_PAGES, MAX_NATIVE_QD, PageReader
 
 DEFAULT_CHUNK_PAGES = 8192  # 32 MiB of pages per read batch
 DEFAULT_MAX_COALESCE_PAGES = 16

@@ -27,10 +27,10 @@ import numpy as np
 
 from ..format.checksums import bad_pages as check_pages
 from ..format.layout import PAGE_BYTES
+from ..native.readers import PageReader
 from ..native.syscalls import aligned_buffer
 from .integrity import PageHealth
 from .layer_file import LayerFile
-from .readers import PageReader
 
 log = logging.getLogger(__name__)
 

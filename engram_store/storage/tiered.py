@@ -47,6 +47,7 @@ from ..format.arena_layout import ArenaInfo
 from ..format.checksums import implementation as checksum_implementation
 from ..format.manifest import Manifest
 from ..native.gather import Gatherer
+from ..native.readers import DEFAULT_QUEUE_DEPTH, open_reader
 from ..wire.frames import ReadPlan
 from .gds import make_bulk_reader
 from .integrity import PageHealth
@@ -56,7 +57,6 @@ from .opening import MAX_QUEUE_DEPTH, check_open_args  # noqa: F401  (MAX_QUEUE_
 from .placement import CACHED, RESIDENT, cache_slots, format_placement, plan_store, slot_bytes
 from .plan import Admitter, PlanCounters
 from .profile import DEFAULT_CAPACITY, AccessSampler, merge_hottest, read_profile, write_profile
-from .readers import DEFAULT_QUEUE_DEPTH, open_reader
 from .resident import ResidentArena
 from .row_cache import LAYER_SHIFT, ROW_MASK, RowCache
 from .scrub import Scrubber

@@ -7,8 +7,8 @@ import logging
 
 import numpy as np
 
-from ... import native
-from ...format.layout import PAGE_BYTES
+from .. import load
+from ..syscalls import PAGE as PAGE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 @functools.cache
 def native_reader():
     """The ``_pread`` extension module, or None (not built); probed once, logged."""
-    module = native.load("_pread", "the AIO reader is unavailable (the next backend is used)")
+    module = load("_pread", "the AIO reader is unavailable (the next backend is used)")
     if module is not None:
         log.info("native reader _pread (Linux AIO) available")
     return module
@@ -31,7 +31,7 @@ def _i64(a) -> np.ndarray:
 
 
 class AioReader:
-    """:class:`~engram_store.storage.readers.PageReader` over Linux AIO; streams rows.
+    """:class:`~engram_store.native.readers.PageReader` over Linux AIO; streams rows.
     Each call sets up its own AIO context, so concurrent calls never share one."""
 
     name = "aio"

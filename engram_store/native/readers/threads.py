@@ -10,7 +10,7 @@ import numpy as np
 
 
 class ThreadReader:
-    """:class:`~engram_store.storage.readers.PageReader` over ``os.preadv`` on up to
+    """:class:`~engram_store.native.readers.PageReader` over ``os.preadv`` on up to
     ``queue_depth`` threads. Does not stream rows (the NVMe tier reads chunks instead)."""
 
     name = "threads"

@@ -6,7 +6,7 @@ on another. A ring owns
 
 - ``queue_depth`` scratch slots registered with the kernel (``IORING_REGISTER_BUFFERS``):
   ``read_rows`` reads into them with ``IORING_OP_READ_FIXED`` and ignores the ``scratch``
-  argument of :class:`~engram_store.storage.readers.PageReader`;
+  argument of :class:`~engram_store.native.readers.PageReader`;
 - the descriptors it has read from, registered on first use (``IORING_REGISTER_FILES``),
   so reads name them by fixed index. The ring keeps its own reference to each: a number
   closed and reused for another file is noticed (fstat) and re-registered, never read stale.
@@ -28,7 +28,7 @@ import weakref
 import numpy as np
 
 from ...errors import StorageError
-from ...format.layout import PAGE_BYTES
+from ..syscalls import PAGE as PAGE_BYTES
 from . import MAX_NATIVE_QD
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def _slot_bytes(longest: int) -> int:
 
 
 class UringReader:
-    """:class:`~engram_store.storage.readers.PageReader` over io_uring; streams rows.
+    """:class:`~engram_store.native.readers.PageReader` over io_uring; streams rows.
     Thread-safe: one ring per reading thread. ``sqpoll``: rings with a kernel thread polling
     their submission queue (no syscall to submit; costs that thread's CPU, so worth it only
     with cores to spare)."""
