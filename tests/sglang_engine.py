@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import sys
-import types
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, expected, make_tables, raw_connect, read_result, sigstop
+from daemon_helpers import DaemonProcess, expected, make_tables, raw_connect, sigstop
 
 from engram_store import errors
 from engram_store.client.client import EngramClient

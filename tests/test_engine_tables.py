@@ -62,7 +62,7 @@ def test_model_check_names_the_field_and_both_values(resident, tables):
     t.check_model(**good)
     for field, value, named in (("layer_ids", (1, 4), "layer ids"), ("dim", 128, "head dim"),
                                 ("scale_block", 16, "scale block"),
-                                ("rows", [spec.rows(1), spec.rows(3) - 1], f"rows of Engram layer 3")):
+                                ("rows", [spec.rows(1), spec.rows(3) - 1], "rows of Engram layer 3")):
         with pytest.raises(errors.ModelMismatch, match=named) as exc:
             t.check_model(**(good | {field: value}))
         assert str(value if not isinstance(value, list) else value[-1]) in str(exc.value)

@@ -9,7 +9,6 @@ import importlib.util
 
 import numpy as np
 import pytest
-import torch
 
 from engram_store.errors import InvalidRequest
 from engram_store.format.tableset import TableSet

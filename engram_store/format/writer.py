@@ -44,8 +44,16 @@ from ..errors import InsufficientSpace, TableFormatError
 from ..spec import ModelSpec
 from .checksums import page_crcs
 from .layout import PAGE_BYTES, PageLayout
-from .manifest import (MANIFEST, LayerEntry, Manifest, PageCrcHeader, StripeEntry, crc_file_name, layer_file_name,
-                       stripe_pages)
+from .manifest import (
+    MANIFEST,
+    LayerEntry,
+    Manifest,
+    PageCrcHeader,
+    StripeEntry,
+    crc_file_name,
+    layer_file_name,
+    stripe_pages,
+)
 
 log = logging.getLogger(__name__)
 
