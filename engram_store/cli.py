@@ -208,7 +208,8 @@ def register(sub) -> None:
     p.add_argument("--scale", type=float, default=1.0, help="multiply the table base size (0 < scale <= 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
-    p.add_argument("--force", action="store_true", help="replace an existing table set")
+    p.add_argument("--force", action="store_true", help="replace the table set at --out (nothing but a table set "
+                   "is ever replaced: a directory holding anything else is refused)")
     p.add_argument("--group", default=None, help=_GROUP_HELP)
     p.add_argument("--progress", action="store_true", default=None, help="show progress even when not on a terminal")
     p.add_argument("--stripe-dir", action="append", default=None, metavar="DIR", help=_STRIPE_HELP)
@@ -222,7 +223,8 @@ def register(sub) -> None:
                    help="check the checkpoint against this model (default: take the spec from config.json)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json whose compressed token map is stored with the tables (default: CKPT/tokenizer.json)")
-    p.add_argument("--force", action="store_true", help="replace an existing table set")
+    p.add_argument("--force", action="store_true", help="replace the table set at --out (nothing but a table set "
+                   "is ever replaced: a directory holding anything else is refused)")
     p.add_argument("--group", default=None, help=_GROUP_HELP)
     p.add_argument("--progress", action="store_true", default=None, help="show progress even when not on a terminal")
     p.add_argument("--stripe-dir", action="append", default=None, metavar="DIR", help=_STRIPE_HELP)

@@ -95,7 +95,7 @@ def test_truncated_or_foreign_tables_do_not_open(tmp_path, tiny_tables):
 
 
 def test_existing_output_is_kept_unless_forced(tmp_path, tiny_tables):
-    with pytest.raises(TableFormatError, match="already exists"):
+    with pytest.raises(TableFormatError, match="already holds a table set; pass --force"):
         write_synthetic(tiny_tables, TINY, seed=0)
     out = tmp_path / "x"
     write_synthetic(out, TINY, seed=1)

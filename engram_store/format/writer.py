@@ -22,7 +22,12 @@ named ``<table-set name>.layer_NNN.sK.bin`` (see
 name in their directory, fsynced, and renamed to their final name just before
 the table-set directory is published; leaving the ``with`` block without
 commit removes them too (a killed process leaves hidden ``.*.tmp-PID`` files
-there, never a name a manifest points to).
+there, never a name a manifest points to). A new set never takes the name of a
+stripe the set it replaces still uses, so the old set stays whole until the swap;
+its stripes are removed after it.
+
+Where ``out`` may be, the atomic replace and the removal of a killed writer's
+leftovers are :mod:`engram_store.format.target`'s.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import numpy as np
 
 from ..errors import InsufficientSpace, TableFormatError
 from ..spec import ModelSpec
+from . import target
 from .checksums import page_crcs
 from .layout import PAGE_BYTES, PageLayout
 from .manifest import (
@@ -105,7 +111,8 @@ class TableSetWriter:
     """Context manager producing one table set directory at ``out``."""
 
     def __init__(self, out: str | os.PathLike, spec: ModelSpec, *, source: dict | None = None, overwrite: bool = False,
-                 group: str | None = None, stripe_dirs: Sequence[str | os.PathLike] | None = None) -> None:
+                 group: str | None = None, stripe_dirs: Sequence[str | os.PathLike] | None = None,
+                 inputs: Sequence[str | os.PathLike] = ()) -> None:
         self.out = Path(out)
         self.stripe_dirs = [Path(d).resolve() for d in stripe_dirs or ()]
         if len(self.stripe_dirs) == 1:
@@ -117,6 +124,8 @@ class TableSetWriter:
         self.spec = spec
         self.source = source or {}
         self.overwrite = overwrite
+        self.inputs = list(inputs)
+        self._locks: list[int] = []  # flocks held while writing (temp directory, temp stripe files)
         self.gid = -1 if group is None else _group_id(group)
         self.entries: list[LayerEntry] = []
         self.tmp: Path | None = None
@@ -126,17 +135,20 @@ class TableSetWriter:
             self.needed -= sum(PageLayout(spec.rows(layer), spec.row_bytes).file_bytes for layer in spec.layers)
 
     def __enter__(self) -> "TableSetWriter":
-        if self.out.exists() and not self.overwrite:
-            raise TableFormatError(f"{self.out} already exists; remove it or pass --force")
+        target.check_target(self.out, self.overwrite, self.inputs)
         with self._space(self.out.parent):
             self.out.parent.mkdir(parents=True, exist_ok=True)
-        free = free_bytes(self.out.parent)
-        if free < self.needed:
-            raise InsufficientSpace(f"{self.out.parent}: the table set needs {self.needed} bytes, {free} are free; "
-                                    "free some space or write it elsewhere")
-        self._check_stripe_space()
-        with self._space(self.out.parent):
-            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        with target.locked(self.out.parent):
+            target.remove_stale(self.out, self.stripe_dirs)  # a killed run's bytes do not count below
+            free = free_bytes(self.out.parent)
+            if free < self.needed:
+                raise InsufficientSpace(f"{self.out.parent}: the table set needs {self.needed} bytes, {free} are free; "
+                                        "free some space or write it elsewhere")
+            self._check_stripe_space()
+            with self._space(self.out.parent):
+                self.tmp = Path(tempfile.mkdtemp(prefix=f"{target.temp_prefix(self.out)}{os.getpid()}-",
+                                                 dir=self.out.parent))
+            self._locks.append(target.lock(self.tmp))  # held while writing: not a leftover
         return self
 
     def _check_stripe_space(self) -> None:
@@ -173,10 +185,15 @@ class TableSetWriter:
                 tmp.unlink(missing_ok=True)
             if self.tmp.exists():
                 shutil.rmtree(self.tmp, ignore_errors=True)
+        for fd in self._locks:
+            os.close(fd)
+        self._locks.clear()
 
     def _stripe_file(self, layer: int, k: int) -> tuple[Path, Path]:
         d = self.stripe_dirs[k]
         final = d / f"{self.out.name}.layer_{layer:03d}.s{k}.bin"
+        if final.exists():  # the set being replaced owns that name: keep it intact until the swap
+            final = d / f"{self.out.name}.layer_{layer:03d}.s{k}.{self.tmp.name.rpartition('-')[2]}.bin"
         tmp = d / f".{final.name}.tmp-{os.getpid()}"
         self._stripe_tmp.append((tmp, final))
         return tmp, final
@@ -199,6 +216,8 @@ class TableSetWriter:
         with self._space(paths[0].parent), contextlib.ExitStack() as files, \
                 open(self.tmp / crc_name, "wb") as crc_f:
             data_files = [files.enter_context(open(p, "wb", buffering=0)) for p in paths]
+            if k_total:  # held while writing: not a leftover
+                self._locks += [target.lock(p) for p in paths]
             crc_f.write(PageCrcHeader(layer, layout.pages).pack())
             for block in blocks:
                 parts = [block] if isinstance(block, np.ndarray) else list(block)
@@ -272,14 +291,21 @@ class TableSetWriter:
 
     def _publish_dir(self) -> None:
         assert self.tmp is not None
-        if self.out.exists():
-            old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
-            os.replace(self.out, old)
-            os.replace(self.tmp, self.out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(self.tmp, self.out)
+        target.check_target(self.out, self.overwrite)  # what is there now (it may have changed while we wrote)
+        old = _old_stripes(self.out)
+        target.publish(self.tmp, self.out)
         fsync_dir(self.out.parent)
+        for path in old - {final for _, final in self._stripe_tmp}:  # the replaced set's stripes we did not overwrite
+            path.unlink(missing_ok=True)
+
+
+def _old_stripes(out: Path) -> set[Path]:
+    """Stripe files of the table set at ``out`` (none when it is not a striped set)."""
+    try:
+        manifest = Manifest.load(out)
+    except TableFormatError:
+        return set()
+    return {p for e in manifest.layers for p in e.stripe_paths(out)}
 
 
 def _group_id(group: str) -> int:

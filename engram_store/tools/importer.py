@@ -170,8 +170,9 @@ def import_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, spec: Mod
     layers = plan(ckpt, spec, token_map)
     rpp = PageLayout(0, spec.row_bytes).rows_per_page  # blocks of whole pages
     block_rows = max(rpp, block_rows // rpp * rpp)
+    inputs = [ckpt] + ([Path(tokenizer)] if tokenizer is not None else [])  # never written over, never inside out
     with TableSetWriter(out, spec, source={"kind": "checkpoint", "path": str(ckpt.resolve())}, overwrite=overwrite,
-                        group=group, stripe_dirs=stripe_dirs) as w, \
+                        group=group, stripe_dirs=stripe_dirs, inputs=inputs) as w, \
             ThreadPoolExecutor(1, thread_name_prefix="import-read") as pool:
         for layer, (weight, scale) in layers.items():
             log.info("importing layer %d: %d rows from %s", layer, weight.shape[0], weight.file.name)
