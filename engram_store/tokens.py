@@ -265,19 +265,33 @@ def token_map_problems(directory: str | os.PathLike, entry: dict[str, Any]) -> l
     return problems
 
 
-def read_token_map(directory: str | os.PathLike, entry: dict[str, Any]) -> TokenMap:
-    """The map a manifest entry names, checked (size, crc32, sha256, classes); TableFormatError if not."""
+def read_token_map(directory: str | os.PathLike, entry: dict[str, Any], compressed_vocab: int | None = None) -> TokenMap:
+    """The map a manifest entry names, checked: crc32, size (``raw_vocab`` int32 ids), sha256
+    (required), every value in ``[0, classes)`` and, given ``compressed_vocab`` (the spec's),
+    ``classes`` equal to it. TableFormatError naming the field and both values if not."""
     directory = Path(directory)
     problems = token_map_problems(directory, {k: entry.get(k) for k in ("file", "crc32")})
     if problems:
         raise TableFormatError(f"token map: {problems[0]}; re-import the table set")
     path = _plain(directory, entry["file"])
+    classes = int(entry["classes"])
+    if compressed_vocab is not None and classes != compressed_vocab:
+        raise TableFormatError(f"{path}: token map field 'classes' is {classes}, the spec's compressed_vocab is "
+                               f"{compressed_vocab}")
     data = path.read_bytes()
     if len(data) != 4 * int(entry["raw_vocab"]):
-        raise TableFormatError(f"{path}: {len(data)} bytes, manifest says {entry['raw_vocab']} int32 ids")
-    tm = TokenMap.from_array(np.frombuffer(data, dtype=_MAP_DTYPE), int(entry["classes"]))
-    if entry.get("sha256") not in (None, tm.sha256):
-        raise TableFormatError(f"{path}: sha256 {tm.sha256}, manifest says {entry['sha256']}")
+        raise TableFormatError(f"{path}: {len(data)} bytes, token map field 'raw_vocab' says {entry['raw_vocab']} "
+                               f"int32 ids ({4 * int(entry['raw_vocab'])} bytes)")
+    ids = np.frombuffer(data, dtype=_MAP_DTYPE)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= classes):
+        raise TableFormatError(f"{path}: token map values span [{int(ids.min())}, {int(ids.max())}], they must lie in "
+                               f"[0, {classes}) (field 'classes', the compressed vocabulary)")
+    tm = TokenMap.from_array(ids, classes)
+    if not isinstance(entry.get("sha256"), str):
+        raise TableFormatError(f"{path}: the manifest's token map has no field 'sha256' (required; the map's is "
+                               f"{tm.sha256}); re-import the table set")
+    if entry["sha256"] != tm.sha256:
+        raise TableFormatError(f"{path}: sha256 {tm.sha256}, token map field 'sha256' says {entry['sha256']}")
     return tm
 
 
@@ -306,9 +320,9 @@ def raw_ids_for(spec: "ModelSpec", info: dict[str, Any], token_map: "TokenMap | 
         tm = read_token_map(entry["directory"], entry)
     else:
         tm = token_map if isinstance(token_map, TokenMap) else load_token_map(token_map)
-    if entry and entry.get("sha256") not in (None, tm.sha256):
+    if entry and entry.get("sha256") != tm.sha256:
         raise InvalidRequest(f"the token map given (sha256 {tm.sha256[:12]}..) is not the table set's "
-                             f"({entry['sha256'][:12]}..): its row ids would differ")
+                             f"({str(entry.get('sha256'))[:12]}..): its row ids would differ")
     if tm.classes != spec.compressed_vocab:
         raise InvalidRequest(f"the token map has {tm.classes} classes, model {spec.name!r} hashes over "
                              f"{spec.compressed_vocab}")

@@ -111,7 +111,7 @@ class DaemonConfig:
     max_total_client_shm_bytes: int = 16 << 30  # all clients' shared regions together; more is refused
     max_clients: int = 1024  # Unix-socket clients at once; more are refused
     max_clients_per_uid: int = 256  # Unix-socket clients of one uid at once (SO_PEERCRED); more are refused
-    handshake_timeout_seconds: float = 5.0  # a Unix client whose HELLO is not complete by then is dropped
+    handshake_timeout_seconds: float = 5.0  # a Unix client's HELLO, a gRPC call's request: not complete by then, dropped
     client_idle_timeout_seconds: float = 600.0  # a Unix client silent this long is dropped; 0 = never
     client_send_timeout_seconds: float = 10.0  # a client (both transports) that reads no reply for this long is dropped
     max_request_rows: int = 1 << 20  # rows per request (both transports); more is RESOURCE_EXHAUSTED
@@ -126,6 +126,7 @@ class DaemonConfig:
     grpc_tls_key: str = ""  # PEM private key
     grpc_chunk_bytes: int = 1 << 20  # row bytes per gRPC message; larger lookups stream
     grpc_max_inflight_bytes: int = 1 << 30  # reply bytes all gRPC lookups may hold at once; more is refused
+    grpc_max_calls_per_peer: int = 256  # authenticated gRPC calls in flight from one host; more are refused
     grpc_event_loop: str = "uvloop"  # "uvloop" or "asyncio"
     metrics: str = "127.0.0.1:9464"  # Prometheus HTTP address; "" disables it
     metrics_allow_remote: bool = False  # must be true to serve metrics on a non-loopback address
@@ -144,7 +145,7 @@ class DaemonConfig:
                 raise bad(f.name, f"expected {f.type}")
         for key in ("dram_bytes", "client_shm_bytes", "max_client_shm_bytes", "grpc_chunk_bytes",
                     "max_clients", "max_request_rows", "max_clients_per_uid", "max_total_client_shm_bytes",
-                    "grpc_max_inflight_bytes"):
+                    "grpc_max_inflight_bytes", "grpc_max_calls_per_peer"):
             if getattr(self, key) <= 0:
                 raise bad(key, "must be positive")
         if self.dram_bytes < MIN_DRAM_BYTES:
@@ -394,11 +395,14 @@ def _check_tables(config: DaemonConfig) -> None:
     from ..storage.placement import plan_store, slot_bytes
     from ..storage.profile import read_profile
     from ..storage.resident import resident_layout
+    from ..tokens import read_token_map
 
     if not config.tables:
         raise ConfigError("config key 'tables' is empty: give --tables DIR (a table-set directory)")
     try:
         manifest = Manifest.load(config.tables)
+        if manifest.token_map is not None:  # 4 bytes per raw id, not table data: every value in range
+            read_token_map(config.tables, manifest.token_map, manifest.spec.compressed_vocab)
     except EngramStoreError as exc:
         raise ConfigError(f"config key 'tables': {exc}") from None
     for e in manifest.layers:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -185,33 +186,99 @@ class Manifest:
             for name in (e.file, e.crc_file):
                 if "/" in name or name.startswith("."):
                     raise TableFormatError(f"{path}: layer {e.layer} file name {name!r} must be a plain name")
-            if e.layout.file_bytes != e.file_bytes:
-                raise TableFormatError(f"{path}: layer {e.layer} declares {e.file_bytes} bytes, layout needs {e.layout.file_bytes}")
-            _check_stripes(path, e)
+        problems = spec_problems(manifest.spec, layers)
         if raw.get("token_map") is not None:
-            if not isinstance(raw["token_map"], dict):
-                raise TableFormatError(f"{path}: token_map must be an object, got {raw['token_map']!r}")
-            manifest = replace(manifest, token_map=raw["token_map"])
+            problems += token_map_entry_problems(manifest.spec, raw["token_map"])
+            if isinstance(raw["token_map"], dict):
+                manifest = replace(manifest, token_map=raw["token_map"])
+        if problems:
+            raise TableFormatError(f"{path}: the manifest does not match its spec {manifest.spec.name!r}: "
+                                   + "; ".join(problems) + "; re-synth or re-import the table set")
         return manifest
 
 
-def _check_stripes(path: Path, e: LayerEntry) -> None:
+def spec_problems(spec: ModelSpec, layers: tuple[LayerEntry, ...]) -> list[str]:
+    """Every way ``layers`` (a manifest's entries) disagree with ``spec`` and the page layout:
+    layer ids (each of the spec's once), rows, row_bytes, file_bytes, stripes. One line each,
+    naming layer, field and both values; empty when they agree."""
+    problems = []
+    ids = [e.layer for e in layers]
+    for layer in sorted({x for x in ids if ids.count(x) > 1}):
+        problems.append(f"layer {layer}: listed {ids.count(layer)} times (field 'layer' must be unique)")
+    for layer in sorted(set(ids) - set(spec.layers)):
+        problems.append(f"layer {layer}: field 'layer' is not an Engram layer of the spec (layers {list(spec.layers)})")
+    for layer in sorted(set(spec.layers) - set(ids)):
+        problems.append(f"layer {layer}: an Engram layer of the spec, missing from field 'layers'")
+    for e in layers:
+        if e.layer not in spec.layers:
+            continue
+        if e.rows != spec.rows(e.layer):
+            problems.append(f"layer {e.layer}: field 'rows' is {e.rows}, the spec's hash tables hold {spec.rows(e.layer)}")
+        if e.row_bytes != spec.row_bytes:
+            problems.append(f"layer {e.layer}: field 'row_bytes' is {e.row_bytes}, the spec's rows are {spec.row_bytes} "
+                            f"bytes ({spec.row_format.dim} values + {spec.row_format.scale_count} scales)")
+        try:
+            layout = e.layout
+        except TableFormatError as exc:
+            problems.append(f"layer {e.layer}: {exc}")
+            continue
+        if layout.file_bytes != e.file_bytes:
+            problems.append(f"layer {e.layer}: field 'file_bytes' is {e.file_bytes}, {e.rows} rows of {e.row_bytes} "
+                            f"bytes ({layout.rows_per_page} per page, {layout.pages} pages) need {layout.file_bytes}")
+        else:
+            problems += _stripe_problems(e)
+    return problems
+
+
+TOKEN_MAP_KEYS = {"file": str, "crc32": int, "raw_vocab": int, "classes": int, "sha256": str}
+
+
+def token_map_entry_problems(spec: ModelSpec, entry: Any) -> list[str]:
+    """What is wrong with a manifest's ``token_map`` entry itself (its files are checked by
+    :func:`engram_store.tokens.read_token_map`): every field present and typed, ``sha256``
+    a hex digest, ``classes`` the spec's compressed vocabulary."""
+    if not isinstance(entry, dict):
+        return [f"field 'token_map' must be an object, got {entry!r}"]
+    problems = []
+    for key, kind in TOKEN_MAP_KEYS.items():
+        value = entry.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            problems.append(f"token map: field '{key}' must be {kind.__name__}, got {value!r}")
+    sha = entry.get("sha256")
+    if isinstance(sha, str) and not re.fullmatch(r"[0-9a-f]{64}", sha):
+        problems.append(f"token map: field 'sha256' must be 64 lowercase hex digits, got {sha!r}")
+    classes = entry.get("classes")
+    if isinstance(classes, int) and classes != spec.compressed_vocab:
+        problems.append(f"token map: field 'classes' is {classes}, the spec's compressed_vocab is "
+                        f"{spec.compressed_vocab}")
+    raw_vocab = entry.get("raw_vocab")
+    if isinstance(raw_vocab, int) and not isinstance(raw_vocab, bool) and raw_vocab <= 0:
+        problems.append(f"token map: field 'raw_vocab' must be positive, got {raw_vocab}")
+    name = entry.get("file")
+    if isinstance(name, str) and ("/" in name or name.startswith(".") or not name):
+        problems.append(f"token map: field 'file' {name!r} must be a plain file name")
+    return problems
+
+
+def _stripe_problems(e: LayerEntry) -> list[str]:
     if not e.stripes:
-        return
+        return []
     k_total = len(e.stripes)
     if k_total < 2:
-        raise TableFormatError(f"{path}: layer {e.layer} has {k_total} stripe; a striped layer needs at least 2 "
-                               "(an unstriped one lists none)")
+        return [f"layer {e.layer}: field 'stripes' lists {k_total} stripe; a striped layer needs at least 2 "
+                "(an unstriped one lists none)"]
     names = [s.file for s in e.stripes]
     if len(set(names)) != k_total:
-        raise TableFormatError(f"{path}: layer {e.layer} lists a stripe file twice: {names}")
+        return [f"layer {e.layer}: field 'stripes' lists a stripe file twice: {names}"]
+    problems = []
     for k, s in enumerate(e.stripes):
         if not s.file or s.file.startswith(".") and "/" not in s.file:
-            raise TableFormatError(f"{path}: layer {e.layer} stripe {k} file name {s.file!r} is empty or hidden")
+            problems.append(f"layer {e.layer}: stripe {k} file name {s.file!r} is empty or hidden")
         want = stripe_pages(e.layout.pages, k_total, k) * PAGE_BYTES
         if s.file_bytes != want:
-            raise TableFormatError(f"{path}: layer {e.layer} stripe {k} declares {s.file_bytes} bytes, the layout "
-                                   f"needs {want} ({e.layout.pages} pages over {k_total} stripes)")
+            problems.append(f"layer {e.layer}: stripe {k} field 'file_bytes' is {s.file_bytes}, the layout needs "
+                            f"{want} ({e.layout.pages} pages over {k_total} stripes)")
+    return problems
 
 
 def layer_file_name(layer: int) -> str:

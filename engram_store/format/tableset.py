@@ -20,7 +20,7 @@ from ..errors import TableFormatError, UnknownLayer
 from . import requests
 from .checksums import page_crcs
 from .layout import PAGE_BYTES
-from .manifest import Manifest, load_page_crcs
+from .manifest import Manifest, PageCrcHeader, load_page_crcs
 
 VERIFY_CHUNK_BYTES = 64 << 20  # bytes read and checked at a time by verify
 
@@ -50,8 +50,14 @@ class TableSet:
 
     @classmethod
     def open(cls, directory: str | os.PathLike) -> "TableSet":
+        """Open a table set, checking without reading table data that the manifest tells the truth:
+        the manifest against its spec (:meth:`Manifest.load`), every data and stripe file's size,
+        every checksum file's length and header, and the token map (size, sha256, every value in
+        ``[0, compressed_vocab)``; a map whose bytes fail their crc32 is corruption, left to
+        :meth:`verify`'s caller). TableFormatError naming layer, field and both values."""
         directory = Path(directory)
         manifest = Manifest.load(directory)
+        problems = []
         for e in manifest.layers:
             sized = list(zip(e.stripe_paths(directory), (st.file_bytes for st in e.stripes))) if e.stripes \
                 else [(directory / e.file, e.file_bytes)]
@@ -59,17 +65,16 @@ class TableSet:
                 try:
                     size = path.stat().st_size
                 except FileNotFoundError:
-                    raise TableFormatError(f"{path}: layer {e.layer} data file is missing") from None
+                    problems.append(f"{path}: layer {e.layer} data file is missing")
+                    continue
                 if size != want:
-                    raise TableFormatError(f"{path}: layer {e.layer} file has {size} bytes, manifest says {want} (truncated?)")
-            crc_path = directory / e.crc_file
-            try:
-                crc_size = crc_path.stat().st_size
-            except FileNotFoundError:
-                raise TableFormatError(f"{crc_path}: layer {e.layer} page checksum file is missing") from None
-            if crc_size != e.crc_header().file_bytes:
-                raise TableFormatError(f"{crc_path}: layer {e.layer} checksum file has {crc_size} bytes, needs "
-                                       f"{e.crc_header().file_bytes} (truncated?)")
+                    problems.append(f"{path}: layer {e.layer} file has {size} bytes, field 'file_bytes' says {want} "
+                                    "(truncated?)")
+            problems += _crc_file_problems(directory, e)
+        if manifest.token_map is not None:
+            problems += _token_map_lies(directory, manifest)
+        if problems:
+            raise TableFormatError("; ".join(problems))
         return cls(directory, manifest)
 
     @property
@@ -178,3 +183,44 @@ def _verify_file(layer: int, path: Path, name: str, want: np.ndarray, buf: bytea
                 raise TableFormatError(f"{path}: layer {layer} ended after page {q0 + n} of {pages} "
                                        "(truncated while verifying?)")
     return bad
+
+
+def _crc_file_problems(directory: Path, e) -> list[str]:
+    """The layer's checksum file: present, ``PageCrcHeader + 4 bytes per page`` long, its header for
+    this layer and page count."""
+    path = directory / e.crc_file
+    want = e.crc_header()
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(PageCrcHeader.STRUCT.size)
+    except FileNotFoundError:
+        return [f"{path}: layer {e.layer} page checksum file is missing"]
+    except OSError as exc:
+        return [f"{path}: layer {e.layer} page checksum file unreadable: {exc.strerror}"]
+    if size != want.file_bytes:
+        return [f"{path}: layer {e.layer} checksum file has {size} bytes, {want.pages} pages need {want.file_bytes} "
+                f"({PageCrcHeader.STRUCT.size}-byte header + 4 per page; truncated?)"]
+    try:
+        got = PageCrcHeader.unpack(head, str(path))
+    except TableFormatError as exc:
+        return [str(exc)]
+    if (got.layer, got.pages) != (e.layer, want.pages):
+        return [f"{path}: checksum file header says layer {got.layer}, {got.pages} pages; layer {e.layer} has "
+                f"{want.pages}"]
+    return []
+
+
+def _token_map_lies(directory: Path, manifest: Manifest) -> list[str]:
+    """What the token map's files say against the manifest (size, sha256, values in range); a map
+    whose crc32 fails is corrupt, not lying: :func:`engram_store.tokens.token_map_problems` reports it."""
+    from ..tokens import read_token_map, token_map_problems
+
+    entry = manifest.token_map
+    if token_map_problems(directory, {k: entry.get(k) for k in ("file", "crc32")}):
+        return []
+    try:
+        read_token_map(directory, entry, manifest.spec.compressed_vocab)
+    except TableFormatError as exc:
+        return [str(exc)]
+    return []
