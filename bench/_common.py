@@ -1,17 +1,84 @@
-"""What the storage benches (lookup.py, nvme_throughput.py) share: their table set and their --quick scratch dir.
+"""What the benches share: the same output flags everywhere, the storage benches' table set and scratch dir.
 
-Both take ``--tables``, ``--workdir``, ``--model``, ``--scale`` and ``--quick``;
+Every bench takes ``--help``, ``--quick`` (a smoke run of seconds) and ``--json [PATH]``
+(:func:`add_report_args`): the report as one JSON document written to PATH, or to stdout
+when PATH is ``-`` or left out, in which case stdout carries the JSON only and the human
+table goes to stderr (:class:`JsonReport`). The storage benches (lookup.py,
+nvme_throughput.py) also take ``--tables``, ``--workdir``, ``--model`` and ``--scale``.
 bench/ is on ``sys.path`` when they run as scripts, so they import this as ``_common``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
+
+JSON_HELP = ("write the report as one JSON document to PATH; '-' or no PATH: to stdout, which then carries "
+             "the JSON only (the table goes to stderr)")
+
+
+def add_report_args(ap: argparse.ArgumentParser, quick_help: str) -> None:
+    """``--quick`` and ``--json [PATH]``, the same in every bench."""
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH", help=JSON_HELP)
+
+
+class JsonReport:
+    """Where a bench's output goes, as a context manager around the whole run.
+
+    With ``--json -`` (or a bare ``--json``) everything printed while it is open, by Python
+    or by a child process sharing file descriptor 1, goes to stderr, and the JSON document
+    given to :meth:`emit` is written to the real stdout when it closes: stdout carries that
+    document and nothing else. With ``--json PATH`` the table goes to stdout and the JSON to
+    PATH; without ``--json``, the table only.
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.path: str | None = args.json
+        self.doc: Any = None
+        self._stdout = None
+        self._saved_fd: int | None = None
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "JsonReport":
+        if self.path == "-":
+            self._stdout = sys.stdout
+            self._stdout.flush()
+            try:
+                self._saved_fd = os.dup(1)
+                os.dup2(2, 1)
+            except OSError:  # no fd 1 (an embedding host): Python's own output is still redirected
+                self._saved_fd = None
+            self._stack.enter_context(contextlib.redirect_stdout(sys.stderr))
+        return self
+
+    def emit(self, doc: Any, table: Callable[[], None] | None = None) -> None:
+        """Print the human ``table`` (to stderr under ``--json -``) and keep ``doc`` for the JSON."""
+        if table is not None:
+            table()
+            sys.stdout.flush()
+        self.doc = doc
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._stack.close()
+        if self._saved_fd is not None:
+            os.dup2(self._saved_fd, 1)
+            os.close(self._saved_fd)
+        if exc_type is not None or self.path is None or self.doc is None:
+            return
+        text = json.dumps(self.doc, indent=1, default=str)
+        if self.path == "-":
+            self._stdout.write(text + "\n")
+            self._stdout.flush()
+        else:
+            Path(self.path).write_text(text + "\n")
 
 
 def ensure_tables(args: argparse.Namespace, name: str) -> Path:

@@ -42,7 +42,6 @@ Exit status 1 if a correctness check failed.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -57,6 +56,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import e2e  # noqa: E402
 import tokens as tokens_bench  # noqa: E402  (bench/tokens.py)
+from _common import JsonReport, add_report_args  # noqa: E402
 
 from engram_store import TableSet, get_spec  # noqa: E402
 from engram_store.hashing import row_ids_numpy, row_ids_torch  # noqa: E402
@@ -398,8 +398,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-only", action="store_true", help="run the CPU-checkable parts only (automatic without CUDA)")
     ap.add_argument("--scale", type=float, default=0.002,
                     help="table size on CUDA, a fraction of DeepSeek-V4.1-Flash (0.002: about 380 MB)")
-    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    add_report_args(ap, "smoke size: tables of scale 0.0002 on CUDA (the CPU-only run is always small)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.scale = min(args.scale, 0.0002)
+    with JsonReport(args) as report:
+        return run_checks(args, report)
+
+
+def run_checks(args: argparse.Namespace, report: JsonReport) -> int:
+    """Every check, in order; the exit code (1 if any failed)."""
     cpu_only = args.cpu_only or not torch.cuda.is_available()
     device = torch.device("cpu" if cpu_only else "cuda")
     spec = get_spec("tiny") if cpu_only else get_spec("deepseek-v4.1-flash", args.scale)
@@ -432,13 +440,15 @@ def main(argv: list[str] | None = None) -> int:
         ts.close()
     rows += check_raw_ids(device, cpu_only)
     rows += check_e2e(device, cpu_only)
-    if args.json:
-        print(json.dumps({"device": torch.cuda.get_device_name() if not cpu_only else "cpu", "rows": rows}, indent=1))
-    else:
-        print(f"device check on {torch.cuda.get_device_name() if not cpu_only else 'CPU only'} ({spec.name})")
+    device_name = torch.cuda.get_device_name() if not cpu_only else "cpu"
+
+    def table() -> None:
+        print(f"device check on {device_name if not cpu_only else 'CPU only'} ({spec.name})")
         print(f"{'check':<34}{'status':<9}{'value':<44}note")
         for r in rows:
             print(f"{r['check']:<34}{r['status']:<9}{r['value']:<44}{r['note']}")
+
+    report.emit({"device": device_name, "rows": rows}, table)
     return 1 if any(r["status"] == "FAIL" for r in rows) else 0
 
 

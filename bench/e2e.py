@@ -46,6 +46,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from _common import JsonReport, add_report_args  # noqa: E402
 
 from engram_store import get_spec  # noqa: E402
 from engram_store.tools.synth import write_synthetic  # noqa: E402
@@ -184,8 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="do not pin: by default the daemon gets the last quarter of the CPUs (at least one) and this "
                          "process the others, "
                          "as a deployment gives the daemon its own cores (needs 2 CPUs or more)")
-    ap.add_argument("--quick", action="store_true", help="small sizes, 2 rounds: a smoke run")
-    ap.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    add_report_args(ap, "small sizes, 2 rounds: a smoke run")
     args = ap.parse_args(argv)
     if args.quick:
         args.batches, args.decode_steps, args.rounds = "64", 4, 2
@@ -254,11 +256,9 @@ def measure(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    doc = measure(args)
-    if args.json:
-        print(json.dumps(doc, indent=1))
-    else:
-        _print_table(doc)
+    with JsonReport(args) as report:
+        doc = measure(args)
+        report.emit(doc, lambda: _print_table(doc))
     return 0 if doc["logits_identical"] else 1
 
 

@@ -38,6 +38,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "tests"))
 
+from _common import JsonReport, add_report_args  # noqa: E402
+
 
 # --- the child processes -----------------------------------------------------------------
 def child_checkpoint(ckpt: Path) -> dict:
@@ -128,8 +130,7 @@ def main(argv=None) -> int:
     p.add_argument("--processes", type=int, default=4, help="processes held at once for the PSS figure")
     p.add_argument("--warm", action="store_true", help="also time checkpoint starts with the checkpoint in the page cache")
     p.add_argument("--workdir", help="where the checkpoint and tables go (default: a temp dir, removed after)")
-    p.add_argument("--quick", action="store_true", help="smoke size: tiny model, 1 rep, 2 processes")
-    p.add_argument("--json", help="write the report here")
+    add_report_args(p, "smoke size: tiny model, 1 rep, 2 processes")
     p.add_argument("--child", choices=["checkpoint", "daemon"], help=argparse.SUPPRESS)
     p.add_argument("--child-ckpt", help=argparse.SUPPRESS)
     p.add_argument("--child-addr", help=argparse.SUPPRESS)
@@ -138,7 +139,14 @@ def main(argv=None) -> int:
         return run_child(args)
     if args.quick:
         args.model, args.scale, args.reps, args.processes = "tiny", 1.0, 1, 2
+    with JsonReport(args) as out:
+        report = measure(args)
+        out.emit(report, lambda: print_table(report))
+    return 0
 
+
+def measure(args: argparse.Namespace) -> dict:
+    """Time the starts and hold the processes for PSS; the report document."""
     from daemon_helpers import DaemonProcess
     from import_throughput import evict, make_checkpoint
 
@@ -195,20 +203,21 @@ def main(argv=None) -> int:
         daemon.stop()
         tmp.cleanup()
 
+    return report
+
+
+def print_table(report: dict) -> None:
     gib = 2**30
-    print(f"engine start, {spec.name} scale {args.scale}: {table_bytes / gib:.2f} GiB of Engram tables")
+    print(f"engine start, {report['model']} scale {report['scale']}: {report['table_bytes'] / gib:.2f} GiB of Engram tables")
     print(f"{'way':<18}{'ready s (median)':>18}{'min..max':>18}{'wall s':>10}")
     for way in [w for w in ("checkpoint_cold", "checkpoint_warm", "daemon") if w in report]:
         r = report[way]["ready_seconds"]
         print(f"{way:<18}{r['median']:>18.3f}{r['min']:>9.3f}..{r['max']:<7.3f}{report[way]['wall_seconds']['median']:>10.3f}")
     print(f"daemon map only: {report['daemon']['map_seconds']['median'] * 1e3:.1f} ms")
     print(f"ready: checkpoint / daemon = {report['ratio_ready_checkpoint_over_daemon']:.1f}x")
-    print(f"PSS of {args.processes} processes: checkpoint {report['pss_checkpoint']['total_bytes'] / gib:.2f} GiB, "
+    print(f"PSS of {report['processes']} processes: checkpoint {report['pss_checkpoint']['total_bytes'] / gib:.2f} GiB, "
           f"daemon way {report['pss_daemon']['total_bytes'] / gib:.2f} GiB + the daemon itself "
           f"{report['pss_daemon']['daemon_bytes'] / gib:.2f} GiB: {report['ratio_pss_checkpoint_over_daemon']:.1f}x")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ speed relative to the baseline of the same round. Output: a table, or ``--json``
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import JsonReport, add_report_args  # noqa: E402
 
 WEIGHT_BYTES, SCALE_BYTES = 256, 8  # DeepSeek-V4.1 rows: 256 FP8 values, 8 E8M0 scales
 
@@ -181,19 +182,16 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="gather threads (and torch's)")
     ap.add_argument("--baseline", default="interleaved-memfd", help="variant the others are compared with")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--quick", action="store_true", help="tiny tables, few requests (smoke test)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    add_report_args(ap, "tiny tables, few requests (smoke test)")
     args = ap.parse_args(argv)
     if args.quick:
         args.rows, args.size, args.requests, args.rounds = 5000, 512, 4, 2
     for key in ("rows", "layers", "size", "requests", "rounds", "threads"):
         if getattr(args, key) < 1:
             ap.error(f"--{key} must be at least 1")
-    rep = run(args)
-    if args.json:
-        print(json.dumps(rep))
-    else:
-        print_report(rep)
+    with JsonReport(args) as report:
+        rep = run(args)
+        report.emit(rep, lambda: print_report(rep))
     return 0
 
 

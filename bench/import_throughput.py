@@ -11,7 +11,6 @@ ratio (import MB/s / copy MB/s), both measured on the same bytes in one run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -20,6 +19,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import JsonReport, add_report_args  # noqa: E402
 
 
 def make_checkpoint(path: Path, spec, seed: int = 0) -> int:
@@ -95,9 +97,18 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", type=float, default=0.004, help="table scale (0.004 of V4.1 = ~0.8 GB)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--dir", default=None, help="work directory on the disk to measure (default: a temp dir here)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_report_args(ap, "smoke size: the tiny model, 1 rep")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.model, args.scale, args.reps = "tiny", 1.0, 1
+    with JsonReport(args) as report:
+        result = measure(args)
+        report.emit(result, lambda: print_table(result))
+    return 0
 
+
+def measure(args: argparse.Namespace) -> dict:
+    """Copy and import the same synthetic checkpoint ``--reps`` times each; the result document."""
     from engram_store.spec import get_spec
     from engram_store.tools.importer import import_checkpoint
 
@@ -127,14 +138,15 @@ def main(argv=None) -> int:
                   "copy_seconds": copy_s, "import_seconds": import_s}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"{'what':<10}{'MB/s':>10}")
-        print(f"{'copy':<10}{result['copy_mb_s']:>10.1f}")
-        print(f"{'import':<10}{result['import_mb_s']:>10.1f}")
-        print(f"import/copy = {result['import_over_copy']:.3f}  ({table_bytes / 1e9:.2f} GB of table bytes, best of {args.reps})")
-    return 0
+    return result
+
+
+def print_table(result: dict) -> None:
+    print(f"{'what':<10}{'MB/s':>10}")
+    print(f"{'copy':<10}{result['copy_mb_s']:>10.1f}")
+    print(f"{'import':<10}{result['import_mb_s']:>10.1f}")
+    print(f"import/copy = {result['import_over_copy']:.3f}  ({result['table_bytes'] / 1e9:.2f} GB of table bytes, "
+          f"best of {result['reps']})")
 
 
 if __name__ == "__main__":

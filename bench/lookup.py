@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import collections
 import heapq
-import json
 import sys
 import time
 import zlib
@@ -366,14 +365,15 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hit-rates", action="store_true", help="skip the hit-rate comparison")
     ap.add_argument("--hit-requests", type=int, default=900, help="decode requests of the hit-rate trace")
     ap.add_argument("--hit-policies", nargs="+", default=["s3fifo", "lru"], help="store policies to compare")
-    ap.add_argument("--quick", action="store_true", help="tiny table, few requests (smoke test)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    from _common import JsonReport, add_report_args, run_in_workdir  # bench/ is on sys.path when run as a script
+
+    add_report_args(ap, "tiny table, few requests (smoke test)")
     args = ap.parse_args(argv)
     if args.quick:
         args.model, args.scale, args.requests, args.warm, args.hit_requests = "tiny", 1.0, 4, 4, 9
-    from _common import run_in_workdir  # bench/ is on sys.path when run as a script
-
-    return run_in_workdir(run, args, "lookup-bench")
+    with JsonReport(args) as out:
+        args.report = out
+        return run_in_workdir(run, args, "lookup-bench")
 
 
 def _traffic(value: str) -> str:
@@ -422,10 +422,7 @@ def run(args) -> int:
     rates = hit_rates(args, layer_rows, manifest.spec) if not args.no_hit_rates else []
     report = {"tables": str(tables), "rows": layer_rows, "row_bytes": row_bytes, "table_bytes": table_bytes,
               "results": results, "hit_rates": rates}
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_report(report, args.backends, args.hit_policies)
+    args.report.emit(report, lambda: print_report(report, args.backends, args.hit_policies))
     return 0
 
 
@@ -455,7 +452,6 @@ def print_report(report: dict, backends: list[str], policies: list[str]) -> None
         for h in report["hit_rates"]:
             print(f"{h['traffic']:<12} {h['cache_percent']:>5}% {h['slots']:>9,} " + " ".join(f"{h[p]:>8.3f}" for p in policies)
                   + f" {h['lru_exact']:>8.3f} {h['belady']:>8.3f}")
-
 
 
 if __name__ == "__main__":

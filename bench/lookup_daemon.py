@@ -42,6 +42,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, also when imported by bench/lookup.py
+from _common import JsonReport, add_report_args  # noqa: E402
+
 SIZES = {"decode": 6144, "prefill": 196_608}
 BACKENDS = ("inproc", "torch", "unix-view", "unix-spin", "unix-pipe", "unix-into", "unix-arena", "grpc")
 DAEMON_BACKENDS = ("unix-view", "unix-spin", "unix-pipe", "unix-into", "unix-arena", "grpc")
@@ -364,8 +367,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="timed requests per client and round (default %(default)s: about 0.4 s of decode and 0.3 s of prefill, "
                          "so that one stall of the shared host moves a ratio by a few percent, not by tens)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over all backends; medians reported (default %(default)s)")
-    ap.add_argument("--quick", action="store_true", help="tiny tables, few requests: a smoke run")
-    ap.add_argument("--json", metavar="PATH", help="write results as JSON to PATH ('-' for stdout)")
+    add_report_args(ap, "tiny tables, few requests: a smoke run")
     ap.add_argument("--no-noisy", dest="noisy", action="store_false",
                     help="skip the noisy-neighbour case (honest decode p50/p99 alone vs beside 2 clients looping 1M-row lookups)")
     ap.add_argument("--noisy-rows", type=int, default=1 << 20, help="rows per noisy lookup (default %(default)s)")
@@ -380,6 +382,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(backends) - set(BACKENDS))
     if unknown:
         ap.error(f"unknown backends {unknown}; choose from {', '.join(BACKENDS)}")
+    with JsonReport(args) as out:
+        report = run(args, sizes, clients, backends, noisy_requests)
+        out.emit(report, lambda: print_table(report))
+    return 0
+
+
+def run(args: argparse.Namespace, sizes: list[int], clients: list[int], backends: list[str],
+        noisy_requests: int) -> dict:
+    """Start the daemon(s) and client processes, measure every backend; the report document."""
     workdir = Path(tempfile.mkdtemp(prefix="engram-bench-daemon-"))
     proc = pool = None
     try:
@@ -419,26 +430,24 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(60)
         shutil.rmtree(workdir, ignore_errors=True)
     report = {"table_rows": layer_rows, "row_bytes": row_bytes, "cpus": os.cpu_count(), "rounds": args.rounds,
-              "load_average": os.getloadavg(), "results": rows, "noisy_neighbour": noisy}
+              "load_average": os.getloadavg(), "results": rows, "noisy_neighbour": noisy,
+              "noisy_rows": args.noisy_rows}
+    return report
+
+
+def print_table(report: dict) -> None:
     print(f"{'backend':<10} {'clients':>7} {'rows/req':>9} {'Mrows/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'vs inproc':>9}")
-    for r in rows:
+    for r in report["results"]:
         ratio = f"{r['vs_inproc']:.2f}x" if r["vs_inproc"] is not None else "-"
         print(f"{r['backend']:<10} {r['clients']:>7} {r['size']:>9} {r['rows_per_s'] / 1e6:>8.2f} "
               f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {ratio:>9}")
-    if noisy:
+    if report["noisy_neighbour"]:
         print(f"\nnoisy neighbour: honest {SIZES['decode']}-row decode lookups (unix-view) alone, then beside "
-              f"{NOISY_CLIENTS} clients looping {args.noisy_rows}-row lookups")
+              f"{NOISY_CLIENTS} clients looping {report['noisy_rows']}-row lookups")
         print(f"{'unix path':<10} {'alone p50':>9} {'alone p99':>9} {'noisy p50':>9} {'noisy p99':>9}  (ms)")
-        for r in noisy:
+        for r in report["noisy_neighbour"]:
             print(f"{r['unix_path']:<10} {r['alone_p50_ms']:>9.3f} {r['alone_p99_ms']:>9.3f} "
                   f"{r['noisy_p50_ms']:>9.3f} {r['noisy_p99_ms']:>9.3f}")
-    if args.json:
-        text = json.dumps(report, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text)
-    return 0
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's idle BLAS threads would count as the readers' CPU
 import numpy as np
-from _common import ensure_tables, run_in_workdir  # bench/ is on sys.path when run as a script
+from _common import JsonReport, add_report_args, ensure_tables, run_in_workdir  # bench/ is on sys.path when run as a script
 
 QUICK_QDS = (1, 16)
 DEFAULT_QDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -237,14 +237,15 @@ def main(argv=None) -> int:
     ap.add_argument("--no-fio", action="store_true", help="skip fio even when installed")
     ap.add_argument("--check-qd", type=int, default=64, help="queue depth of the page-check cost measurement")
     ap.add_argument("--check-reps", type=int, default=7, help="with/without page checks, alternated this many times")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes and 2 queue depths (smoke test)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    add_report_args(ap, "tiny sizes and 2 queue depths (smoke test)")
     args = ap.parse_args(argv)
     if args.quick:
         args.model, args.scale, args.seconds, args.lookup_rows, args.check_reps = "tiny", 1.0, 0.2, 256, 2
         if args.qd == list(DEFAULT_QDS):
             args.qd = list(QUICK_QDS)
-    return run_in_workdir(run, args, "nvme-bench")
+    with JsonReport(args) as out:
+        args.report = out
+        return run_in_workdir(run, args, "nvme-bench")
 
 
 def run(args) -> int:
@@ -294,34 +295,36 @@ def run(args) -> int:
               "sequential_ratio": ratio(seq["gbps"], seq_fio["gbps"] if seq_fio else None),
               "lookup_rows": args.lookup_rows, "page_checks": checks, "crc32c_gbps": crc["gbps"],
               "crc32c": crc["implementation"]}
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    print(f"file {path} ({entry.file_bytes / 2**20:.0f} MiB), O_DIRECT: {points[0]['direct'] if points else '?'}, "
-          f"reader: {points[0]['backend'] if points else '?'}, fio: {'yes' if use_fio else 'not run'}")
+    args.report.emit(result, lambda: print_table(result))
+    return 0
+
+
+def print_table(result: dict) -> None:
+    points, checks = result["points"], result["page_checks"]
+    print(f"file {result['file']} ({result['file_bytes'] / 2**20:.0f} MiB), O_DIRECT: {points[0]['direct'] if points else '?'}, "
+          f"reader: {points[0]['backend'] if points else '?'}, fio: {'yes' if result['fio'] else 'not run'}")
     print(f"{'QD':>4} {'ours IOPS':>11} {'fio IOPS':>11} {'ratio':>6} {'ours GB/s':>9} "
           f"{'lookup rows/s':>13} {'pages/s':>10} {'vs fio':>6}")
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    for p in points:
+    for p in result["points"]:
         print(f"{p['qd']:>4} {p['ours_iops']:>11,.0f} {fmt(p['fio_iops'], '>11,.0f')} {fmt(p['ratio_iops'], '>6.2f')} "
               f"{p['ours_gbps']:>9.3f} {p['lookup_rows_per_s']:>13,.0f} {p['lookup_pages_per_s']:>10,.0f} "
               f"{fmt(p['lookup_ratio_vs_fio'], '>6.2f')}")
-    print(f"\nCPU per 4 KiB random read (us; median [min..max] of {result['reps']} runs), fio {args.fio_engine}:")
+    print(f"\nCPU per 4 KiB random read (us; median [min..max] of {result['reps']} runs), fio {result['fio_engine']}:")
     print(f"{'QD':>4} {'reader':>8} {'IOPS':>11} {'CPU us/page':>24} {'vs fio':>6}")
-    for p in points:
+    for p in result["points"]:
         for name, r in p["readers"].items():
             print(f"{p['qd']:>4} {name:>8} {r['iops']:>11,.0f} {r['cpu_us_per_page']:>8.2f} "
                   f"[{r['cpu_us_per_page_min']:.2f}..{r['cpu_us_per_page_max']:.2f}]{'':>3} {fmt(r['cpu_vs_fio'], '>6.2f')}")
         if p["fio_cpu_us_per_io"] is not None:
             print(f"{p['qd']:>4} {'fio':>8} {p['fio_iops']:>11,.0f} {p['fio_cpu_us_per_io']:>8.2f} "
                   f"[{p['fio_cpu_us_per_io_min']:.2f}..{p['fio_cpu_us_per_io_max']:.2f}]")
-    print(f"sequential 1 MiB reads: ours {seq['gbps']:.3f} GB/s, fio {fmt(result['fio_sequential_gbps'], '.3f')} GB/s, "
+    print(f"sequential 1 MiB reads: ours {result['sequential_gbps']:.3f} GB/s, fio {fmt(result['fio_sequential_gbps'], '.3f')} GB/s, "
           f"ratio {fmt(result['sequential_ratio'], '.2f')}")
     print(f"per-page crc32c checks, cold lookups at QD {checks['qd']} ({checks['reps']} alternated runs, medians): "
           f"{checks['with_rows_per_s']:,.0f} rows/s checked vs {checks['without_rows_per_s']:,.0f} unchecked, ratio "
           f"{checks['ratio_median']:.3f} (runs {checks['ratio_min']:.3f}..{checks['ratio_max']:.3f}); crc32c "
-          f"({crc['implementation']}) {crc['gbps']:.1f} GB/s in memory")
-    return 0
+          f"({result['crc32c']}) {result['crc32c_gbps']:.1f} GB/s in memory")
 
 
 if __name__ == "__main__":

