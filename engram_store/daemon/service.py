@@ -8,20 +8,23 @@ check that every data and page checksum file is there and whole (sizes only:
 no table byte is read), (2) open the store (which fills the DRAM tier in
 resident mode, checking every page's crc32c as it reads it: one pass; cached
 mode reads nothing and starts at once, its pages are checked when read and
-by the background scrub), (3) open the Unix socket, gRPC and metrics
-listeners, (4) write the ready file (JSON with the real addresses) and send
-systemd ``READY=1``. A corrupt page never stops the daemon: its rows are
+by the background scrub), (3) open the Unix socket and gRPC listeners, (4)
+write the ready file (JSON with the real addresses) and send systemd
+``READY=1``. The HTTP endpoint (metrics and probes) opens right after (0):
+``/livez`` answers during the fill, ``/readyz`` turns 200 at (4) and 503 again
+when a stop begins. A corrupt page never stops the daemon: its rows are
 refused (CorruptRows), the rest is served, and ``info()`` lists it under
 ``bad_pages``. A layer the store cannot serve (file missing or truncated, with
 ``verify`` off) is left out of ``info()`` (listed under ``layers_unavailable``);
 its lookups fail with a StorageError naming it. SIGTERM/SIGINT: ``STOPPING=1``, stop accepting, let in-flight
-lookups finish (``drain_seconds`` at most), close the store, exit 0.
+lookups finish (``drain_seconds`` at most), close the store, remove the ready
+file, exit 0. A ready file left by a daemon that did not stop (SIGKILL) is
+checked against its pid at the next start (:mod:`.readyfile`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import resource
@@ -34,11 +37,11 @@ from typing import Any, Callable
 from .. import errors
 from ..format.manifest import Manifest
 from ..format.tableset import TableSet
-from ..format.writer import write_file_atomic
 from ..storage.base import ProfiledStore, RowStore
 from ..storage.placement import format_placement, parse_placement
 from ..version import __version__
 from ..wire import frames as wire
+from . import readyfile
 from .config import DaemonConfig, preflight, warmup_pending
 from .stats import DaemonStats, combined_snapshot
 
@@ -165,10 +168,11 @@ class Daemon:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        _remove(self.config.ready_file)
+        readyfile.clear_stale(self.config.ready_file)  # refuses one naming another live daemon
         await loop.run_in_executor(None, preflight, self.config)  # nothing to shut down yet if it fails
         raise_fd_limit()
         try:
+            self._start_http()
             await loop.run_in_executor(None, self._open)
             if stop.is_set():
                 log.info("stop requested while loading; exiting")
@@ -177,6 +181,8 @@ class Daemon:
             self._announce()
             await stop.wait()
             log.info("SIGTERM: draining in-flight requests (at most %.0fs)", self.config.drain_seconds)
+            if self.metrics is not None:
+                self.metrics.set_state("stopping")
             sd_notify("STOPPING=1")
         finally:
             await self._shutdown()
@@ -189,9 +195,17 @@ class Daemon:
         log.info("serving %s: layers %s, %d-byte rows, %s mode (%s)", self.config.tables, list(store.layers),
                  store.row_bytes, store.mode, format_placement(store.placement()))
 
+    def _start_http(self) -> None:
+        """Metrics and probes, before the fill: /livez answers at once, /readyz 503 until ready."""
+        from .metrics import MetricsServer
+
+        if self.config.metrics:
+            self.metrics = MetricsServer(self.config.metrics)
+            self.metrics.start()
+
     async def _listen(self) -> None:
         from .grpc_service import EngramStoreService, GrpcServer
-        from .metrics import DaemonCollector, MetricsServer
+        from .metrics import DaemonCollector
         from .server import UnixServer
 
         store = self.store
@@ -205,10 +219,8 @@ class Daemon:
             service.attach(store)
             self.grpc = GrpcServer(service, self.config)
             await self.grpc.start()
-        if self.config.metrics:
-            self.metrics = MetricsServer(DaemonCollector(self.stats, store.stats, store.mode, store.placement()),
-                                         self.config.metrics)
-            self.metrics.start()
+        if self.metrics is not None:
+            self.metrics.attach(DaemonCollector(self.stats, store.stats, store.mode, store.placement()))
 
     def ready_info(self) -> dict[str, Any]:
         socket_path = os.path.abspath(self.unix.path) if self.unix else ""  # clients may run from any directory
@@ -224,8 +236,9 @@ class Daemon:
 
     def _announce(self) -> None:
         ready = self.ready_info()
-        if self.config.ready_file:
-            write_file_atomic(self.config.ready_file, json.dumps(ready).encode())
+        if self.metrics is not None:  # /readyz first: whoever sees the ready file finds it 200
+            self.metrics.set_state("ready")
+        readyfile.write(self.config.ready_file, ready)
         sd_notify(f"READY=1\nSTATUS=serving {ready['mode']}\nMAINPID={os.getpid()}")
         log.info("ready: %s", ready)
 
@@ -240,6 +253,7 @@ class Daemon:
             log.error("config key 'save_profile': cannot write %s: %s", path, exc)
 
     async def _shutdown(self) -> None:
+        readyfile.remove(self.config.ready_file)  # first: from here on the daemon accepts nobody new
         loop = asyncio.get_running_loop()
         drain = self.config.drain_seconds
         # Listeners get drain_seconds less half a second: closing the pool and the store and the
@@ -267,17 +281,8 @@ class Daemon:
             self._save_profile()
             self.store.close()
             self.store = None
-        _remove(self.config.ready_file)
         log.info("stopped (listeners %.2fs, lookup pool %.2fs, metrics and store %.2fs)", t1 - t0, t2 - t1,
                  time.monotonic() - t2)
-
-
-def _remove(path: str) -> None:
-    if path:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 def run(config: DaemonConfig, store_opener: StoreOpener | None = None) -> int:
