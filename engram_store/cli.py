@@ -17,6 +17,7 @@ import sys
 import numpy as np
 
 from .errors import EngramStoreError
+from .version import __version__
 
 COMMAND_MODULES = ["engram_store.cli", "engram_store.daemon.commands", "engram_store.client.commands"]
 
@@ -269,6 +270,7 @@ def register(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engram-store", description="Tiered DRAM/NVMe store for Engram tables.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
