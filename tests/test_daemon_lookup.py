@@ -253,7 +253,7 @@ def test_metrics_endpoint_and_cli(daemon, tables):
         assert re.search(r"^engram_store_arena_bytes (\S+)$", text, re.M)
     cmd = [sys.executable, "-m", "engram_store"]  # stats and lookup are client commands of the main CLI
     out = subprocess.run(cmd + ["stats", daemon.unix], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert out.returncode == 0 and "unix_rows" in out.stdout, out.stderr
+    assert out.returncode == 0 and 'engram_store_rows_total{transport="unix"}' in out.stdout, out.stderr  # Prometheus names
     out = subprocess.run(cmd + ["stats", f"http://{daemon.ready['metrics']}"], capture_output=True, text=True,
                          timeout=60, cwd=REPO)
     assert out.returncode == 0 and "engram_store_hit_ratio" in out.stdout, out.stderr

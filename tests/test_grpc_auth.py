@@ -94,7 +94,7 @@ def test_cli_takes_the_token_file(daemon, tables):
     assert out.returncode == 2 and "UNAUTHENTICATED" in out.stderr, out.stderr
     out = subprocess.run(cmd + ["stats", daemon.grpc, "--token-file", daemon.token_file], capture_output=True,
                          text=True, timeout=60, cwd=REPO)
-    assert out.returncode == 0 and "grpc_requests" in out.stdout, out.stderr
+    assert out.returncode == 0 and 'engram_store_requests_total{transport="grpc"}' in out.stdout, out.stderr
 
 
 def test_malformed_requests_and_cancelled_streams_are_one_line_each(daemon, tables):

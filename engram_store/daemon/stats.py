@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from dataclasses import dataclass, field
 
 # Latency bucket upper bounds in seconds (Prometheus style, +Inf implied).
@@ -67,6 +68,10 @@ class TransportStats:
             return list(self.latency_buckets), self.latency_sum_seconds
 
 
+# Why a Unix client is refused or dropped (DaemonStats.drop): the exporter shows each, 0 until it happens.
+DROP_REASONS = ("refused", "region_budget", "handshake_timeout", "idle", "slow_reader", "fd_limit")
+
+
 @dataclass
 class DaemonStats:
     """Everything the daemon counts, besides what the store counts itself."""
@@ -78,6 +83,7 @@ class DaemonStats:
     # region_budget, handshake_timeout, idle, slow_reader (unread replies past their bound or too long),
     # fd_limit (accept() failed: the daemon is out of file descriptors)
     dropped_clients: dict[str, int] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)  # when the daemon began (uptime_seconds counts from here)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def protocol_error(self) -> None:
@@ -97,7 +103,8 @@ class DaemonStats:
         return self.unix, self.grpc
 
     def snapshot(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {"protocol_errors": self.protocol_errors}
+        out: dict[str, int | float] = {"protocol_errors": self.protocol_errors,
+                                       "uptime_seconds": round(time.monotonic() - self.started, 3)}
         out.update({f"unix_dropped_clients_{reason}": n for reason, n in self.drops().items()})
         for t in self.transports():
             out.update(t.snapshot())
