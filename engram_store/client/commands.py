@@ -1,19 +1,37 @@
-"""The client subcommands: ``stats ADDRESS`` and ``lookup ADDRESS`` (a running daemon's counters, its rows).
+"""The client subcommands: ``status``, ``stats`` and ``lookup`` of a running daemon (its state, counters, rows).
 
 ``register(subparsers)`` adds them to an argparse parser (the main ``engram-store`` CLI).
+Every address form works for ``status`` and ``stats``: ``unix:///path.sock``,
+``grpc[s]://host:port`` and ``http://host:port`` (the metrics page); the counters carry their
+Prometheus names on each (:mod:`engram_store.wire.metric_names`). An unreachable daemon is
+one line on stderr and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import urllib.request
+import json
 
 from .. import errors
 
+_ADDRESS_HELP = "unix:///path.sock, grpc[s]://host:port or http://host:port (the metrics address)"
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    stats = subparsers.add_parser("stats", help="print a running daemon's counters")
-    stats.add_argument("address", help="unix:///path.sock, grpc[s]://host:port or http://host:port (metrics)")
+    status = subparsers.add_parser(
+        "status", help="a running daemon's state: mode, placement, huge pages, bad pages, clients, hit rate, "
+        "whether engines can use it", description="A running daemon's state on one screen. Exit 0: serving every "
+        "layer whole; 1: serving, with bad pages or unavailable layers; 2: not reachable.")
+    status.add_argument("address", help=_ADDRESS_HELP)
+    status.add_argument("--json", action="store_true", help="print one JSON document")
+    _add_client_auth(status)
+    status.set_defaults(func=cmd_status)
+
+    stats = subparsers.add_parser("stats", help="print a running daemon's counters (Prometheus names)",
+                                  description="A running daemon's counters under their Prometheus names, whatever "
+                                  "the transport (the metrics page adds latency buckets and process metrics).")
+    stats.add_argument("address", help=_ADDRESS_HELP)
+    stats.add_argument("--json", action="store_true", help="print one JSON object {name: value}")
     _add_client_auth(stats)
     stats.set_defaults(func=cmd_stats)
 
@@ -42,33 +60,26 @@ def _connect(args: argparse.Namespace):
                                 tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from .status import collect, healthy, render
+
+    doc = collect(args.address, lambda: _connect(args))
+    print(json.dumps(doc, indent=1) if args.json else render(doc))
+    return 0 if healthy(doc) else 1
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
-    if args.address.startswith(("http://", "https://")):
-        url = args.address.rstrip("/")
-        url = url if url.endswith("/metrics") else url + "/metrics"
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            text = resp.read().decode()
-        values = _prometheus_samples(text)
-    else:
-        with _connect(args) as client:
-            values = client.stats()
+    from .status import read_stats
+
+    values = read_stats(args.address, lambda: _connect(args))
+    if args.json:
+        print(json.dumps(dict(sorted(values.items())), indent=1))
+        return 0
     width = max((len(k) for k in values), default=0)
     for key in sorted(values):
         v = values[key]
         print(f"{key:<{width}}  {int(v) if float(v).is_integer() else round(v, 6)}")
     return 0
-
-
-def _prometheus_samples(text: str) -> dict[str, float]:
-    """``name{label="v",...}`` -> value of every sample of a Prometheus text exposition."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
-    return values
 
 
 def cmd_lookup(args: argparse.Namespace) -> int:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 
 from .. import errors
+from ..version import __version__
 from . import commands
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engram_store.daemon",
                                      description="engram-store daemon: serve a table set")
+    parser.add_argument("--version", action="version", version=f"engram-store {__version__}")
     commands.register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     try:
