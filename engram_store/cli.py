@@ -19,7 +19,8 @@ import numpy as np
 from .errors import EngramStoreError
 from .version import __version__
 
-COMMAND_MODULES = ["engram_store.cli", "engram_store.daemon.commands", "engram_store.client.commands"]
+COMMAND_MODULES = ["engram_store.cli", "engram_store.daemon.commands", "engram_store.client.commands",
+                   "engram_store.ops.commands"]
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ groups below it:
     client                                 the base layers (format, spec, wire, native), never storage
     gpu_client                             the base layers, client
     integrations                           the base layers, client, gpu_client
+    ops                                    the base layers, storage, daemon, client (doctor)
     engram_store (package), cli, __main__  anything (entry points and re-exports)
 """
 
@@ -46,6 +47,7 @@ ALLOWED = {
     "client": BASE,
     "gpu_client": BASE | {"client"},
     "integrations": BASE | {"client", "gpu_client"},
+    "ops": BASE | {"storage", "daemon", "client"},
 }
 TOP = {"engram_store", "cli", "__main__"}
 
