@@ -10,8 +10,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from daemon_helpers import make_tables
+
 from engram_store.daemon.config import load_config
 from engram_store.daemon.host import MemoryLimit
 from engram_store.format.manifest import Manifest

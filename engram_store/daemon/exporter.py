@@ -42,13 +42,16 @@ def snapshot_families(snapshot: dict[str, float]) -> list[Metric]:
                 for _, sample_labels, value in family.samples(key, snapshot[key]):
                     metric.add_metric([sample_labels[label] for label, _ in family.labels], value)
             break
-    dropped = built.get(PREFIX + "dropped_clients")
-    if dropped is not None:  # every reason, 0 until it happens, so that rate() and alerts see the series
-        seen = {s.labels["reason"] for s in dropped.samples}
-        for reason in DROP_REASONS:
-            if reason not in seen:
-                dropped.add_metric([reason], 0.0)
+    # every drop reason, 0 until it happens, so that rate() and the alert see the series from the start
+    dropped = built.get(_DROPPED.name) or built.setdefault(_DROPPED.name, _new(_DROPPED))
+    seen = {s.labels["reason"] for s in dropped.samples}
+    for reason in DROP_REASONS:
+        if reason not in seen:
+            dropped.add_metric([reason], 0.0)
     return list(built.values())
+
+
+_DROPPED = next(f for f in FAMILIES if f.name == PREFIX + "dropped_clients")
 
 
 class DaemonCollector:
