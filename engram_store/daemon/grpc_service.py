@@ -6,12 +6,20 @@ next chunk is gathered while the current one is sent). Gathers run on the
 daemon's worker pool so the event loop never blocks. Errors map onto status
 codes that mean something (see :data:`CODE_OF`).
 
-Every EngramStore RPC authenticates its caller first (the health service stays
-open): with ``grpc_token_file`` the call must carry ``authorization: Bearer
-<token>`` metadata (compared in constant time), with ``grpc_tls_client_ca`` the
-TLS handshake already required a client certificate that CA signed. Anything
-else is UNAUTHENTICATED. A request that does not parse is INVALID_ARGUMENT and
-a call the client cancels ends quietly: each is one log line, never a traceback.
+Every EngramStore RPC authenticates its caller first, from the call's metadata,
+before one byte of its request body is read: with ``grpc_token_file`` the call
+must carry ``authorization: Bearer <token>`` metadata (compared in constant
+time), with ``grpc_tls_client_ca`` the TLS handshake already required a client
+certificate that CA signed. Anything else is UNAUTHENTICATED at once, so an
+unauthenticated caller costs neither memory for its bodies nor a slot: the RPCs
+are registered with streamed requests (the wire format of a unary request is the
+same), which grpc hands over before the body arrives. An authenticated call then
+takes a slot (:class:`~engram_store.daemon.limits.CallSlots`: at most
+``max(64, max_clients)`` in flight, ``grpc_max_calls_per_peer`` from one host),
+and its one request message must arrive within ``handshake_timeout_seconds``.
+The health service (:mod:`.grpc_health`) is open and never reads a request.
+A request that does not parse is INVALID_ARGUMENT and a call the client cancels
+ends quietly: each is one log line, never a traceback.
 """
 
 from __future__ import annotations
@@ -27,7 +35,6 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from .. import errors
 from ..format import requests
@@ -38,6 +45,7 @@ from ..wire import grpc_codec as lookup_codec
 from ..wire._proto import engram_store_pb2 as pb
 from . import limits
 from .config import DaemonConfig, parse_hostport, read_token
+from .grpc_health import NOT_SERVING, SERVING, Health
 from .stats import TransportStats
 
 log = logging.getLogger(__name__)
@@ -52,16 +60,21 @@ CODE_OF: dict[wire.Status, grpc.StatusCode] = {
     wire.Status.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     wire.Status.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     wire.Status.INTERNAL: grpc.StatusCode.INTERNAL,
+    wire.Status.DATA_LOSS: grpc.StatusCode.DATA_LOSS,
 }
 _DTYPES = {pb.INT64: np.dtype("<i8"), pb.INT32: np.dtype("<i4")}
 
 
 def message_limits(config: DaemonConfig) -> list[tuple[str, int]]:
-    """Server channel options: requests up to max_request_rows int64 ids, replies up to one chunk."""
+    """Server channel options: requests up to max_request_rows int64 ids, replies up to one chunk,
+    request bodies received as they are read."""
     return [
         ("grpc.max_receive_message_length", config.max_request_rows * 8 + _ENVELOPE),
         ("grpc.max_send_message_length", config.grpc_chunk_bytes + _ENVELOPE),
         ("grpc.so_reuseport", 0),
+        # A fixed 64 KiB receive window per call (no bandwidth-delay probing): a body is received only
+        # as the handler reads it, so a call refused at its headers leaves at most that much behind.
+        ("grpc.http2.bdp_probe", 0),
     ]
 
 
@@ -121,14 +134,16 @@ class EngramStoreService:
         self.broken_layers: dict[int, str] = {}
         self.draining = False
         self.token_check: TokenCheck | None = None  # set by GrpcServer when grpc_token_file is configured
+        self.slots = limits.CallSlots(max(64, config.max_clients), config.grpc_max_calls_per_peer)
         self._refusals_logged = 0
 
     def attach(self, store: RowStore) -> None:
         self.broken_layers = dict(store.layer_errors())
         self.store = store
 
-    async def admit(self, request: Any, context: grpc.aio.ServicerContext) -> None:
-        """Abort the call unless its caller is authenticated and its request parsed."""
+    async def gate(self, context: grpc.aio.ServicerContext) -> str:
+        """Before any of the request body is read: abort the call unless its caller is authenticated
+        and a slot is free; returns the peer whose slot it holds (give it back with :meth:`release`)."""
         why = self.token_check.refusal(context.invocation_metadata()) if self.token_check is not None else ""
         if why:
             self.stats.record(0, 0, 0.0, "UNAUTHENTICATED")
@@ -137,10 +152,33 @@ class EngramStoreService:
                 log.warning("gRPC call from %s refused: %s%s", context.peer(), why.split(";")[0],
                             "; further refusals are counted, not logged" if self._refusals_logged == 10 else "")
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"engram-store: {why}")
+        peer = context.peer()
+        why = self.slots.take(peer)
+        if why:
+            self.stats.record(0, 0, 0.0, "RESOURCE_EXHAUSTED")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"engram-store: {why}")
+        return peer
+
+    def release(self, peer: str) -> None:
+        self.slots.give(peer)
+
+    async def read_request(self, requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        """The call's one request message, parsed; aborts when it does not come in time or does not parse."""
+        timeout = self.config.handshake_timeout_seconds
+        try:
+            request = await asyncio.wait_for(requests.__anext__(), timeout)
+        except StopAsyncIteration:
+            request = _Malformed("the call carried no request message")
+        except asyncio.TimeoutError:
+            self.stats.record(0, 0, 0.0, "DEADLINE_EXCEEDED")
+            log.info("gRPC call from %s sent no request within %.1fs; dropped", context.peer(), timeout)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no request message within {timeout:g}s (handshake_timeout_seconds)")
         if isinstance(request, _Malformed):
             self.stats.record(0, 0, 0.0, "INVALID_ARGUMENT")
             log.info("gRPC request from %s does not parse: %s", context.peer(), request.why)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request does not parse: {request.why}")
+        return request
 
     # --- helpers ----------------------------------------------------------
     def _serving(self) -> RowStore:
@@ -259,19 +297,21 @@ class EngramStoreService:
 
 def add_service(service: EngramStoreService, server: grpc.aio.Server) -> None:
     """What the generated ``add_EngramStoreServicer_to_server`` does, built from the proto's
-    descriptor: every RPC must be a method of ``service`` (AttributeError otherwise), and
-    ``LookupReply`` messages go out through :mod:`lookup_codec` (rows copied once)."""
+    descriptor: every RPC must be a method of ``service`` (AttributeError otherwise), each is
+    registered with a streamed request so that :meth:`EngramStoreService.gate` runs before its
+    body is read, and ``LookupReply`` messages go out through :mod:`lookup_codec` (rows copied once)."""
     (desc,) = pb.DESCRIPTOR.services_by_name.values()
-    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler}
     handlers = {}
     for m in desc.methods:
+        if m.client_streaming:
+            raise TypeError(f"{m.full_name}: gated handlers read exactly one request message")
         out_type = getattr(pb, m.output_type.name)
         serialize = lookup_codec.serialize_reply if out_type is pb.LookupReply else out_type.SerializeToString
         method = getattr(service, m.name)
-        handlers[m.name] = kinds[m.client_streaming, m.server_streaming](
-            (_admitted_stream if m.server_streaming else _admitted_unary)(service, method),
-            request_deserializer=_lenient(getattr(pb, m.input_type.name).FromString),
-            response_serializer=serialize)
+        make = grpc.stream_stream_rpc_method_handler if m.server_streaming else grpc.stream_unary_rpc_method_handler
+        handlers[m.name] = make((_gated_stream if m.server_streaming else _gated_unary)(service, method),
+                                request_deserializer=_lenient(getattr(pb, m.input_type.name).FromString),
+                                response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
     server.add_registered_method_handlers(desc.full_name, handlers)
 
@@ -294,19 +334,25 @@ class _ClientGoneFilter(logging.Filter):
 _GRPC_CORE_LOG = logging.getLogger("grpc._cython.cygrpc")
 
 
-def _admitted_unary(service: EngramStoreService, method: Callable) -> Callable:
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await service.admit(request, context)
-        return await method(request, context)
+def _gated_unary(service: EngramStoreService, method: Callable) -> Callable:
+    async def call(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        peer = await service.gate(context)
+        try:
+            return await method(await service.read_request(requests, context), context)
+        finally:
+            service.release(peer)
 
     return call
 
 
-def _admitted_stream(service: EngramStoreService, method: Callable) -> Callable:
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await service.admit(request, context)
-        async for reply in method(request, context):
-            yield reply
+def _gated_stream(service: EngramStoreService, method: Callable) -> Callable:
+    async def call(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        peer = await service.gate(context)
+        try:
+            async for reply in method(await service.read_request(requests, context), context):
+                yield reply
+        finally:
+            service.release(peer)
 
     return call
 
@@ -316,16 +362,15 @@ class GrpcServer:
 
     def __init__(self, service: EngramStoreService, config: DaemonConfig) -> None:
         self.service, self.config = service, config
-        self.health = health.aio.HealthServicer()
+        self.health = Health()
         self._quiet = _ClientGoneFilter()
         self._server: grpc.aio.Server | None = None
         self.address = ""
 
     async def start(self) -> str:
-        server = grpc.aio.server(options=message_limits(self.config),
-                                 maximum_concurrent_rpcs=max(64, self.config.max_clients))
+        server = grpc.aio.server(options=message_limits(self.config))  # calls are counted after authentication
         add_service(self.service, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        server.add_generic_rpc_handlers((self.health.handlers(),))
         host, _ = parse_hostport(self.config.grpc, "grpc")
         cfg = self.config
         if cfg.grpc_token_file:
@@ -348,8 +393,7 @@ class GrpcServer:
         _GRPC_CORE_LOG.addFilter(self._quiet)
         self._server = server
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.health.set(SERVING)
         auth = [name for name, on in (("token", cfg.grpc_token_file), ("client certificates", cfg.grpc_tls_client_ca))
                 if on]
         log.info("gRPC listening on %s%s; clients authenticate by %s", self.address,
@@ -359,7 +403,7 @@ class GrpcServer:
     async def stop(self, grace: float) -> None:
         """NOT_SERVING for health checks, refuse new RPCs, let running ones finish within ``grace``."""
         self.service.draining = True
-        await self.health.enter_graceful_shutdown()
+        self.health.set(NOT_SERVING)
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None

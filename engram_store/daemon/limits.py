@@ -275,6 +275,47 @@ class RoundRobin:
                 continue
 
 
+# --- gRPC calls ---------------------------------------------------------------------------
+class CallSlots:
+    """Authenticated gRPC calls in flight: at most ``total`` in all and ``per_peer`` from one peer
+    address (the host part of grpc's peer string, so one host's many connections count together).
+    Taken before a call's request body is read, given back when the call ends. Runs on the
+    daemon's event loop only (no lock)."""
+
+    def __init__(self, total: int, per_peer: int) -> None:
+        self.total, self.per_peer = total, per_peer
+        self.in_flight = 0
+        self.by_peer: dict[str, int] = {}
+
+    @staticmethod
+    def peer_host(peer: str) -> str:
+        """``"ipv4:10.0.0.7:51234"`` -> ``"ipv4:10.0.0.7"``; ``"ipv6:[::1]:5"`` -> ``"ipv6:[::1]"``."""
+        head, sep, port = peer.rpartition(":")
+        return head if sep and port.isdigit() and ":" in head else peer
+
+    def take(self, peer: str) -> str:
+        """"" when the call may go on (its slot taken), else why not."""
+        host = self.peer_host(peer)
+        held = self.by_peer.get(host, 0)
+        if held >= self.per_peer:
+            return (f"{held} calls from {host} are in flight already (grpc_max_calls_per_peer = {self.per_peer}); "
+                    "wait for replies before sending more")
+        if self.in_flight >= self.total:
+            return f"{self.in_flight} gRPC calls are in flight (the daemon's limit); retry shortly"
+        self.in_flight += 1
+        self.by_peer[host] = held + 1
+        return ""
+
+    def give(self, peer: str) -> None:
+        host = self.peer_host(peer)
+        self.in_flight -= 1
+        left = self.by_peer.get(host, 1) - 1
+        if left > 0:
+            self.by_peer[host] = left
+        else:
+            self.by_peer.pop(host, None)
+
+
 # --- gRPC replies ------------------------------------------------------------------------
 class GrpcReplies:
     """Bounds on gRPC lookup replies: the bytes all of them hold at once (``grpc_max_inflight_bytes``)
