@@ -55,12 +55,16 @@ setup(
     package_data=DEPLOY_DATA,
     ext_modules=native([
         Extension("engram_store.native._pread", ["engram_store/native/_pread.c"],
-                  depends=["engram_store/native/crc32c.h", "engram_store/native/batch.h"], optional=True),
+                  depends=["engram_store/native/crc32c.h", "engram_store/native/batch.h", "engram_store/native/aio.h"],
+                  optional=True),
         Extension("engram_store.native._uring", ["engram_store/native/_uring.c"],
                   depends=["engram_store/native/crc32c.h", "engram_store/native/batch.h"], optional=True),
         Extension("engram_store.native._gather", ["engram_store/native/_gather.c"],
                   depends=["engram_store/native/_gather_api.h"], optional=True),
         Extension("engram_store.daemon._unixfast", ["engram_store/daemon/_unixfast.c"],
-                  depends=["engram_store/native/_gather_api.h"], optional=True),
+                  depends=["engram_store/native/_gather_api.h", "engram_store/native/frame.h"], optional=True),
+        Extension("engram_store.native._fetch", ["engram_store/native/_fetch.c"],
+                  depends=["engram_store/native/crc32c.h", "engram_store/native/batch.h", "engram_store/native/aio.h",
+                           "engram_store/native/frame.h"], libraries=["dl"], optional=True),
     ]),
 )

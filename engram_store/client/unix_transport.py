@@ -414,6 +414,17 @@ class UnixTransport:
     def broken(self) -> bool:
         return bool(self._broken)
 
+    def hand_over(self) -> tuple[int, Any]:
+        """Give this connection to a native owner (an engine's fetch job): returns its socket's fd
+        (the caller closes it) and the mapped shared region (release it with ``shm.release`` once the
+        owner is done). The transport is closed afterwards; nothing of the region is in use."""
+        if self._reserved or self._extents.free != [(0, self._extents.size)]:
+            raise errors.InvalidRequest("hand_over: the connection has lookups or reserved buffers in flight")
+        region, self._region = self._region, None
+        fd = self._sock.detach()
+        self.close()
+        return fd, region
+
     def close(self) -> None:
         self._sock.close()
         if getattr(self, "planned", None) is not None:

@@ -55,28 +55,12 @@
 #include <unistd.h>
 
 #include "../native/_gather_api.h"
+#include "../native/frame.h"  /* frame_t, MAGIC, VERSION, OP_*, DTYPE_INT64, frame_fields() */
 
-#define MAGIC 0x52474E45u
-#define VERSION 1
-#define OP_LOOKUP 3
-#define OP_RESULT 4
-#define DTYPE_INT64 1
 #define FAIR_PIECE_ROWS 65536   /* larger lookups are gathered in pieces of this many rows; each piece is a hand-off to the gather pool (a 196,608-row prefill through the daemon: 0.89-0.90x in-process at 65,536, 0.79-0.88x at 16,384) */
 #define MAX_YIELD_NS 2000000LL  /* the longest one piece waits for small lookups to finish */
 
 enum { SERVED = 0, FRAME = 1, PEER_EOF = 2 };
-
-/* engram_store/wire/frames.py FRAME, little-endian, no padding; FRAME_FIELDS exports each field's offset and size
- * and frames.py checks them against its struct declaration before this module is used. */
-typedef struct __attribute__((packed)) {
-    uint32_t magic;
-    uint16_t version, op, status;
-    uint8_t dtype, flags;
-    int32_t layer;
-    uint64_t request_id, count, ids_offset, out_offset;
-    uint32_t payload_bytes, reserved;
-} frame_t;
-_Static_assert(sizeof(frame_t) == 56, "frame_t must match wire.FRAME");
 
 static const engram_gather_api *gather_api;
 static atomic_flag poll_token = ATOMIC_FLAG_INIT; /* held by the one connection busy-polling, native or Python
@@ -373,28 +357,6 @@ static PyObject *poll_token_try(PyObject *self, PyObject *noargs) {
 static PyObject *poll_token_release(PyObject *self, PyObject *noargs) {
     atomic_flag_clear(&poll_token);
     Py_RETURN_NONE;
-}
-
-#define FRAME_FIELD(name) Py_BuildValue("(snn)", #name, (Py_ssize_t)offsetof(frame_t, name), \
-                                        (Py_ssize_t)sizeof(((frame_t *)0)->name))
-
-/* ((name, offset, size), ...) of frame_t, in order. */
-static PyObject *frame_fields(void) {
-    PyObject *items[] = {FRAME_FIELD(magic), FRAME_FIELD(version), FRAME_FIELD(op), FRAME_FIELD(status),
-                         FRAME_FIELD(dtype), FRAME_FIELD(flags), FRAME_FIELD(layer), FRAME_FIELD(request_id),
-                         FRAME_FIELD(count), FRAME_FIELD(ids_offset), FRAME_FIELD(out_offset),
-                         FRAME_FIELD(payload_bytes), FRAME_FIELD(reserved)};
-    const Py_ssize_t n = (Py_ssize_t)(sizeof(items) / sizeof(items[0]));
-    PyObject *fields = PyTuple_New(n);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (fields == NULL || items[i] == NULL) {
-            for (Py_ssize_t j = i; j < n; j++) Py_XDECREF(items[j]);
-            Py_XDECREF(fields);
-            return NULL;
-        }
-        PyTuple_SET_ITEM(fields, i, items[i]); /* steals the reference */
-    }
-    return fields;
 }
 
 static PyMethodDef module_methods[] = {

@@ -37,7 +37,7 @@ from typing import Any, Callable
 from .. import errors
 from ..format.manifest import Manifest
 from ..format.tableset import TableSet
-from ..storage.base import ProfiledStore, RowStore
+from ..storage.base import PlanningStore, ProfiledStore, RowStore
 from ..storage.placement import format_placement, parse_placement
 from ..version import __version__
 from ..wire import frames as wire
@@ -139,6 +139,8 @@ class Daemon:
             "token_map": self._token_map_info(),
             "arena": None if arena is None else arena.layout.to_dict() | {"huge_pages": arena.huge_pages},
             "bad_pages": self.bad_pages(),
+            # what a same-host engine's fetch job reads itself while the daemon is gone (paths of this host)
+            "layer_files": {str(k): v for k, v in store.layer_files().items()} if isinstance(store, PlanningStore) else {},
         }
 
     def bad_pages(self) -> dict[str, list[list[int]]]:

@@ -38,6 +38,8 @@ typedef struct {
     Py_ssize_t rows, out_len, n_first;
     char *scratch; int64_t slot;          /* read_rows: slot k is slot bytes at scratch + k * slot */
     const uint32_t *crcs; int64_t ncrcs;  /* read_rows: expected crc32c per page of the file, or NULL */
+    int64_t crc_stride, crc_phase;        /* file page p is page p * crc_stride + crc_phase of crcs (a stripe k
+                                             of K: K, k; extents of one page); crc_stride 0 or 1: page p */
     int64_t *bad; int64_t nbad;           /* read_rows: page numbers that failed their check */
     Py_buffer views[MAX_VIEWS]; int nviews;
 } batch_args_t;
@@ -199,8 +201,14 @@ BATCH_API void batch_complete(batch_args_t *a, Py_ssize_t i, int slot) {
     if (!a->scratch) return;
     const char *src = a->scratch + (int64_t)slot * a->slot;
     uint64_t bad_mask = 0;
-    if (a->crcs)
+    if (a->crcs && a->crc_stride > 1) {  /* a stripe: its pages are not consecutive in crcs */
+        for (int64_t k = 0; k < a->len[i] / PAGE; k++)
+            bad_mask |= crc32c_check_pages((const uint8_t *)src + k * PAGE,
+                                           (a->off[i] / PAGE + k) * a->crc_stride + a->crc_phase, 1, a->crcs,
+                                           a->bad, &a->nbad) << k;
+    } else if (a->crcs) {
         bad_mask = crc32c_check_pages((const uint8_t *)src, a->off[i] / PAGE, a->len[i] / PAGE, a->crcs, a->bad, &a->nbad);
+    }
     for (int64_t r = a->first_row[i]; r < a->first_row[i + 1]; r++)
         if (!bad_mask || !(bad_mask >> (a->row_off[r] / PAGE) & 1))
             memcpy(a->out + r * a->row_bytes, src + a->row_off[r], (size_t)a->row_bytes);

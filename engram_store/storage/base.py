@@ -158,6 +158,13 @@ class PlanningStore(RowStore, Protocol):
     (their rows in ``out`` untouched), or None when it wrote every row (a resident layer, all
     cached, a plan over ``max_plan_bytes``). Rows of pages known corrupt raise ``CorruptRows``.
     The planned rows may be admitted into DRAM later, in the background; never blocks on them.
+
+    ``layer_files()``: per servable layer, the files it reads (path and identity: st_dev, st_ino,
+    size; a striped layer's stripes in order), its checksum file and the zlib crc32 of the page
+    checksums it checks against: what a same-host client needs to read and check pages itself
+    (the engines' fetch jobs, when the daemon is gone).
     """
 
     def plan_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray, *, max_plan_bytes: int): ...
+
+    def layer_files(self) -> dict[int, dict]: ...

@@ -36,6 +36,7 @@ import logging
 import os
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Mapping
 
@@ -96,6 +97,7 @@ class TieredStore:
         self._plan_counters = PlanCounters()
         self._admitter = Admitter(self._admit_planned, self._plan_counters)
         self._file_ids: dict[int, tuple[str, int, int]] = {}  # layer -> (absolute path, st_dev, st_ino)
+        self._layer_files: dict[int, dict] = {}  # layer_files(), computed once per layer
 
     # --- opening -------------------------------------------------------
     @classmethod
@@ -339,6 +341,28 @@ class TieredStore:
             st = os.fstat(lf.file.fd)
             got = self._file_ids[lf.layer] = (os.path.abspath(lf.path), st.st_dev, st.st_ino)
         return got
+
+    def layer_files(self) -> dict[int, dict]:
+        """What a same-host client needs to read a servable layer's pages itself, checked: per layer
+        ``{"crc_file", "crc32", "rows_per_page", "pages", "files": [[path, st_dev, st_ino, size], ...]}``
+        (the data file, or each stripe in order, as fstat of the descriptors this store reads; ``crc32``:
+        zlib.crc32 of the page checksums it checks against, so a client can tell it loaded the same)."""
+        out = {}
+        for layer, lf in self._files.items():
+            if lf.file is None or lf.crcs is None:
+                continue
+            got = self._layer_files.get(layer)
+            if got is None:
+                entry = self.manifest.layer(layer)
+                files = []
+                for part in lf.parts():
+                    st = os.fstat(part.file.fd)
+                    files.append([os.path.abspath(part.path), st.st_dev, st.st_ino, st.st_size])
+                got = self._layer_files[layer] = {
+                    "crc_file": os.path.abspath(self.directory / entry.crc_file), "crc32": zlib.crc32(lf.crcs),
+                    "rows_per_page": lf.layout.rows_per_page, "pages": lf.layout.pages, "files": files}
+            out[layer] = got
+        return out
 
     def _admit_planned(self, layer: int, rows: np.ndarray) -> None:
         """The background admission of planned rows (the :class:`.plan.Admitter`'s thread):

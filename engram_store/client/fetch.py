@@ -1,0 +1,307 @@
+"""Fetch jobs: one cached Engram layer's rows of each step, fetched by native code (``native/_fetch.c``)
+that a CUDA host function can run inside an engine's CUDA graph.
+
+::
+
+    job = FetchJob("unix:///run/engram-store/engram-store.sock", layer=14, max_rows=6144)
+    job.ids[:n] = row_ids                # the engines copy them device-to-host instead
+    job.run(n)                           # on GPU: job.launch_host(stream, n), captured by CUDA graphs
+    job.raise_if_failed()                # at the engine's next host-visible point
+    job.weight[:n], job.scales[:n]       # float8 payloads / E8M0 scales, row i = ids[i]
+
+A job owns a staging buffer for its life (its address never changes, so a CUDA graph captured over
+it stays valid): the ids, then the payload block ``[max_rows, dim]`` and the scale block
+``[max_rows, scale_bytes]``, the split layout vLLM's and SGLang's kernels read (``weight`` /
+``weight_scale_inv``) with positional ids. :attr:`FetchJob.staging` is what an engine registers
+with ``cudaHostRegister``.
+
+A step asks the daemon over a connection of its own (one LOOKUP, rows into its shared region,
+copied into the blocks). A daemon that is gone, stopped or past the deadline (``deadline``,
+default :data:`DEFAULT_DEADLINE_SECONDS`, or ``ENGRAM_STORE_FETCH_DEADLINE_SECONDS``) never stops
+the engine: the job reads the rows' pages from the table files itself (O_DIRECT, each 4 KiB page
+checked against the crc32c the daemon checks against, as the daemon names them in its Info
+``layer_files``), and a thread of this process reconnects in the background; once the daemon
+answers again, steps go back to it. Only a page that fails its checksum (no good copy anywhere)
+fails a step: its rows are zero and :meth:`FetchJob.raise_if_failed` raises ``CorruptRows`` naming
+the layer, rows and pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+
+from .. import errors
+from ..format.manifest import PageCrcHeader
+from ..native import load, shm, syscalls
+from ..spec import ModelSpec
+from ..wire import frames as wire
+from .unix_transport import UnixTransport
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEADLINE_SECONDS = 2.0  # the longest a step waits for the daemon before reading the pages itself
+DEADLINE_ENV = "ENGRAM_STORE_FETCH_DEADLINE_SECONDS"
+RECONNECT_SECONDS = 0.25  # how often a job without its daemon tries to get it back
+RECONNECT_TIMEOUT_SECONDS = 2.0  # one attempt's connect + handshake (a stopped daemon answers nothing)
+QUEUE_DEPTH = 64  # direct page reads in flight
+
+
+def native_fetch():
+    """The native module, or EngineUnsupported when it is not built (there is no fallback: a CUDA
+    host function must be native code)."""
+    module = load("_fetch", "cached Engram layers cannot be served to engines")
+    if module is None:
+        raise errors.EngineUnsupported("engram_store.native._fetch is not built: engines cannot be served cached "
+                                       "Engram layers; reinstall engram-store with a C compiler (pip install .)")
+    wire.check_native_layout(module.FRAME_FIELDS, "engram_store/native/_fetch.c")
+    return module
+
+
+def socket_path(address: str) -> str:
+    if not address.startswith("unix://"):
+        raise errors.ConfigError(f"a fetch job needs the daemon's Unix socket (unix:///path/to.sock), got {address!r}")
+    return address[len("unix://"):]
+
+
+def deadline_seconds(value: float | None = None) -> float:
+    if value is None:
+        text = os.environ.get(DEADLINE_ENV, "")
+        try:
+            value = float(text) if text else DEFAULT_DEADLINE_SECONDS
+        except ValueError:
+            raise errors.ConfigError(f"{DEADLINE_ENV}={text!r}: expected seconds, e.g. 2.0") from None
+    if not 0 < value <= 600:
+        raise errors.ConfigError(f"fetch deadline {value!r}: expected seconds in (0, 600]")
+    return float(value)
+
+
+class TableFiles:
+    """A layer's data files (O_DIRECT) and page checksums (the ``.crc`` file, mapped read-only), opened
+    as the daemon's Info describes them and checked to be the very files it reads."""
+
+    def __init__(self, layer: int, described: dict[str, Any], layer_rows: int) -> None:
+        self.layer = layer
+        self.identity = [tuple(f[1:]) for f in described["files"]]
+        self.fds: list[int] = []
+        try:
+            for path, dev, ino, size in described["files"]:
+                fd = _open_direct(path)
+                self.fds.append(fd)
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino, st.st_size) != (dev, ino, size):
+                    raise errors.StorageError(
+                        f"layer {layer}: {path} is not the file the daemon reads (device, inode or size differ: "
+                        "the table set was replaced since the daemon started); restart the daemon")
+            with open(described["crc_file"], "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            header = PageCrcHeader.unpack(self._map[:PageCrcHeader.STRUCT.size], described["crc_file"])
+            pages = int(described["pages"])
+            if header.layer != layer or header.pages != pages or len(self._map) < header.file_bytes:
+                raise errors.StorageError(f"layer {layer}: {described['crc_file']} holds {header.pages} page checksums "
+                                          f"of layer {header.layer}, the daemon reads {pages} of layer {layer}")
+            self.crcs = np.frombuffer(self._map, dtype="<u4", count=pages, offset=PageCrcHeader.STRUCT.size)
+            if zlib.crc32(self.crcs) != described["crc32"]:
+                raise errors.StorageError(f"layer {layer}: {described['crc_file']} is not the checksum file the daemon "
+                                          "loaded (the table set was replaced since it started); restart the daemon")
+            self.rows_per_page = int(described["rows_per_page"])
+        except BaseException:
+            self.close()
+            raise
+
+    def take_fds(self) -> tuple[int, ...]:
+        """The descriptors, now the native job's to close."""
+        fds, self.fds = tuple(self.fds), []
+        return fds
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+def _open_direct(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | syscalls.O_DIRECT | os.O_CLOEXEC)
+    except OSError as exc:
+        if not syscalls.O_DIRECT or exc.errno != 22:  # EINVAL: a filesystem without O_DIRECT (tmpfs)
+            raise errors.StorageError(f"cannot open the table file {path}: {exc.strerror}") from None
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+class FetchJob:
+    """One cached layer's fetch job in this process (see the module docstring). Thread-safe; its
+    runs are serialized (an engine issues them in stream order)."""
+
+    def __init__(self, address: str, layer: int, max_rows: int, *, deadline: float | None = None,
+                 queue_depth: int = QUEUE_DEPTH, connect_timeout: float = 10.0) -> None:
+        native = native_fetch()
+        self.address, self.path, self.layer = address, socket_path(address), int(layer)
+        self.deadline = deadline_seconds(deadline)
+        transport = UnixTransport(self.path, 1 << 16, connect_timeout)  # the handshake only: its Info
+        try:
+            info = transport.info_cached
+            self.spec = ModelSpec.from_dict(info["spec"])
+            self.info = info
+            fmt = self.spec.row_format
+            if self.layer not in self.spec.layers or str(self.layer) not in info["rows"]:
+                raise errors.UnknownLayer(f"layer {self.layer}: the daemon at {address} serves layers "
+                                          f"{sorted(int(k) for k in info['rows'])}")
+            described = (info.get("layer_files") or {}).get(str(self.layer))
+            if not described:
+                raise errors.StorageError(f"the daemon at {address} does not describe layer {self.layer}'s table files "
+                                          "(a daemon of another version, or the layer is unavailable): a fetch job "
+                                          "needs them to read pages itself while the daemon is gone")
+            self.layer_rows = int(info["rows"][str(self.layer)])
+            self.row_bytes, self.dim, self.scale_bytes = fmt.row_bytes, fmt.dim, fmt.row_bytes - fmt.dim
+            files = TableFiles(self.layer, described, self.layer_rows)
+            transport.close()  # the handshake told what to allocate; the job's own connection is sized for it
+        except BaseException:
+            transport.close()
+            raise
+        self._files = files
+        nbytes = native.staging_bytes(max_rows, self.dim, self.scale_bytes)
+        self.staging = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.native = native.Job(self.layer, self.layer_rows, self.row_bytes, self.dim, files.rows_per_page,
+                                 self.staging, files.crcs, files.take_fds(), queue_depth, self.deadline)
+        self.max_rows = int(self.native.max_rows)
+        ids_at, weight_at, scales_at = self.native.offsets
+        whole = np.frombuffer(self.staging, dtype=np.uint8)
+        self.ids = whole[ids_at: ids_at + self.max_rows * 8].view("<i8")
+        self.weight = whole[weight_at: weight_at + self.max_rows * self.dim].reshape(self.max_rows, self.dim)
+        self.scales = whole[scales_at: scales_at + self.max_rows * self.scale_bytes].reshape(self.max_rows,
+                                                                                               self.scale_bytes)
+        self._region = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._refused = ""  # why the last daemon reached was not taken back (another table set)
+        self.reconnects = 0
+        try:
+            self.connect(connect_timeout)
+        except errors.EngramStoreError as exc:  # the job works without the daemon; it comes back later
+            log.warning("engram-store fetch job, layer %d: no daemon connection yet (%s); reading pages directly "
+                        "until one is made", self.layer, exc)
+        _supervisor().watch(self)
+
+    # --- the daemon connection ---------------------------------------------------------
+    def connect(self, timeout: float) -> None:
+        """Make (or remake) the job's connection; refuses a daemon serving other table files."""
+        transport = UnixTransport(self.path, _region_bytes(self.max_rows, self.row_bytes), timeout)
+        try:
+            info = transport.info_cached
+            described = (info.get("layer_files") or {}).get(str(self.layer)) or {}
+            same = (info.get("spec") == self.info["spec"] and described.get("crc32") == self._files_crc32()
+                    and [tuple(f[1:]) for f in described.get("files", ())] == self._files.identity)
+            if not same:
+                why = (f"the daemon at {self.address} now serves other table files for layer {self.layer} than this "
+                       "engine started with; this job keeps reading its own files directly (restart the engine to "
+                       "use the new tables)")
+                if why != self._refused:
+                    log.error("engram-store fetch job: %s", why)
+                    self._refused = why
+                raise errors.ModelMismatch(why)
+            fd, region = transport.hand_over()
+        finally:
+            transport.close()
+        ids_bytes = wire.align(self.max_rows * 8)
+        with self._lock:
+            if self._closed:
+                os.close(fd)
+                shm.release(region)
+                return
+            self.native.attach(fd, region, 0, ids_bytes)  # the job releases the previous region's buffer
+            old, self._region = self._region, region
+        shm.release(old)
+
+    def _files_crc32(self) -> int:
+        return int(self.info["layer_files"][str(self.layer)]["crc32"])
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.native.connected)
+
+    # --- runs -------------------------------------------------------------------------------
+    def run(self, n: int) -> None:
+        """Fetch rows ``0..n-1`` of :attr:`ids` into the blocks now (the GIL released)."""
+        self.native.run(n)
+
+    def launch_host(self, stream: int, n: int) -> None:
+        """Enqueue the run on CUDA ``stream`` (a ``cudaStream_t``) as a host function."""
+        self.native.launch_host(stream, n)
+
+    def raise_if_failed(self) -> None:
+        """Raise the first failure since the last call: ``CorruptRows`` (pages that failed their
+        checksum; their rows were zero) or ``StorageError`` (a read that failed)."""
+        kind, message, pages = self.native.error()
+        if not kind:
+            return
+        self.native.clear_error()
+        if kind == "corrupt":
+            raise errors.CorruptRows(f"engram-store fetch job: {message}", self.layer, tuple(pages))
+        raise errors.StorageError(f"engram-store fetch job: {message}")
+
+    def stats(self) -> dict[str, Any]:
+        return self.native.stats() | {"connected": self.connected, "reconnects": self.reconnects,
+                                      "max_rows": self.max_rows, "deadline_seconds": self.deadline}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        _supervisor().forget(self)
+        self.native.detach()
+        region, self._region = self._region, None
+        shm.release(region)
+
+
+def _region_bytes(max_rows: int, row_bytes: int) -> int:
+    return wire.align(max_rows * 8) + wire.align(max_rows * row_bytes) + wire.ALIGN
+
+
+class _Supervisor:
+    """One thread per process that gives jobs without a daemon connection a new one."""
+
+    def __init__(self) -> None:
+        self._jobs: list[FetchJob] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, job: FetchJob) -> None:
+        with self._lock:
+            self._jobs.append(job)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="engram-store-fetch-reconnect", daemon=True)
+                self._thread.start()
+
+    def forget(self, job: FetchJob) -> None:
+        with self._lock:
+            if job in self._jobs:
+                self._jobs.remove(job)
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(RECONNECT_SECONDS)
+            with self._lock:
+                jobs = [job for job in self._jobs if not job.connected]
+            for job in jobs:
+                try:
+                    job.connect(RECONNECT_TIMEOUT_SECONDS)
+                except errors.EngramStoreError:
+                    continue
+                job.reconnects += 1
+                log.info("engram-store fetch job, layer %d: back on the daemon at %s", job.layer, job.address)
+
+
+_SUPERVISOR = _Supervisor()
+
+
+def _supervisor() -> _Supervisor:
+    return _SUPERVISOR

@@ -1,0 +1,55 @@
+/* The Unix-socket frame header (engram_store/wire/frames.py FRAME), for the C modules that speak
+ * the protocol: the daemon's native path (daemon/_unixfast.c) and the engines' fetch job
+ * (native/_fetch.c). Include after Python.h.
+ *
+ * frame_fields() builds the ((name, offset, size), ...) tuple each module exports as FRAME_FIELDS;
+ * wire.frames.check_native_layout compares it with the Python declaration before the module is
+ * used, so a stale build is refused instead of misreading frames.
+ */
+#ifndef ENGRAM_STORE_FRAME_H
+#define ENGRAM_STORE_FRAME_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define MAGIC 0x52474E45u
+#define VERSION 1
+#define OP_LOOKUP 3
+#define OP_RESULT 4
+#define DTYPE_INT64 1
+#define MAX_DAEMON_PAYLOAD (16 << 20)  /* wire.MAX_DAEMON_PAYLOAD */
+
+/* Little-endian, no padding. */
+typedef struct __attribute__((packed)) {
+    uint32_t magic;
+    uint16_t version, op, status;
+    uint8_t dtype, flags;
+    int32_t layer;
+    uint64_t request_id, count, ids_offset, out_offset;
+    uint32_t payload_bytes, reserved;
+} frame_t;
+_Static_assert(sizeof(frame_t) == 56, "frame_t must match wire.FRAME");
+
+#define FRAME_FIELD(name) Py_BuildValue("(snn)", #name, (Py_ssize_t)offsetof(frame_t, name), \
+                                        (Py_ssize_t)sizeof(((frame_t *)0)->name))
+
+/* ((name, offset, size), ...) of frame_t, in order. */
+static __attribute__((unused)) PyObject *frame_fields(void) {
+    PyObject *items[] = {FRAME_FIELD(magic), FRAME_FIELD(version), FRAME_FIELD(op), FRAME_FIELD(status),
+                         FRAME_FIELD(dtype), FRAME_FIELD(flags), FRAME_FIELD(layer), FRAME_FIELD(request_id),
+                         FRAME_FIELD(count), FRAME_FIELD(ids_offset), FRAME_FIELD(out_offset),
+                         FRAME_FIELD(payload_bytes), FRAME_FIELD(reserved)};
+    const Py_ssize_t n = (Py_ssize_t)(sizeof(items) / sizeof(items[0]));
+    PyObject *fields = PyTuple_New(n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (fields == NULL || items[i] == NULL) {
+            for (Py_ssize_t j = i; j < n; j++) Py_XDECREF(items[j]);
+            Py_XDECREF(fields);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(fields, i, items[i]); /* steals the reference */
+    }
+    return fields;
+}
+
+#endif

@@ -1,0 +1,185 @@
+"""The engines' fetch job against a real daemon holding V4.1's layer 14 cached behind a cache much
+smaller than the layer (so steps read NVMe): exact rows in the split layout, run directly and from a
+native thread that never held the GIL; the daemon killed, stopped and restarted mid-run; a page
+flipped on disk. Bytes are compared with ``TableSet.read_rows``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from daemon_helpers import DaemonProcess
+from storage_helpers import flip
+
+from engram_store import errors
+from engram_store.client.fetch import FetchJob
+from engram_store.format.layout import PageLayout
+from engram_store.format.tableset import TableSet
+from engram_store.spec import get_spec
+from engram_store.storage.resident import resident_layout
+from engram_store.tools.synth import write_synthetic
+
+SPEC = get_spec("deepseek-v4.1-flash", 0.0002)  # 24 heads, 264-byte rows, ~77k rows a layer
+FIRST, CACHED = SPEC.layers
+CACHE_BYTES = 2 << 20  # about 7k rows of layer 14's 77k: most of each step's rows come from NVMe
+DRAM = resident_layout([(FIRST, SPEC.rows(FIRST))], SPEC.row_format).size + CACHE_BYTES
+STEP_ROWS = 64 * 24  # a decode step of batch 64
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("fetch") / "tables"
+    write_synthetic(directory, SPEC, seed=21)
+    return TableSet.open(directory)
+
+
+def start(tables, workdir, **kw) -> DaemonProcess:
+    return DaemonProcess(tables.directory, workdir, dram_bytes=str(DRAM),
+                         extra=["--placement", f"{FIRST}=resident,{CACHED}=cached"], **kw).start()
+
+
+@pytest.fixture
+def daemon(tables, tmp_path):
+    d = start(tables, tmp_path)
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def step_ids(seed: int, n: int = STEP_ROWS, padding: int = 0) -> np.ndarray:
+    ids = np.random.default_rng(seed).integers(0, SPEC.rows(CACHED), n)
+    ids[:padding] = -1  # padded positions of a captured batch: zero rows
+    return ids
+
+
+def fetch(job: FetchJob, ids: np.ndarray, native_thread: bool = False) -> None:
+    job.ids[: ids.size] = ids
+    (job.native.run_in_native_thread if native_thread else job.run)(ids.size)
+
+
+def check(job: FetchJob, tables, ids: np.ndarray) -> None:
+    n = ids.size
+    valid = ids >= 0
+    want = np.zeros((n, SPEC.row_bytes), np.uint8)
+    want[valid] = tables.read_rows(CACHED, ids[valid])
+    np.testing.assert_array_equal(job.weight[:n], want[:, : SPEC.row_format.dim])
+    np.testing.assert_array_equal(job.scales[:n], want[:, SPEC.row_format.dim:])
+
+
+def test_twenty_steps_exact_from_the_daemon_and_from_a_native_thread(daemon, tables):
+    job = FetchJob(daemon.unix, CACHED, 8 * STEP_ROWS)
+    try:
+        assert job.connected and job.max_rows >= 8 * STEP_ROWS
+        for step in range(20):
+            ids = step_ids(step, STEP_ROWS * (1 + step % 3), padding=step % 5)
+            fetch(job, ids, native_thread=step % 2 == 1)
+            check(job, tables, ids)
+        job.raise_if_failed()
+        stats = job.stats()
+        assert stats["daemon_steps"] == 20 and stats["direct_steps"] == 0, stats
+        store = daemon_stats(daemon)
+        nvme_rows = sum(v for k, v in store.items() if "rows_nvme" in k or "nvme_rows" in k)
+        assert nvme_rows > 10 * STEP_ROWS, store  # the cache is far smaller than the rows asked for
+    finally:
+        job.close()
+
+
+def daemon_stats(daemon) -> dict:
+    from engram_store.client.client import EngramClient
+
+    with EngramClient.connect(daemon.unix) as client:
+        return client.stats()
+
+
+def test_killed_daemon_steps_stay_exact_then_the_job_goes_back_to_it(tables, tmp_path):
+    d = start(tables, tmp_path)
+    job = FetchJob(d.unix, CACHED, STEP_ROWS, deadline=0.5)
+    try:
+        fetch(job, step_ids(100))
+        d.kill()
+        for step in range(101, 106):  # gone: the job reads the pages itself, each checked
+            ids = step_ids(step, padding=3)
+            t0 = time.monotonic()
+            fetch(job, ids)
+            assert time.monotonic() - t0 < 0.5 + 5, "a step without the daemon must not wait for it"
+            check(job, tables, ids)
+        stats = job.stats()
+        assert stats["direct_steps"] == 5 and stats["direct_pages"] > 1000 and not job.connected, stats
+        job.raise_if_failed()
+        d.start()  # restarted: the job is back on it within a few reconnect rounds
+        deadline = time.monotonic() + 20
+        while not job.connected:
+            assert time.monotonic() < deadline, job.stats()
+            time.sleep(0.05)
+        before = job.stats()["daemon_steps"]
+        ids = step_ids(107)
+        fetch(job, ids)
+        check(job, tables, ids)
+        assert job.stats()["daemon_steps"] == before + 1 and job.reconnects >= 1
+    finally:
+        job.close()
+        d.stop()
+
+
+def test_stopped_daemon_costs_one_deadline_then_steps_go_direct(tables, tmp_path):
+    d = start(tables, tmp_path)
+    job = FetchJob(d.unix, CACHED, STEP_ROWS, deadline=0.3)
+    try:
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            times = []
+            for step in range(200, 204):
+                ids = step_ids(step)
+                t0 = time.monotonic()
+                fetch(job, ids)
+                times.append(time.monotonic() - t0)
+                check(job, tables, ids)
+            assert times[0] >= 0.3, times  # the first waited for the deadline ...
+            stats = job.stats()
+            assert stats["drops"] == 1 and stats["direct_steps"] == 4, stats  # ... the others did not
+            assert "deadline" in stats["note"]
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        while not job.connected:
+            assert time.monotonic() < deadline, job.stats()
+            time.sleep(0.05)
+        ids = step_ids(205)
+        fetch(job, ids)
+        check(job, tables, ids)
+    finally:
+        job.close()
+        d.stop()
+
+
+def test_a_flipped_page_fails_the_step_naming_layer_and_page(tmp_path):
+    directory = tmp_path / "tables"
+    write_synthetic(directory, SPEC, seed=22)
+    tables = TableSet.open(directory)
+    layout = PageLayout(SPEC.rows(CACHED), SPEC.row_bytes)
+    bad_page = 777
+    (tmp_path / "d").mkdir()
+    d = start(tables, tmp_path / "d")
+    job = FetchJob(d.unix, CACHED, STEP_ROWS)
+    try:
+        flip(directory, CACHED, bad_page)
+        ids = step_ids(300)
+        ids[5] = bad_page * layout.rows_per_page + 2  # a row of the flipped page, never read before
+        fetch(job, ids)
+        with pytest.raises(errors.CorruptRows, match=rf"layer {CACHED}: 1 page.*pages {bad_page}.*rows {ids[5]}") as info:
+            job.raise_if_failed()
+        assert info.value.layer == CACHED and info.value.pages == (bad_page,)
+        job.raise_if_failed()  # reported once
+        good = ids // layout.rows_per_page != bad_page  # every row of the flipped page is untrusted
+        want = tables.read_rows(CACHED, np.where(good, ids, 0))
+        np.testing.assert_array_equal(job.weight[: ids.size][good], want[good, : SPEC.row_format.dim])
+        np.testing.assert_array_equal(job.scales[: ids.size][good], want[good, SPEC.row_format.dim:])
+        assert not job.weight[: ids.size][~good].any() and not job.scales[: ids.size][~good].any()  # never flipped bytes
+        assert job.connected  # the daemon refused the rows; it is still there
+    finally:
+        job.close()
+        d.stop()
