@@ -148,7 +148,13 @@ def test_serve_refuses_each_lie_before_reading_a_table_byte(liars, honest, tmp_p
                                    "--grpc", "", "--metrics", "", "--log-level", "WARNING", "--dram-bytes", "1MiB"]
         procs[name] = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                        env={"PATH": "/usr/bin:/bin"})
-    results = {name: (p.wait(60), p.communicate()[1]) for name, p in procs.items()}
+    try:
+        results = {name: (p.wait(60), p.communicate()[1]) for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:  # a daemon that started serving a lie: the test has failed, stop it
+                p.kill()
+                p.wait()
     for name, (code, stderr) in results.items():
         lines = [line for line in stderr.splitlines() if line.strip()]
         assert code == 2 and "Traceback" not in stderr, (name, code, stderr)

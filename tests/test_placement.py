@@ -13,7 +13,8 @@ from daemon_helpers import make_tables as make_daemon_tables
 
 from engram_store import TieredStore, errors
 from engram_store.client.client import EngramClient
-from engram_store.daemon.config import DaemonConfig, preflight
+from engram_store.daemon.config import DaemonConfig
+from engram_store.daemon.preflight import preflight
 from engram_store.format.tableset import TableSet
 from engram_store.integrations.tables import EngramStoreTables
 from engram_store.spec import get_spec

@@ -98,7 +98,8 @@ def test_the_daemon_saves_its_profile_at_stop_and_warms_up_from_it(tables, tmp_p
 
 
 def test_save_profile_needs_a_writable_directory(tables, tmp_path):
-    from engram_store.daemon.config import DaemonConfig, preflight
+    from engram_store.daemon.config import DaemonConfig
+    from engram_store.daemon.preflight import preflight
 
     config = DaemonConfig(tables=str(tables), socket="", metrics="", save_profile=str(tmp_path / "nope" / "p.npy"))
     with pytest.raises(ConfigError, match="'save_profile'.*does not exist"):

@@ -7,28 +7,26 @@ then the defaults below. Every key is documented in ``deploy/engram-store.toml``
 :class:`~engram_store.errors.ConfigError` naming the key and saying why.
 
 Two stages, both before any table byte is read: :class:`DaemonConfig` checks
-each value on its own (types, ranges, combinations); :func:`preflight` checks
-them against the host (the table set's manifest, the socket directory and
-group, TLS and token files, the warm-up profile, free ports).
+each value on its own (types, ranges, combinations);
+:func:`~engram_store.daemon.preflight.preflight` checks them against the host
+(the socket, the table set's manifest, memory, the warm-up profile, TLS and
+token files, free ports).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import decimal
-import grp
 import ipaddress
 import logging
 import os
 import re
-import socket
-import ssl
 import stat
 import tomllib
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from ..errors import ConfigError, EngramStoreError
+from ..errors import ConfigError
 from ..storage.placement import format_placement, parse_placement
 from ..storage.policies import POLICIES
 
@@ -47,6 +45,14 @@ MAX_GRPC_CHUNK_BYTES = 128 << 20  # the client accepts messages up to 256 MiB
 MAX_NVME_QUEUE_DEPTH = 256  # TieredStore's MAX_QUEUE_DEPTH (a test keeps the two equal)
 MAX_SOCKET_PATH_BYTES = 107  # sun_path holds 108 bytes with the terminating NUL
 MIN_TOKEN_CHARS = 16
+# Variables the clients read, not the daemon: an engine pod sets them for its plugins, and a daemon
+# started in the same environment must not take them for unknown keys. (ENGRAM_STORE_GRPC_TOKEN_FILE,
+# read by clients too, is the daemon's own key grpc_token_file.) tests/test_preflight.py finds every
+# ENGRAM_STORE_* name the client, gpu_client and integrations code reads and checks it is here or a key.
+CLIENT_ENV = frozenset({
+    "ENGRAM_STORE_ADDR",  # engram_store.integrations (vLLM, SGLang): the daemon to use
+    "ENGRAM_STORE_FETCH_DEADLINE_SECONDS",  # engram_store.client.fetch: how long a client waits for rows
+})
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # printable ASCII without spaces: it travels in a header
 
 
@@ -283,9 +289,10 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    """``ENGRAM_STORE_<KEY>`` variables (``ENGRAM_STORE_CONFIG`` names the file, not a key)."""
+    """``ENGRAM_STORE_<KEY>`` variables (``ENGRAM_STORE_CONFIG`` names the file, not a key; the
+    clients' own variables, :data:`CLIENT_ENV`, are left to them)."""
     values = {k[len(ENV_PREFIX):].lower(): v for k, v in environ.items()
-              if k.startswith(ENV_PREFIX) and k != ENV_PREFIX + "CONFIG"}
+              if k.startswith(ENV_PREFIX) and k != ENV_PREFIX + "CONFIG" and k not in CLIENT_ENV}
     unknown = sorted(set(values) - set(KEYS))
     if unknown:
         names = ", ".join(ENV_PREFIX + k.upper() for k in unknown)
@@ -311,7 +318,7 @@ def load_config(cli: Mapping[str, Any] | None = None, *, config_file: str | os.P
 
 
 
-# --- preflight: the values against the host, before any table byte is read -------------
+# --- files the config names -------------------------------------------------------------
 def read_token(path: str, key: str = "grpc_token_file") -> str:
     """The shared gRPC token in ``path`` (surrounding whitespace stripped), or ConfigError.
 
@@ -334,149 +341,3 @@ def read_token(path: str, key: str = "grpc_token_file") -> str:
         raise ConfigError(f"config key {key!r}: {path} must hold one token of {MIN_TOKEN_CHARS} to 4096 printable "
                           "ASCII characters without spaces (make one with `openssl rand -hex 32`)")
     return token
-
-
-def _check_tls(config: DaemonConfig) -> None:
-    if config.grpc_tls_cert:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        for key in ("grpc_tls_cert", "grpc_tls_key"):
-            if not os.path.isfile(getattr(config, key)):
-                raise ConfigError(f"config key {key!r}: {getattr(config, key)} does not exist or is not a file")
-        try:
-            context.load_cert_chain(config.grpc_tls_cert, config.grpc_tls_key)
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigError(f"config key 'grpc_tls_cert': {config.grpc_tls_cert} and grpc_tls_key "
-                              f"{config.grpc_tls_key} are not a PEM certificate chain and its private key ({exc})") from None
-    if config.grpc_tls_client_ca:
-        try:
-            ssl.create_default_context(cafile=config.grpc_tls_client_ca)
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigError(f"config key 'grpc_tls_client_ca': {config.grpc_tls_client_ca} is not a readable PEM "
-                              f"CA bundle ({exc})") from None
-
-
-def _check_port(key: str, address: str) -> None:
-    """Bind ``address`` for a moment (as the listener will: SO_REUSEADDR) unless its port is 0."""
-    host, port = parse_hostport(address, key)
-    if port == 0:
-        return
-    try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(sockaddr)
-    except OSError as exc:
-        raise ConfigError(f"config key {key!r}: cannot listen on {address}: {exc.strerror or exc}") from None
-
-
-def _check_socket(config: DaemonConfig) -> None:
-    directory = os.path.dirname(os.path.abspath(config.socket))
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"config key 'socket': cannot create the directory {directory}: {exc.strerror}") from None
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise ConfigError(f"config key 'socket': the daemon (uid {os.geteuid()}) cannot create files in {directory}")
-    if os.path.isdir(config.socket):
-        raise ConfigError(f"config key 'socket': {config.socket} is a directory")
-    if config.socket_group:
-        try:
-            gid = grp.getgrnam(config.socket_group).gr_gid
-        except KeyError:
-            raise ConfigError(f"config key 'socket_group': {config.socket_group!r} is not a group on this host") from None
-        if os.geteuid() != 0 and gid not in (os.getegid(), *os.getgroups()):
-            raise ConfigError(f"config key 'socket_group': the daemon (uid {os.geteuid()}) is not a member of "
-                              f"{config.socket_group!r}, so it cannot give the socket to it")
-
-
-def _check_tables(config: DaemonConfig) -> None:
-    """The manifest (not the data) against the DRAM settings and the warm-up profile."""
-    from ..format.manifest import Manifest
-    from ..storage.placement import plan_store, slot_bytes
-    from ..storage.profile import read_profile
-    from ..storage.resident import resident_layout
-    from ..tokens import read_token_map
-
-    if not config.tables:
-        raise ConfigError("config key 'tables' is empty: give --tables DIR (a table-set directory)")
-    try:
-        manifest = Manifest.load(config.tables)
-        if manifest.token_map is not None:  # 4 bytes per raw id, not table data: every value in range
-            read_token_map(config.tables, manifest.token_map, manifest.spec.compressed_vocab)
-    except EngramStoreError as exc:
-        raise ConfigError(f"config key 'tables': {exc}") from None
-    for e in manifest.layers:
-        files = list(zip(map(str, e.stripe_paths(config.tables)), (s.file_bytes for s in e.stripes))) if e.stripes \
-            else [(os.path.join(config.tables, e.file), e.file_bytes)]
-        for path, want in files:  # the layer's data file, or each of its stripe files
-            if os.path.exists(path) and not os.access(path, os.R_OK):
-                raise ConfigError(f"config key 'tables': layer {e.layer} file {path} is not readable by the daemon "
-                                  f"(uid {os.geteuid()}); publish the table set for the daemon's group "
-                                  "(`engram-store synth/import --group GROUP`)")
-            if not config.verify:  # the store serves the other layers and reports this one unavailable
-                continue
-            try:  # a verifying daemon refuses a missing or truncated layer file: say so now
-                size = os.stat(path).st_size
-            except OSError as exc:
-                raise ConfigError(f"config key 'tables': layer {e.layer} file {path}: {exc.strerror}") from None
-            if size != want:
-                raise ConfigError(f"config key 'tables': layer {e.layer} file {path} has {size} bytes, the manifest "
-                                  f"says {want} (truncated?); re-import or re-synth the table set")
-    dense = resident_layout([(e.layer, e.rows) for e in manifest.layers], manifest.spec.row_format).size
-    if config.store_mode == "resident" and config.dram_bytes < dense:
-        raise ConfigError(f"config key 'dram_bytes': store_mode 'resident' needs at least {dense} bytes (the dense "
-                          f"table set), got {config.dram_bytes}; raise it or use store_mode 'auto' or 'cached'")
-    per_slot = slot_bytes(manifest.spec.row_bytes, config.cache_policy)
-    if config.dram_bytes < dense and config.dram_bytes < per_slot:
-        raise ConfigError(f"config key 'dram_bytes': {config.dram_bytes} bytes hold no cache slot ({per_slot} bytes "
-                          "each)")
-    try:
-        plan_store(manifest, dram_bytes=config.dram_bytes, mode=config.store_mode, policy=config.cache_policy,
-                   placement=parse_placement(config.placement))
-    except ConfigError as exc:
-        raise ConfigError(f"config key 'placement' / 'dram_bytes': {exc}") from None
-    if config.warmup_profile and not warmup_pending(config):
-        try:
-            pairs = read_profile(config.warmup_profile)
-        except EngramStoreError as exc:
-            raise ConfigError(f"config key 'warmup_profile': {exc}") from None
-        unknown = sorted(set(pairs[:, 0].tolist()) - {e.layer for e in manifest.layers})
-        if unknown:
-            raise ConfigError(f"config key 'warmup_profile': {config.warmup_profile} names layers {unknown[:8]} "
-                              f"that the table set does not hold ({[e.layer for e in manifest.layers]})")
-
-
-def warmup_pending(config: DaemonConfig) -> bool:
-    """The warm-up profile is the one this daemon saves at stop and none was saved yet
-    (the first start): start with a cold cache instead of refusing the config."""
-    return bool(config.save_profile) and os.path.abspath(config.warmup_profile) == os.path.abspath(
-        config.save_profile) and not os.path.exists(config.save_profile)
-
-
-def _check_save_profile(path: str) -> None:
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ConfigError(f"config key 'save_profile': directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"config key 'save_profile': directory {parent} is not writable by this user")
-
-
-def preflight(config: DaemonConfig) -> None:
-    """Check ``config`` against the host without reading table data; ConfigError naming the key.
-
-    Reads the manifest, TLS, token and profile files; creates the socket directory; binds the
-    gRPC and metrics ports for a moment. Meant to run at start, before the tables are opened."""
-    _check_tables(config)
-    if config.save_profile:
-        _check_save_profile(config.save_profile)
-    if config.socket:
-        _check_socket(config)
-    if config.grpc:
-        _check_tls(config)
-        if config.grpc_token_file:
-            read_token(config.grpc_token_file)
-        _check_port("grpc", config.grpc)
-    if config.metrics:
-        if config.grpc and config.metrics == config.grpc and not config.grpc.endswith(":0"):
-            raise ConfigError(f"config key 'metrics': {config.metrics} is also the gRPC address")
-        _check_port("metrics", config.metrics)

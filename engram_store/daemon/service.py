@@ -1,9 +1,9 @@
 """The ``serve`` lifecycle: open tables, fill DRAM, open listeners, announce, drain.
 
 Start-up order: (0) check every config value against the host
-(:func:`~engram_store.daemon.config.preflight`: manifest, socket directory and
-group, TLS and token files, warm-up profile, free ports), so a mistake stops
-the daemon in a moment rather than after a DRAM fill, (1) with ``verify``,
+(:func:`~engram_store.daemon.preflight.preflight`: a daemon already on the socket,
+manifest, memory, warm-up profile (read there, once), TLS and token files, free
+ports), so a mistake stops the daemon in a moment rather than after a DRAM fill, (1) with ``verify``,
 check that every data and page checksum file is there and whole (sizes only:
 no table byte is read), (2) open the store (which fills the DRAM tier in
 resident mode, checking every page's crc32c as it reads it: one pass; cached
@@ -34,6 +34,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+import numpy as np
+
 from .. import errors
 from ..format.manifest import Manifest
 from ..format.tableset import TableSet
@@ -42,7 +44,8 @@ from ..storage.placement import format_placement, parse_placement
 from ..version import __version__
 from ..wire import frames as wire
 from . import readyfile
-from .config import DaemonConfig, preflight, warmup_pending
+from .config import DaemonConfig
+from .preflight import preflight
 from .stats import DaemonStats, combined_snapshot
 
 log = logging.getLogger(__name__)
@@ -53,9 +56,10 @@ STOP_RESERVE_SECONDS = 0.5  # of drain_seconds, kept for closing the store after
 StoreOpener = Callable[[DaemonConfig], RowStore]
 
 
-def open_store(config: DaemonConfig) -> RowStore:
+def open_store(config: DaemonConfig, warmup: np.ndarray | None = None) -> RowStore:
     """Open the table set with the tiered store; with ``verify``, refuse one whose data or
-    checksum files are missing or truncated (sizes only: pages are checked as they are read)."""
+    checksum files are missing or truncated (sizes only: pages are checked as they are read).
+    ``warmup``: the profile pairs preflight read (the file is not read again)."""
     if not config.tables:
         raise errors.ConfigError("config key 'tables' is empty: give --tables DIR (a table-set directory)")
     if config.verify:
@@ -66,7 +70,7 @@ def open_store(config: DaemonConfig) -> RowStore:
                              placement=parse_placement(config.placement),
                              policy=config.cache_policy, queue_depth=config.nvme_queue_depth,
                              huge_pages=config.huge_pages,
-                             warmup=None if not config.warmup_profile or warmup_pending(config) else config.warmup_profile,
+                             warmup=warmup,
                              scrub_bytes_per_second=config.scrub_bytes_per_second)
     for layer, ranges in store.bad_pages().items():
         log.error("layer %d: %d corrupt pages (page ranges %s) are refused; the rest is served. Engine plugins "
@@ -109,7 +113,8 @@ class Daemon:
 
     def __init__(self, config: DaemonConfig, store_opener: StoreOpener | None = None) -> None:
         self.config = config
-        self.store_opener = store_opener or open_store
+        self.store_opener = store_opener or (lambda c: open_store(c, self.warmup))
+        self.warmup: np.ndarray | None = None  # the warm-up profile's pairs, read by preflight
         self.stats = DaemonStats()
         self.store: RowStore | None = None
         self._token_map: Any = _UNREAD  # the manifest's token-map entry, read on first Info
@@ -171,7 +176,8 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         readyfile.clear_stale(self.config.ready_file)  # refuses one naming another live daemon
-        await loop.run_in_executor(None, preflight, self.config)  # nothing to shut down yet if it fails
+        checked = await loop.run_in_executor(None, preflight, self.config)  # nothing to shut down yet if it fails
+        self.warmup = checked.warmup
         raise_fd_limit()
         try:
             self._start_http()
@@ -222,7 +228,7 @@ class Daemon:
             self.grpc = GrpcServer(service, self.config)
             await self.grpc.start()
         if self.metrics is not None:
-            self.metrics.attach(DaemonCollector(self.stats, store.stats, store.mode, store.placement()))
+            self.metrics.attach(DaemonCollector(self.stats, store.stats, store.mode, store.placement(), info=self.info))
 
     def ready_info(self) -> dict[str, Any]:
         socket_path = os.path.abspath(self.unix.path) if self.unix else ""  # clients may run from any directory

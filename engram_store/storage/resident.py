@@ -77,7 +77,7 @@ class ResidentArena:
                     on_bad(lf.layer, bad, "the resident fill")
             del data, weights, scales
         except BaseException:
-            mm.close()
+            _close_map(mm)  # the error raised in the fill is the one that propagates
             memfd.close()
             raise
         mm.close()  # sealing against writes needs every writable mapping gone
@@ -99,11 +99,17 @@ class ResidentArena:
 
     def close(self) -> None:
         self.blocks = {}
-        try:
-            self._mm.close()
-        except BufferError:
-            log.debug("resident arena still referenced by a caller's array; unmapped when that is freed")
+        _close_map(self._mm)
         self.memfd.close()
+
+
+def _close_map(mm) -> None:
+    """Unmap ``mm`` now, or, while arrays still view it (a caller's, or the frames of a traceback
+    being raised), when the last of them is freed."""
+    try:
+        mm.close()
+    except BufferError:
+        log.debug("resident arena still referenced by an array; unmapped when that is freed")
 
 
 def fill_split(weights: np.ndarray, scales: np.ndarray, lf: LayerFile, bulk_read: BulkRead,

@@ -57,7 +57,7 @@ from .nvme import DEFAULT_CHUNK_PAGES, DEFAULT_MAX_COALESCE_PAGES, NvmeTier
 from .opening import MAX_QUEUE_DEPTH, check_open_args  # noqa: F401  (MAX_QUEUE_DEPTH: config checks it)
 from .placement import CACHED, RESIDENT, cache_slots, format_placement, plan_store, slot_bytes
 from .plan import Admitter, PlanCounters
-from .profile import DEFAULT_CAPACITY, AccessSampler, merge_hottest, read_profile, write_profile
+from .profile import DEFAULT_CAPACITY, AccessSampler, merge_hottest, open_profile, read_profile, write_profile
 from .resident import ResidentArena
 from .row_cache import LAYER_SHIFT, ROW_MASK, RowCache
 from .scrub import Scrubber
@@ -104,7 +104,7 @@ class TieredStore:
     def open(cls, directory: str | os.PathLike, *, dram_bytes: int, mode: str = "auto",
              queue_depth: int = DEFAULT_QUEUE_DEPTH, policy: str = "s3fifo", huge_pages: bool = True,
              gds: str = "auto", reader: str = "auto", max_coalesce_pages: int = DEFAULT_MAX_COALESCE_PAGES,
-             warmup: str | os.PathLike | None = None, profile_capacity: int = DEFAULT_CAPACITY,
+             warmup: str | os.PathLike | np.ndarray | None = None, profile_capacity: int = DEFAULT_CAPACITY,
              gather_threads: int | None = None, scrub_bytes_per_second: int = 0,
              placement: Mapping[int, str] | None = None) -> "TieredStore":
         """Open the table set in ``directory``.
@@ -116,7 +116,7 @@ class TieredStore:
         ``queue_depth``: NVMe reads in flight. ``policy``: cache policy (``s3fifo``, ``lru``).
         ``huge_pages``: use huge pages where the host allows. ``gds``: ``auto``/``on``/``off``,
         kvikio for the resident fill. ``reader``: ``auto``/``native``/``uring``/``aio``/``threads``.
-        ``warmup``: an access profile to load into the cache at start.
+        ``warmup``: an access profile (a file, or its pairs) to load into the cache at start.
         ``gather_threads``: threads copying rows of one large request (default: CPU count, at most 8).
         ``scrub_bytes_per_second``: cached mode, read and check every page in the background at
         this rate (0: no scrub; pages are checked when read either way).
@@ -513,11 +513,16 @@ class TieredStore:
             self._exit()
 
     def _warm_up(self, profile: str | os.PathLike | np.ndarray) -> int:
-        pairs = read_profile(profile) if not isinstance(profile, np.ndarray) else profile.reshape(-1, 2).astype(np.int64)
         if self._cache is None:
+            if not isinstance(profile, np.ndarray):
+                open_profile(profile)  # a bad file is an error all the same
             log.info("warm-up skipped: resident mode holds every row already")
             return 0
-        pairs = pairs[~np.isin(pairs[:, 0], list(self._resident))]  # resident layers hold every row already
+        if isinstance(profile, np.ndarray):
+            pairs = profile.reshape(-1, 2).astype(np.int64)
+            pairs = pairs[~np.isin(pairs[:, 0], list(self._resident))]  # resident layers hold every row already
+        else:  # read only as far as the cache can use
+            pairs = read_profile(profile, self._cache.n_slots, skip_layers=self._resident)
         pairs = pairs[: self._cache.n_slots]
         loaded = 0
         t0 = time.perf_counter()
