@@ -85,9 +85,15 @@ def _cmd_info(args) -> int:
 
 def _cmd_verify(args) -> int:
     from .format.tableset import TableSet
+    from .progress import Progress, read_bytes_counter
 
     ts = TableSet.open(args.dir)
-    bad = ts.verify(args.layer)
+    total = sum(e.file_bytes for e in ts.manifest.layers if args.layer is None or e.layer == args.layer)
+    bar = Progress(f"verify {args.dir}", total, enabled=args.progress)
+    with bar.watch(read_bytes_counter()):  # TableSet.verify reads every page once, through read calls
+        bad = ts.verify(args.layer)
+    bar.update(total)
+    bar.close()
     for corruption in bad:
         print(f"CORRUPT {corruption}", file=sys.stderr)
     bad_map = _token_map_problems(ts) if args.layer is None else []
@@ -239,6 +245,7 @@ def register(sub) -> None:
     p = sub.add_parser("verify", help="check every page's crc32c; exit 1 naming layer, page and offset of each bad one")
     p.add_argument("dir")
     p.add_argument("--layer", type=int, default=None, help="verify only this layer")
+    p.add_argument("--progress", action="store_true", default=None, help="show progress even when not on a terminal")
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser("hash", help="print the global row ids of tokens as JSON",
