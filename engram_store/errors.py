@@ -88,7 +88,8 @@ class CorruptRows(StorageError):
     """Rows asked for sit in 4 KiB pages whose crc32c does not match the table set's checksum
     file: they are never served, the layer's other rows are. ``layer`` and ``pages`` (page
     numbers in the layer file; the file offset is ``page * 4096``) say which; the message
-    names them too (a remote client receives it as a StorageError with that message)."""
+    names them too. Clients receive it as CorruptRows over both transports (wire status
+    DATA_LOSS), ``pages`` then holding the pages the message names (the first few of a long list)."""
 
     def __init__(self, message: str, layer: int = -1, pages: tuple[int, ...] = ()) -> None:
         super().__init__(message)

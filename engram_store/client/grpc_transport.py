@@ -40,6 +40,7 @@ _STATUS_OF_CODE: dict[grpc.StatusCode, wire.Status] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: wire.Status.UNAVAILABLE,
     grpc.StatusCode.CANCELLED: wire.Status.UNAVAILABLE,
     grpc.StatusCode.INTERNAL: wire.Status.INTERNAL,
+    grpc.StatusCode.DATA_LOSS: wire.Status.DATA_LOSS,
 }
 
 

@@ -22,19 +22,23 @@ unverified row is ever returned (a page that fails raises
   the kvikio reads have not run on a GPU in this project's tests.
 
 Layer files must be readable by the client process (e.g. group-readable by the
-engine's group, mode 0640); when one cannot be opened (``PermissionError``,
-another mount namespace, another file at that path) the executor raises
-:class:`PlanUnusable` and the transport falls back to the daemon reading the rows.
+engine's group, mode 0640). Every plan carries the identity (device, inode,
+size) of the file the daemon reads; an executor checks it on every plan and
+opens the path again when the daemon's file changed (:class:`LayerFiles`).
+When a file cannot be opened (``PermissionError``, another mount namespace,
+another file at that path) the executor raises :class:`PlanUnusable` and the
+transport falls back to the daemon reading the rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import queue
 import threading
-from typing import Any, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 
@@ -74,6 +78,93 @@ class PlanExecutor(Protocol):
     def close(self) -> None: ...
 
 
+Identity = tuple[int, int, int]  # (st_dev, st_ino, st_size) of a layer file
+
+
+def plan_identity(plan: ReadPlan) -> Identity:
+    return plan.st_dev, plan.st_ino, plan.file_bytes
+
+
+class LayerFiles:
+    """The layer files an executor has open, each with the identity of the file it was opened on.
+
+    :meth:`lease` gives the handle of the file a plan names, checked against the identity the
+    daemon sends with *every* plan: the handle kept when it matches; else the path is opened
+    again (the table set was replaced, or the file repaired by a rename) and the new handle
+    kept if it matches; else :class:`PlanUnusable` (this process sees another file at that
+    path than the daemon reads). A replaced handle is closed once no lease holds it, so a
+    read in flight never sees its descriptor closed. Thread-safe.
+
+    ``opener(path) -> (handle, identity)`` opens a path (the identity must be that of the
+    file the handle reads: fstat of its descriptor); ``closer(handle)`` closes one."""
+
+    def __init__(self, opener: Callable[[str], tuple[Any, Identity]], closer: Callable[[Any], None]) -> None:
+        self._opener, self._closer = opener, closer
+        self._lock = threading.Lock()
+        self._current: dict[str, list] = {}  # path -> [handle, identity, leases, retired]
+        self.reopened = 0  # times a path was opened again because the daemon's file changed
+
+    @contextlib.contextmanager
+    def lease(self, plan: ReadPlan) -> Iterator[Any]:
+        entry = self._entry(plan)
+        try:
+            yield entry[0]
+        finally:
+            self._release(entry)
+
+    def _entry(self, plan: ReadPlan) -> list:
+        want = plan_identity(plan)
+        with self._lock:
+            entry = self._current.get(plan.path)
+            if entry is not None and entry[1] == want:
+                entry[2] += 1
+                return entry
+            try:
+                handle, got = self._opener(plan.path)
+            except OSError as exc:
+                raise PlanUnusable(f"cannot open the layer file {plan.path} in this process: {exc}; make the table "
+                                   "files readable by the engine (group-readable, mode 0640)") from None
+            if got != want:
+                self._closer(handle)
+                raise PlanUnusable(f"{plan.path} in this process is not the file the daemon reads (device, inode or "
+                                   f"size differ: {got[0]}/{got[1]}/{got[2]} here, {want[0]}/{want[1]}/{want[2]} in "
+                                   "the daemon)")
+            if entry is not None:  # the daemon reads another file now: retire the old handle
+                self.reopened += 1
+                log.info("%s changed (the daemon's file is %d/%d, %d bytes): opened it again", plan.path, *want)
+                entry[3] = True
+                if not entry[2]:
+                    self._closer(entry[0])
+            entry = self._current[plan.path] = [handle, got, 1, False]
+            return entry
+
+    def _release(self, entry: list) -> None:
+        with self._lock:
+            entry[2] -= 1
+            if entry[3] and not entry[2]:
+                self._closer(entry[0])
+
+    def close(self) -> None:
+        with self._lock:
+            entries, self._current = list(self._current.values()), {}
+        for entry in entries:
+            entry[3] = True
+            if not entry[2]:
+                self._closer(entry[0])
+
+
+def open_cufile(path: str, cufile: Callable[[str, str], Any]) -> tuple[Any, Identity]:
+    """``cufile(path, "r")`` (``kvikio.CuFile``) on the very file whose identity is returned: the
+    path is opened once here, fstat'ed, and handed to ``cufile`` as ``/proc/self/fd/N``, so a
+    rename between the check and the open cannot swap the file."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        return cufile(f"/proc/self/fd/{fd}", "r"), (st.st_dev, st.st_ino, st.st_size)
+    finally:
+        os.close(fd)
+
+
 def _corrupt(layer: int, plan: ReadPlan, bad_pages: np.ndarray) -> errors.CorruptRows:
     pages = tuple(int(p) for p in bad_pages)
     shown = ", ".join(map(str, pages[:8])) + (" ..." if len(pages) > 8 else "")
@@ -93,7 +184,7 @@ class HostPlanExecutor:
                  chunk_pages: int = CHUNK_PAGES) -> None:
         self.queue_depth, self.max_coalesce_pages = queue_depth, max(1, max_coalesce_pages)
         self.chunk_pages = max(self.max_coalesce_pages, chunk_pages)
-        self._files: dict[str, OpenedFile] = {}
+        self._files = LayerFiles(self._open, lambda f: f.close())
         self._lock = threading.Lock()
         self._buffers: queue.SimpleQueue = queue.SimpleQueue()
         self._page_reader: PageReader | None = None  # the NVMe tier's readers (io_uring, AIO, threads)
@@ -103,27 +194,18 @@ class HostPlanExecutor:
         """Open a layer file (``O_DIRECT``, or buffered where refused). A seam for tests."""
         return open_direct(path)
 
-    def _file(self, plan: ReadPlan) -> OpenedFile:
-        with self._lock:
-            f = self._files.get(plan.path)
-            if f is None:
-                try:
-                    f = self.opener(plan.path)
-                except OSError as exc:
-                    raise PlanUnusable(f"cannot open the layer file {plan.path} in this process: {exc}; make the "
-                                       "table files readable by the engine (group-readable, mode 0640)") from None
-                self._files[plan.path] = f
+    def _open(self, path: str) -> tuple[OpenedFile, Identity]:
+        f = self.opener(path)
         st = os.fstat(f.fd)
-        if (st.st_dev, st.st_ino, st.st_size) != (plan.st_dev, plan.st_ino, plan.file_bytes):
-            raise PlanUnusable(f"{plan.path} in this process is not the file the daemon reads (device, inode or "
-                               f"size differ: {st.st_dev}/{st.st_ino}/{st.st_size} here, {plan.st_dev}/"
-                               f"{plan.st_ino}/{plan.file_bytes} in the daemon)")
-        return f
+        return f, (st.st_dev, st.st_ino, st.st_size)
 
     def execute(self, layer: int, plan: ReadPlan, out: np.ndarray) -> None:
         if not len(plan.positions):
             return
-        f = self._file(plan)
+        with self._files.lease(plan) as f:
+            self._execute(layer, plan, out, f)
+
+    def _execute(self, layer: int, plan: ReadPlan, out: np.ndarray, f: OpenedFile) -> None:
         rb, pb = plan.row_bytes, plan.page_bytes
         rpp = pb // rb
         order = np.argsort(plan.page_index, kind="stable")  # the rows of each chunk of pages together
@@ -177,10 +259,8 @@ class HostPlanExecutor:
 
     def close(self) -> None:
         with self._lock:
-            files, self._files = self._files, {}
             reader, self._page_reader = self._page_reader, None
-        for f in files.values():
-            f.close()
+        self._files.close()
         if reader is not None:
             reader.close()
         self._buffers = queue.SimpleQueue()  # pooled buffers are unmapped when no view holds them
@@ -256,9 +336,11 @@ class KvikioPlanExecutor:
     gathered on the device into ``out`` (uint8 CUDA tensor ``[n, row_bytes]``).
 
     UNTESTED on a GPU: no device ran this project's tests. The crc check (:class:`DeviceCrc`)
-    is tested on CPU tensors; the kvikio reads and device indexing are not. One ``CuFile`` per
-    layer file, opened at first use (the same identity check as the host executor, by
-    ``os.stat`` of the path), closed by :meth:`close`."""
+    is tested on CPU tensors, the file identity logic (:class:`LayerFiles`, :func:`open_cufile`)
+    with a stand-in for ``CuFile``; the kvikio reads and device indexing are not. One ``CuFile``
+    per layer file, checked against the identity the daemon sends with every plan and opened
+    again when the daemon's file changed (the same logic as the host executor), closed by
+    :meth:`close`."""
 
     name = "kvikio"
 
@@ -271,36 +353,22 @@ class KvikioPlanExecutor:
         self.device = torch.device(device if device is not None else "cuda")
         self.chunk_pages = chunk_pages
         self._crc = DeviceCrc(self.device)
-        self._files: dict[str, Any] = {}
-        self._lock = threading.Lock()
-        self._staging = torch.empty(chunk_pages * PAGE_BYTES, dtype=torch.uint8, device=self.device)
-
-    def _file(self, plan: ReadPlan) -> Any:
         import kvikio
 
-        with self._lock:
-            f = self._files.get(plan.path)
-            if f is None:
-                try:
-                    st = os.stat(plan.path)
-                    if (st.st_dev, st.st_ino, st.st_size) != (plan.st_dev, plan.st_ino, plan.file_bytes):
-                        raise PlanUnusable(f"{plan.path} in this process is not the file the daemon reads")
-                    f = self._files[plan.path] = kvikio.CuFile(plan.path, "r")
-                except OSError as exc:
-                    raise PlanUnusable(f"cannot open the layer file {plan.path} in this process: {exc}") from None
-            return f
+        self._files = LayerFiles(lambda path: open_cufile(path, kvikio.CuFile), lambda f: f.close())
+        self._lock = threading.Lock()
+        self._staging = torch.empty(chunk_pages * PAGE_BYTES, dtype=torch.uint8, device=self.device)
 
     def execute(self, layer: int, plan: ReadPlan, out: Any) -> None:
         import torch
 
         if not len(plan.positions):
             return
-        f = self._file(plan)
         pb, rb = plan.page_bytes, plan.row_bytes
         rpp = pb // rb
         order = np.argsort(plan.page_index, kind="stable")
         sorted_pages = plan.page_index[order]
-        with self._lock:  # one staging tensor
+        with self._files.lease(plan) as f, self._lock:  # one staging tensor
             for lo in range(0, len(plan.pages), self.chunk_pages):
                 hi = min(lo + self.chunk_pages, len(plan.pages))
                 begin, npages = extents(plan.pages[lo:hi], MAX_COALESCE_PAGES)
@@ -322,10 +390,7 @@ class KvikioPlanExecutor:
                 out[torch.from_numpy(plan.positions[sel]).to(self.device)] = body[pi, slot]
 
     def close(self) -> None:
-        with self._lock:
-            files, self._files = self._files, {}
-        for f in files.values():
-            f.close()
+        self._files.close()
 
 
 class PlannedLookups:

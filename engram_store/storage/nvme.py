@@ -13,7 +13,11 @@ Every page read is checked against its crc32c (``LayerFile.crcs``, from the
 layer's checksum file): natively, as each read completes and before a row is
 copied out of it; in the fallback, once per chunk. Pages that fail come back
 in ``ReadStats.bad_pages`` (their rows in ``out`` are not to be used); the
-caller decides what that means for the request (see ``TieredStore``).
+caller decides what that means for the request (see ``TieredStore``). A read
+that fails (an I/O error, a short read of a truncated file) is retried on
+halves of the request's pages until the pages that cannot be read are found:
+those are reported in ``bad_pages`` too and the others are read and checked as
+usual.
 
 A striped layer (``LayerFile.stripes``) is read per stripe: the request's
 distinct pages are grouped by stripe (page ``p`` is local page ``p // K`` of
@@ -27,6 +31,7 @@ has its own ring, so each device is driven by its own ring. Rows land in
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -40,7 +45,10 @@ from ..format.checksums import bad_pages as check_pages
 from ..format.layout import PAGE_BYTES, extents
 from ..native.readers import MAX_CHECKED_PAGES, MAX_NATIVE_QD, PageReader
 from ..native.syscalls import aligned_buffer, as_array
+from .integrity import failing_items
 from .layer_file import LayerFile
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_PAGES = 8192  # 32 MiB of pages per read batch
 DEFAULT_MAX_COALESCE_PAGES = 16
@@ -164,20 +172,29 @@ class NvmeTier:
         np.not_equal(pages[1:], pages[:-1], out=first[1:])
         page_index = np.cumsum(first) - 1  # position of each row's page among the distinct pages
         distinct = pages[first]
+        row_start = np.append(np.flatnonzero(first), len(rows))  # rows of distinct page i: row_start[i]:[i+1]
+        slot = rows % rpp
         t0 = time.perf_counter()
-        try:
+
+        def read_span(i0: int, i1: int, into: ReadStats) -> None:
+            """Distinct pages i0..i1-1 and their rows (OSError when a read fails)."""
+            r0, r1 = int(row_start[i0]), int(row_start[i1])
             if self.reader.streams_rows:
-                self._read_native(lf, distinct, page_index, rows % rpp, out, stats)
-            else:
-                starts = np.flatnonzero(first)
-                for lo in range(0, len(distinct), self.chunk_pages):
-                    hi = min(lo + self.chunk_pages, len(distinct))
-                    row_lo = int(starts[lo])
-                    row_hi = int(starts[hi]) if hi < len(distinct) else len(rows)
-                    self._read_chunk(lf, distinct[lo:hi], page_index[row_lo:row_hi] - lo,
-                                     rows[row_lo:row_hi] % rpp, out[row_lo:row_hi], stats)
-        except OSError as exc:
-            raise StorageError(f"layer {lf.layer}: reading {len(distinct)} pages of {lf.path} failed: {exc}") from exc
+                self._read_native(lf, distinct[i0:i1], page_index[r0:r1] - i0, slot[r0:r1], out[r0:r1], into)
+                return
+            for lo in range(i0, i1, self.chunk_pages):
+                hi = min(lo + self.chunk_pages, i1)
+                a, b = int(row_start[lo]), int(row_start[hi])
+                self._read_chunk(lf, distinct[lo:hi], page_index[a:b] - lo, slot[a:b], out[a:b], into)
+
+        try:
+            read_span(0, len(distinct), stats)
+        except OSError as exc:  # find the pages that cannot be read; read the others
+            log.debug("layer %d: reading %d pages of %s failed (%s); reading them by halves", lf.layer,
+                      len(distinct), lf.path, str(exc))
+            stats = ReadStats()
+            unreadable = failing_items(len(distinct), lambda i0, i1: read_span(i0, i1, stats))
+            stats.bad_pages = np.union1d(stats.bad_pages, distinct[unreadable]).astype(np.int64)
         stats.seconds = time.perf_counter() - t0
         return stats
 

@@ -4,9 +4,11 @@ Every layer is loaded once at start, in the engines' layout
 (:mod:`engram_store.format.arena_layout`: a block of all payloads, then a block
 of all scales, each 2 MiB aligned), by large sequential reads whose 4 KiB pages
 are checked against their crc32c (one native call per 64 MiB chunk) and split
-into the two blocks as they arrive. The rows of a page that fails (or of a chunk
-whose read fails) are left zero in the arena and reported, so the store refuses
-them; a bad page never stops the fill. The memfd is then sealed (no write,
+into the two blocks as they arrive. A chunk whose read fails is read again by
+halves until the pages that cannot be read are found. The rows of a page that
+fails its crc32c or cannot be read are left zero in the arena and reported, so
+the store refuses them (until restart: the arena is sealed); a bad page never
+stops the fill, and any other error raised in the fill propagates as itself. The memfd is then sealed (no write,
 shrink or grow) so that any process receiving it can map it read-only, gather
 rows by itself, or hand the blocks to an engine's kernel.
 """
@@ -26,6 +28,7 @@ from ..format.checksums import bad_pages as check_pages
 from ..format.layout import PAGE_BYTES
 from ..native.syscalls import aligned_buffer, as_array, create_memfd, map_fd, seal_read_only, shmem_thp
 from ..spec import RowFormat
+from .integrity import failing_items
 from .layer_file import LayerFile
 
 log = logging.getLogger(__name__)
@@ -134,15 +137,15 @@ def fill_split(weights: np.ndarray, scales: np.ndarray, lf: LayerFile, bulk_read
     def read(i: int) -> tuple[object, np.ndarray]:
         part, q0, q1 = spans[i]
         buf = buffers[i % len(buffers)]
-        try:
-            bulk_read(part, q0 * PAGE_BYTES, (q1 - q0) * PAGE_BYTES, buf)
-        except StorageError as exc:
-            log.error("layer %d: pages %d..%d of %s (file offsets %d..%d) unreadable, their rows are refused: %s",
-                      lf.layer, q0, q1 - 1, part.path, q0 * PAGE_BYTES, q1 * PAGE_BYTES, exc)
-            return buf, np.arange(q0, q1, dtype=np.int64)
+        unreadable = _read_span(bulk_read, part, q0, q1, buf)
         if part.crcs is None:
-            return buf, np.empty(0, dtype=np.int64)
-        return buf, q0 + check_pages(buf, part.crcs[q0:q1])
+            return buf, q0 + unreadable
+        if not len(unreadable):
+            return buf, q0 + check_pages(buf, part.crcs[q0:q1])
+        readable = np.setdiff1d(np.arange(q1 - q0), unreadable)
+        pages = as_array(buf, (q1 - q0) * PAGE_BYTES).reshape(q1 - q0, PAGE_BYTES)
+        bad = readable[check_pages(pages[readable], part.crcs[q0 + readable])]
+        return buf, q0 + np.union1d(unreadable, bad)
 
     bad_parts = []
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-fill") as ex:
@@ -173,3 +176,19 @@ def fill_split(weights: np.ndarray, scales: np.ndarray, lf: LayerFile, bulk_read
     for buf in buffers:
         buf.close()
     return np.sort(np.concatenate(bad_parts)) if bad_parts else np.empty(0, dtype=np.int64)
+
+
+def _read_span(bulk_read: BulkRead, part: LayerFile, q0: int, q1: int, buf) -> np.ndarray:
+    """Pages ``q0..q1-1`` of ``part`` into ``buf`` by one bulk read; if it fails, the pages that
+    cannot be read are found by reading halves (:func:`.integrity.failing_items`) and the others
+    read. Returns the unreadable pages (0-based within the span), whose rows are refused."""
+    def attempt(lo: int, hi: int) -> None:
+        bulk_read(part, (q0 + lo) * PAGE_BYTES, (hi - lo) * PAGE_BYTES, as_array(buf)[lo * PAGE_BYTES: hi * PAGE_BYTES])
+
+    try:
+        attempt(0, q1 - q0)
+        return np.empty(0, dtype=np.int64)
+    except StorageError as exc:
+        log.warning("layer %d: reading pages %d..%d of %s failed (%s); reading them by halves to find the "
+                    "unreadable ones", part.layer, q0, q1 - 1, part.path, str(exc))
+    return np.asarray(failing_items(q1 - q0, attempt, retry=StorageError), dtype=np.int64)

@@ -303,7 +303,12 @@ class TieredStore:
             self._plan_counters.add(requests=1, rows=n, rows_served=n)
             return None
         requests.check_bounds(lf.layer, flat, lf.layout.rows)
-        self._refuse_known_bad(lf.layer, flat)
+        if self._health.has_bad(lf.layer) and self._health.bad_rows(lf.layer, flat).any():
+            # rows of pages marked bad: read and checked here as by lookup_into, which refuses them
+            # or finds them good again (cleared), so a plan and a plain lookup always agree
+            self._lookup_into(layer, row_ids, out, t0)
+            self._plan_counters.add(requests=1, rows=n, rows_served=n)
+            return None
         path, dev, ino = self._file_id(lf)
         cache = self._cache
         token, found = cache.begin(lf.layer, flat)
@@ -447,6 +452,7 @@ class TieredStore:
         distinct, inverse = np.unique(flat[miss], return_inverse=True)
         data = np.empty((len(distinct), self.row_bytes), dtype=np.uint8)
         rs = self._nvme.read_rows(layer, distinct, data)
+        self._clear_good(layer, distinct, rs.bad_pages, "an NVMe read")
         if len(rs.bad_pages):
             self._refuse_read(layer, distinct, inverse, data, rs.bad_pages)
         if len(miss) == len(flat):
@@ -472,11 +478,18 @@ class TieredStore:
         (rows kept, their bytes, bytes read)."""
         data = np.empty((len(rows), self.row_bytes), dtype=np.uint8)
         rs = self._nvme.read_rows(layer, rows, data)
+        self._clear_good(layer, rows, rs.bad_pages, who)
         if len(rs.bad_pages):
             self._health.mark(layer, rs.bad_pages, who)
             good = ~np.isin(rows // self._files[layer].layout.rows_per_page, rs.bad_pages)
             rows, data = rows[good], data[good]
         return rows, data, rs.bytes
+
+    def _clear_good(self, layer: int, rows: np.ndarray, bad_pages: np.ndarray, who: str) -> None:
+        """Pages of ``rows`` just read that matched their crc32c are not bad (any more)."""
+        if self._health.has_bad(layer):
+            pages = np.unique(rows // self._files[layer].layout.rows_per_page)
+            self._health.clear(layer, np.setdiff1d(pages, bad_pages), who)
 
     def _refuse_read(self, layer: int, distinct: np.ndarray, inverse: np.ndarray, data: np.ndarray,
                      bad_pages: np.ndarray) -> None:

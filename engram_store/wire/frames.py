@@ -27,6 +27,7 @@ garbage: the daemon closes that connection and nothing else.
 from __future__ import annotations
 
 import enum
+import re
 import struct
 from dataclasses import dataclass
 
@@ -99,6 +100,7 @@ class Status(enum.IntEnum):
     UNAVAILABLE = 5
     INTERNAL = 6
     VERSION_MISMATCH = 7
+    DATA_LOSS = 8  # rows in pages whose crc32c fails or that cannot be read: CorruptRows
 
 
 class DType(enum.IntEnum):
@@ -266,6 +268,7 @@ def align(n: int) -> int:
 
 # Status <-> exception class, shared by both transports (gRPC maps its codes onto the same classes).
 _STATUS_OF: tuple[tuple[type[errors.EngramStoreError], Status], ...] = (
+    (errors.CorruptRows, Status.DATA_LOSS),
     (errors.UnknownLayer, Status.NOT_FOUND),
     (errors.RowOutOfRange, Status.OUT_OF_RANGE),
     (errors.InvalidRequest, Status.INVALID_ARGUMENT),
@@ -275,6 +278,7 @@ _STATUS_OF: tuple[tuple[type[errors.EngramStoreError], Status], ...] = (
 _ERROR_OF: dict[Status, type[errors.EngramStoreError]] = {status: cls for cls, status in _STATUS_OF}
 _ERROR_OF[Status.INTERNAL] = errors.StorageError
 _ERROR_OF[Status.VERSION_MISMATCH] = ProtocolError
+_ERROR_OF[Status.DATA_LOSS] = errors.CorruptRows
 
 
 def status_of(exc: BaseException) -> Status:
@@ -289,4 +293,14 @@ def error_of(status: int, message: str) -> errors.EngramStoreError:
         cls = _ERROR_OF[Status(status)]
     except ValueError:
         cls = errors.EngramStoreError
+    if cls is errors.CorruptRows:
+        return corrupt_rows(message)
     return cls(message)
+
+
+def corrupt_rows(message: str) -> errors.CorruptRows:
+    """The CorruptRows a daemon's message describes: its layer (``layer N: ...``) and the pages
+    it names (``page P at ...``; a long list names the first few, the message says how many)."""
+    layer = re.search(r"\blayer (-?\d+):", message)
+    pages = tuple(int(p) for p in re.findall(r"\bpage (\d+) at\b", message))
+    return errors.CorruptRows(message, int(layer.group(1)) if layer else -1, pages)
