@@ -45,6 +45,7 @@ from ..version import __version__
 from ..wire import frames as wire
 from . import readyfile
 from .config import DaemonConfig
+from .fill_progress import logged_fill
 from .preflight import preflight
 from .stats import DaemonStats, combined_snapshot
 
@@ -198,7 +199,8 @@ class Daemon:
 
     def _open(self) -> None:
         self.spec = Manifest.load(self.config.tables).spec.to_dict() if self.config.tables else {}
-        store = self.store_opener(self.config)
+        with logged_fill(self.config, log):  # a log line every few seconds while the resident arena fills
+            store = self.store_opener(self.config)
         self.store = store
         log.info("serving %s: layers %s, %d-byte rows, %s mode (%s)", self.config.tables, list(store.layers),
                  store.row_bytes, store.mode, format_placement(store.placement()))
