@@ -73,6 +73,9 @@ def _cmd_import(args) -> int:
 def _cmd_info(args) -> int:
     from .format.tableset import TableSet
 
+    if re.match(r"^(unix|grpcs?|https?)://", args.dir):
+        raise EngramStoreError(f"info reads a table-set directory; {args.dir} is a daemon's address: "
+                               f"engram-store status {args.dir}")
     ts = TableSet.open(args.dir)
     print(json.dumps({
         "model": ts.spec.name, "scale": ts.spec.scale, "row_bytes": ts.row_bytes,

@@ -131,6 +131,11 @@ def test_unreachable_daemon_is_one_line(command, address):
     assert res.stderr.count("\n") == 1 and res.stderr.startswith(f"engram-store {command}: error:"), res.stderr
 
 
+def test_info_of_an_address_points_to_status():
+    res = cli("info", "unix:///run/engram-store/engram-store.sock", check_rc=2)
+    assert "engram-store status unix:///run/engram-store/engram-store.sock" in res.stderr
+
+
 def test_version_everywhere():
     from engram_store.version import __version__
 
