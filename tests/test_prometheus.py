@@ -76,6 +76,12 @@ def test_promtool_checks_the_rules():
     assert res.returncode == 0 and "SUCCESS" in res.stdout, res.stdout + res.stderr
 
 
+def test_promtool_checks_the_example_config():
+    res = subprocess.run([tool("promtool"), "check", "config", "prometheus.yml"], capture_output=True, text=True,
+                         timeout=60, cwd=RULES.parent)
+    assert res.returncode == 0 and "SUCCESS" in res.stdout, res.stdout + res.stderr
+
+
 def test_promtool_unit_tests_of_each_alert():
     """tests/prometheus/alerts_test.yml: every alert on synthetic series, firing and not."""
     res = subprocess.run([tool("promtool"), "test", "rules", "alerts_test.yml"], capture_output=True, text=True,
