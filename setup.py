@@ -18,7 +18,7 @@ from pathlib import Path
 from setuptools import Extension, find_packages, setup
 
 DEPLOY = "engram_store.deploy"
-DEPLOY_FILES = ("*.toml", "*.conf", "*.service", "*.yaml", "*.json", "*.sh", "Dockerfile*")
+DEPLOY_FILES = ("*.toml", "*.conf", "*.service", "*.yaml", "*.yml", "*.json", "*.sh", "Dockerfile*")
 
 
 def deploy_packages() -> tuple[dict[str, str], dict[str, list[str]]]:
