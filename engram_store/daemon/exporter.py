@@ -18,7 +18,7 @@ from prometheus_client import PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from ..version import __version__
-from ..wire.metric_names import FAMILIES, PREFIX, Family
+from ..wire.metric_names import FAMILIES, PREFIX, Family, family_of
 from .stats import DROP_REASONS, LATENCY_BUCKETS, DaemonStats, combined_snapshot
 
 
@@ -33,15 +33,12 @@ def snapshot_families(snapshot: dict[str, float]) -> list[Metric]:
     """The Stats snapshot as Prometheus families, named by :data:`FAMILIES`."""
     built: dict[str, Metric] = {}
     for key in sorted(snapshot):
-        for family in FAMILIES:
-            labels = family.match(key)
-            if labels is None:
-                continue
-            if family.exported:
-                metric = built.get(family.name) or built.setdefault(family.name, _new(family))
-                for _, sample_labels, value in family.samples(key, snapshot[key]):
-                    metric.add_metric([sample_labels[label] for label, _ in family.labels], value)
-            break
+        family = family_of(key)
+        if family is None or not family.exported:
+            continue
+        metric = built.get(family.name) or built.setdefault(family.name, _new(family))
+        for _, sample_labels, value in family.samples(key, snapshot[key]):
+            metric.add_metric([sample_labels[label] for label, _ in family.labels], value)
     # every drop reason, 0 until it happens, so that rate() and the alert see the series from the start
     dropped = built.get(_DROPPED.name) or built.setdefault(_DROPPED.name, _new(_DROPPED))
     seen = {s.labels["reason"] for s in dropped.samples}

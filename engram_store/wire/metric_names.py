@@ -166,8 +166,9 @@ NOT_EXPORTED: dict[str, str] = {
 }
 
 
+@functools.lru_cache(maxsize=4096)
 def family_of(key: str) -> Family | None:
-    """The family whose samples the Stats key ``key`` gives, or None."""
+    """The family whose samples the Stats key ``key`` gives, or None (remembered: a scrape asks for every key)."""
     for family in FAMILIES:
         if family.match(key) is not None:
             return family
