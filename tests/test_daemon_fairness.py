@@ -8,15 +8,18 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, expected, make_tables, raw_connect, sigstop
+from daemon_helpers import REPO, DaemonProcess, expected, make_tables, raw_connect, sigstop
 
 from engram_store import errors
 from engram_store.client.client import EngramClient
@@ -265,21 +268,66 @@ def test_a_stopped_daemon_gives_a_deadline_error(tables, tmp_path):
             np.testing.assert_array_equal(c.lookup(1, ids), expected(tables, 1, ids))
 
 
+def _stalled_service_manager(path: Path) -> tuple[socket.socket, socket.socket]:
+    """A NOTIFY_SOCKET whose reader never reads: (its socket, a sender that fills its queue later)."""
+    manager = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    manager.bind(str(path))
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    filler.connect(str(path))
+    filler.setblocking(False)
+    return manager, filler
+
+
 def test_sigterm_with_slow_clients_exits_within_drain_seconds(tables, tmp_path):
-    d = DaemonProcess(tables.directory, tmp_path, dram_bytes="256KiB",
-                      extra=["--drain-seconds", "2", "--workers", "2"])
+    """SIGTERM with 12 clients that pipeline lookups and read no reply, and a service manager that
+    stopped reading its notifications (STOPPING=1 cannot be delivered): the process is gone within
+    drain_seconds of the signal by construction (every step of the stop bounded, a watchdog at the
+    deadline). The bound allows one second beyond drain_seconds for the signal to be handled and
+    the process reaped on a loaded machine; the old stop, unbounded, blocked on the notification."""
+    manager, filler = _stalled_service_manager(tmp_path / "notify.sock")
+    d = DaemonProcess(tables.directory, tmp_path, dram_bytes="256KiB", env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock")},
+                      extra=["--drain-seconds", "2", "--workers", "2", "--log-level", "INFO"])
     floods = []
     try:
         d.start()
         assert d.ready["mode"] == "cached"
+        with pytest.raises(BlockingIOError):
+            while True:  # the manager's queue full: the next notification blocks its sender
+                filler.send(b"X")
         floods = [_flood(d.socket_path, frames=2000) for _ in range(12)]
         t0 = time.monotonic()
-        assert d.terminate(timeout=30) == 0
-        assert time.monotonic() - t0 < 2 + 1, time.monotonic() - t0
+        d.proc.send_signal(signal.SIGTERM)
+        try:
+            code = d.proc.wait(2 + 5)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running 7 s after SIGTERM with drain_seconds 2: {d.log_text()}") from None
+        took = time.monotonic() - t0
+        assert code == 0 and took < 2 + 1, (code, took, d.log_text())
+        assert "draining in-flight requests" in d.log_text()
     finally:
         for s in floods:
             s.close()
         d.stop()
+        manager.close()
+        filler.close()
+
+
+def test_the_stop_watchdog_ends_a_process_whatever_holds_it(tmp_path):
+    """The last guard of the stop: armed at the signal, it ends the process at the deadline (less
+    its margin) even when the thread that stops is stuck for good, and says what it cut short."""
+    script = tmp_path / "stuck.py"
+    script.write_text("import logging, threading, time\n"
+                      "from engram_store.daemon.stopping import StopClock\n"
+                      "logging.basicConfig(level=logging.INFO)\n"
+                      "clock = StopClock(1.0)\n"
+                      "clock.start()\n"
+                      "clock.step = 'a step that never returns'\n"
+                      "threading.Event().wait(60)\n")
+    t0 = time.monotonic()
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30, cwd=REPO)
+    took = time.monotonic() - t0
+    assert result.returncode == 0 and took < 1.0 + 1, (took, result.stderr)
+    assert "drain_seconds (1s) ran out during a step that never returns" in result.stderr, result.stderr
 
 
 def test_round_robin_serves_lanes_in_turn():

@@ -17,8 +17,10 @@ refused (CorruptRows), the rest is served, and ``info()`` lists it under
 ``bad_pages``. A layer the store cannot serve (file missing or truncated, with
 ``verify`` off) is left out of ``info()`` (listed under ``layers_unavailable``);
 its lookups fail with a StorageError naming it. SIGTERM/SIGINT: ``STOPPING=1``, stop accepting, let in-flight
-lookups finish (``drain_seconds`` at most), close the store, remove the ready
-file, exit 0. A ready file left by a daemon that did not stop (SIGKILL) is
+lookups finish, close the store, remove the ready file, exit 0: all of it within
+``drain_seconds`` of the signal by construction (:mod:`.stopping`: every step
+bounded, what does not finish abandoned and logged, a watchdog ending the process
+at the deadline). A ready file left by a daemon that did not stop (SIGKILL) is
 checked against its pid at the next start (:mod:`.readyfile`).
 """
 
@@ -48,11 +50,13 @@ from .config import DaemonConfig
 from .fill_progress import logged_fill
 from .preflight import preflight
 from .stats import DaemonStats, combined_snapshot
+from .stopping import StopClock
 
 log = logging.getLogger(__name__)
 _UNREAD = object()
 
-STOP_RESERVE_SECONDS = 0.5  # of drain_seconds, kept for closing the store after the listeners
+STOP_RESERVE_SECONDS = 0.5  # of drain_seconds (a quarter at most), kept for the pool, metrics and store after the listeners
+SD_NOTIFY_SECONDS = 0.2  # longest wait to hand a notification to systemd
 
 StoreOpener = Callable[[DaemonConfig], RowStore]
 
@@ -101,6 +105,7 @@ def sd_notify(state: str, environ: dict[str, str] | None = None) -> bool:
         address = "\0" + address[1:]
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.settimeout(SD_NOTIFY_SECONDS)  # a service manager that reads nothing must not hold the daemon
             s.connect(address)
             s.sendall(state.encode())
         return True
@@ -121,6 +126,7 @@ class Daemon:
         self._token_map: Any = _UNREAD  # the manifest's token-map entry, read on first Info
         self.spec: dict[str, Any] = {}
         self.pool = ThreadPoolExecutor(config.worker_count, thread_name_prefix="engram-lookup")
+        self.clock = StopClock(config.drain_seconds)  # started by SIGTERM/SIGINT: the stop's one deadline
         self.unix = None
         self.grpc = None
         self.metrics = None
@@ -174,18 +180,29 @@ class Daemon:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
+
+        def on_signal() -> None:
+            self.clock.start()  # from here the process has drain_seconds, whatever it is doing
+            stop.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         readyfile.clear_stale(self.config.ready_file)  # refuses one naming another live daemon
         checked = await loop.run_in_executor(None, preflight, self.config)  # nothing to shut down yet if it fails
         self.warmup = checked.warmup
         raise_fd_limit()
         try:
             self._start_http()
-            await loop.run_in_executor(None, self._open)
+            opening = loop.run_in_executor(None, self._open)
+            stopping = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([opening, stopping], return_when=asyncio.FIRST_COMPLETED)
             if stop.is_set():
+                if not opening.done():  # a resident fill can take minutes: not ours to wait for
+                    self.clock.abandon("the table load in progress")
                 log.info("stop requested while loading; exiting")
                 return 0
+            stopping.cancel()
+            await opening  # raises what the load raised
             await self._listen()
             self._announce()
             await stop.wait()
@@ -263,36 +280,49 @@ class Daemon:
             log.error("config key 'save_profile': cannot write %s: %s", path, exc)
 
     async def _shutdown(self) -> None:
+        """Each step bounded by what is left of drain_seconds since the signal (:class:`StopClock`);
+        what does not finish in time is abandoned, logged, and the process ends at once."""
         readyfile.remove(self.config.ready_file)  # first: from here on the daemon accepts nobody new
+        clock = self.clock
+        clock.start(watchdog=False)  # no signal (an error while starting): bounded steps, no watchdog
         loop = asyncio.get_running_loop()
-        drain = self.config.drain_seconds
-        # Listeners get drain_seconds less half a second: closing the pool and the store and the
-        # interpreter's exit come after them, and the whole stop must end within drain_seconds + 1.
-        listen = max(0.0, drain - STOP_RESERVE_SECONDS)
+        t0 = time.monotonic()
+        after = min(STOP_RESERVE_SECONDS, clock.drain_seconds / 4)  # kept for the pool, metrics and store
+        listen = clock.left(after + clock.margin())  # the listeners' own drain, then a little to wrap up
         waits = []
         if self.unix is not None:
             waits.append(loop.run_in_executor(None, self.unix.stop, listen))
         if self.grpc is not None:
             waits.append(self.grpc.stop(listen))
-        t0 = time.monotonic()
-        done = await asyncio.gather(*waits, return_exceptions=True)
-        busy = done[0] if self.unix is not None and isinstance(done[0], int) else 0
+        done = await clock.wait("the listeners' drain", waits, reserve=after / 2) if waits else []
+        busy = done[0] if self.unix is not None and done and isinstance(done[0], int) else 0
+        busy += len(waits) - len(done)  # a listener still draining may still read the store
         for result in done:
             if isinstance(result, BaseException):
                 log.error("listener shutdown failed: %s", result)
         t1 = time.monotonic()
-        await loop.run_in_executor(None, self.pool.shutdown, True)
-        t2 = time.monotonic()
+        self.pool.shutdown(wait=False, cancel_futures=True)  # queued lookups have nobody to answer any more
+        steps = [loop.run_in_executor(None, self.pool.shutdown, True)]
         if self.metrics is not None:
-            self.metrics.stop()
-        if busy:  # a lookup may still read the store: leave it to process exit
-            log.warning("%d Unix clients still busy after %.0fs; exiting without closing the store", busy, drain)
+            steps.append(loop.run_in_executor(None, self.metrics.stop))
+        finished = await clock.wait("the lookups in flight and the metrics server", steps, reserve=after / 4)
+        t2 = time.monotonic()
+        if busy or len(finished) < len(steps):  # a lookup may still read the store: leave it to the exit
+            log.warning("%d Unix clients or lookups still busy after %.2fs; exiting without closing the store",
+                        max(busy, 1), t2 - (clock.started_at or t0))
         elif self.store is not None:
-            self._save_profile()
-            self.store.close()
-            self.store = None
-        log.info("stopped (listeners %.2fs, lookup pool %.2fs, metrics and store %.2fs)", t1 - t0, t2 - t1,
-                 time.monotonic() - t2)
+            closed = await clock.wait("closing the store", loop.run_in_executor(None, self._close_store))
+            if closed and isinstance(closed[0], BaseException):
+                log.error("closing the store failed: %s", closed[0])
+        log.info("stopped (listeners %.2fs, lookup pool and metrics %.2fs, store %.2fs; %.2fs since the signal)",
+                 t1 - t0, t2 - t1, time.monotonic() - t2, time.monotonic() - (clock.started_at or t0))
+        if clock.abandoned and clock.watched:  # the interpreter's exit would wait for what was abandoned
+            clock.exit(0)
+
+    def _close_store(self) -> None:
+        self._save_profile()
+        self.store.close()
+        self.store = None
 
 
 def run(config: DaemonConfig, store_opener: StoreOpener | None = None) -> int:
