@@ -137,7 +137,7 @@ class DaemonConfig:
     metrics: str = "127.0.0.1:9464"  # Prometheus HTTP address; "" disables it
     metrics_allow_remote: bool = False  # must be true to serve metrics on a non-loopback address
     ready_file: str = ""  # JSON written once every listener is open
-    drain_seconds: float = 30.0  # SIGTERM: longest wait for in-flight requests
+    drain_seconds: float = 30.0  # SIGTERM: in-flight requests drained, the process gone within this
     log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
 
     def __post_init__(self) -> None:
