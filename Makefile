@@ -34,7 +34,7 @@ SGLANG_STAMP := $(SGLANG_VENV)/.installed
 NATIVE_STAMP := $(VENV)/.native-built
 NATIVE_SOURCES := $(wildcard engram_store/*/*.c engram_store/*/*.h) setup.py
 
-.PHONY: run test venv tables bench clean dist dist-test image image-test deploy-test
+.PHONY: run test venv tables bench clean dist dist-test image image-test deploy-test prometheus-check
 
 venv: $(STAMP)
 
@@ -143,3 +143,8 @@ image-test: image $(STAMP) $(NATIVE_STAMP)
 # The deploy files against the real tools (systemd-analyze, kubectl kustomize, kubernetes-validate); in `make test`.
 deploy-test: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_deploy.py
+
+# The Grafana dashboard and the alert rules against a real Prometheus (Debian's prometheus package: promtool and
+# the server; .ci/run installs it when missing). `make test` skips these tests without it; here its absence fails.
+prometheus-check: $(STAMP) $(NATIVE_STAMP)
+	ENGRAM_STORE_REQUIRE_PROMETHEUS=1 $(BIN)/python -m pytest -q tests/test_prometheus.py
