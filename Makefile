@@ -110,7 +110,7 @@ dist: $(DIST_STAMP)
 	ls -l dist
 
 dist-test: dist $(STAMP)
-	ENGRAM_STORE_TEST_WHEEL="$$(ls dist/*.whl)" $(BIN)/python -m pytest -q tests/test_dist.py
+	ENGRAM_STORE_TEST_WHEEL="$$(ls $(CURDIR)/dist/*.whl)" $(BIN)/python -m pytest -q tests/test_dist.py
 
 # --- container image -----------------------------------------------------------------------------------------
 # BASE / BUILD_BASE: Debian 12 images for the Dockerfile's two stages. Empty (the default): made here from Debian

@@ -98,7 +98,7 @@ def test_paths_agree_across_config_unit_tmpfiles_and_readme():
     tmpfiles = (DEPLOY / "systemd" / "tmpfiles.d" / "engram-store.conf").read_text()
     made = {line.split()[1] for line in tmpfiles.splitlines() if line.startswith("d ")}
     assert {os.path.dirname(cfg.socket), "/var/lib/engram-store", "/etc/engram-store"} <= made
-    assert set(_unit_value("ReadWritePaths")[0].split()) == {os.path.dirname(cfg.socket), "/var/lib/engram-store"}
+    assert set(_unit_value("ReadWritePaths")[0].split()) == {"-" + os.path.dirname(cfg.socket), "-/var/lib/engram-store"}
     readme = (REPO / "README.md").read_text()
     for path in (cfg.tables, cfg.socket, "/etc/engram-store/engram-store.toml", "/opt/engram-store/bin/engram-store"):
         assert path in readme, path
@@ -275,3 +275,19 @@ def test_engine_example_mounts_the_socket_with_the_daemons_group():
     mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["ENGRAM_STORE_ADDR"] == f"unix://{mount['mountPath']}/{os.path.basename(cfg.socket)}"
+
+
+# --- make -------------------------------------------------------------------------------------------
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_keeps_a_given_torch(tmp_path):
+    """`make TORCH_REQ= ...` (GPU hosts): the venv sees the system's torch and nothing installs another."""
+    def plan(*args: str) -> str:
+        result = subprocess.run(["make", "-n", "-B", f"VENV={tmp_path / 'v'}", *args, "venv"], cwd=REPO,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    kept, pinned = plan("TORCH_REQ="), plan()
+    assert "--system-site-packages" in kept and "import torch" in kept
+    assert not re.search(r"pip install[^\n]*torch", kept), kept
+    assert "--system-site-packages" not in pinned and re.search(r'pip install[^\n]*"torch==', pinned), pinned

@@ -27,7 +27,7 @@ from daemon_helpers import START_TIMEOUT
 from engram_store.format.tableset import TableSet
 from engram_store.version import __version__
 
-WHEEL = os.environ.get("ENGRAM_STORE_TEST_WHEEL", "")
+WHEEL = os.path.abspath(os.environ["ENGRAM_STORE_TEST_WHEEL"]) if os.environ.get("ENGRAM_STORE_TEST_WHEEL") else ""
 pytestmark = pytest.mark.skipif(not WHEEL, reason="no wheel to test: `make dist-test` builds one and runs this")
 
 NATIVE = ("engram_store.native._pread", "engram_store.native._uring", "engram_store.native._gather",
