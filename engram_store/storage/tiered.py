@@ -49,14 +49,13 @@ from ..format.checksums import implementation as checksum_implementation
 from ..format.manifest import Manifest
 from ..native.gather import Gatherer
 from ..native.readers import DEFAULT_QUEUE_DEPTH, open_reader
-from ..wire.frames import ReadPlan
 from .gds import make_bulk_reader
 from .integrity import PageHealth
 from .layer_file import LayerFile, open_layer
 from .nvme import DEFAULT_CHUNK_PAGES, DEFAULT_MAX_COALESCE_PAGES, NvmeTier
 from .opening import MAX_QUEUE_DEPTH, check_open_args  # noqa: F401  (MAX_QUEUE_DEPTH: config checks it)
 from .placement import CACHED, RESIDENT, cache_slots, format_placement, plan_store, slot_bytes
-from .plan import Admitter, PlanCounters
+from .plan import Admitter, PlanCounters, PlanLookups
 from .profile import DEFAULT_CAPACITY, AccessSampler, merge_hottest, open_profile, read_profile, write_profile
 from .resident import ResidentArena
 from .row_cache import LAYER_SHIFT, ROW_MASK, RowCache
@@ -70,7 +69,7 @@ def _disk_paths(files: dict[int, LayerFile]) -> dict[int, str | list[str]]:
     return {k: [part.path for part in lf.stripes] if lf.stripes else lf.path for k, lf in files.items()}
 
 
-class TieredStore:
+class TieredStore(PlanLookups):
     """A table set served from a DRAM tier in front of an NVMe tier. Implements ``RowStore``."""
 
     def __init__(self, directory: Path, manifest: Manifest, files: dict[int, LayerFile], nvme: NvmeTier,
@@ -274,79 +273,6 @@ class TieredStore:
         self._counters.add(st)
         return st
 
-    # --- plan lookups (the client reads the misses itself) -------------------
-    def plan_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray, *,
-                  max_plan_bytes: int) -> ReadPlan | None:
-        """Copy the rows this store holds in DRAM into ``out`` and return the read plan of the
-        others, unread (``out`` at their positions is left as it was); None when every row is
-        in ``out``: a resident layer, all rows cached, a layer without page checksums, a
-        striped layer (a plan names one file; the store reads the stripes itself), or a
-        plan that would exceed ``max_plan_bytes`` (then the misses are read here as by
-        :meth:`lookup_into`). Rows of pages known corrupt are refused with CorruptRows, as by
-        :meth:`lookup_into`. The planned rows are queued for background admission into the
-        cache (bounded; dropped when the queue is full). Same argument checks as
-        :meth:`lookup_into`."""
-        t0 = time.perf_counter()
-        self._enter()
-        try:
-            return self._plan_into(layer, row_ids, out, max_plan_bytes, t0)
-        finally:
-            self._exit()
-
-    def _plan_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray, max_plan_bytes: int,
-                   t0: float) -> ReadPlan | None:
-        lf = self._layer(layer)
-        flat, out2 = self._check_request(lf, row_ids, out)
-        n = len(flat)
-        if lf.layer in self._resident or lf.file is None or lf.crcs is None or lf.stripes or self._cache is None or not n:
-            self._lookup_into(layer, row_ids, out, t0)
-            self._plan_counters.add(requests=1, rows=n, rows_served=n)
-            return None
-        requests.check_bounds(lf.layer, flat, lf.layout.rows)
-        if self._health.has_bad(lf.layer) and self._health.bad_rows(lf.layer, flat).any():
-            # rows of pages marked bad: read and checked here as by lookup_into, which refuses them
-            # or finds them good again (cleared), so a plan and a plain lookup always agree
-            self._lookup_into(layer, row_ids, out, t0)
-            self._plan_counters.add(requests=1, rows=n, rows_served=n)
-            return None
-        path, dev, ino = self._file_id(lf)
-        cache = self._cache
-        token, found = cache.begin(lf.layer, flat)
-        try:
-            hit = found > 0
-            miss = np.flatnonzero(~hit)
-            rpp = lf.layout.rows_per_page
-            distinct, inverse = np.unique(flat[miss], return_inverse=True)
-            pages, page_of_distinct = np.unique(distinct // rpp, return_inverse=True)
-            if ReadPlan.nbytes(len(path.encode()), len(pages), len(miss)) > max_plan_bytes:
-                plan = None
-            else:
-                plan = ReadPlan(path, lf.file.size, dev, ino, self.row_bytes, pages, lf.crcs[pages], miss,
-                                page_of_distinct[inverse], flat[miss] % rpp)
-                if len(miss) < n:
-                    at = np.flatnonzero(hit)
-                    out2[at] = cache.slots[found[at] - 1]
-        finally:
-            cache.end(token)  # slots read above may be reused from here on
-        if plan is None:  # too large to send: served here like any lookup
-            self._lookup_into(layer, row_ids, out, t0)
-            self._plan_counters.add(requests=1, rows=n, rows_served=n)
-            return None
-        self._sampler.record(lf.layer, flat)
-        self._plan_counters.add(requests=1, rows=n, rows_dram=n - len(miss), rows_planned=len(miss),
-                                pages_planned=len(pages))
-        if len(miss):
-            self._admitter.offer(lf.layer, distinct)
-        return plan if len(miss) else None
-
-    def _file_id(self, lf: LayerFile) -> tuple[str, int, int]:
-        """(absolute path, st_dev, st_ino) of the file the NVMe tier reads for ``lf``."""
-        got = self._file_ids.get(lf.layer)
-        if got is None:
-            st = os.fstat(lf.file.fd)
-            got = self._file_ids[lf.layer] = (os.path.abspath(lf.path), st.st_dev, st.st_ino)
-        return got
-
     def layer_files(self) -> dict[int, dict]:
         """What a same-host client needs to read a servable layer's pages itself, checked: per layer
         ``{"crc_file", "crc32", "rows_per_page", "pages", "files": [[path, st_dev, st_ino, size], ...]}``
@@ -368,30 +294,6 @@ class TieredStore:
                     "rows_per_page": lf.layout.rows_per_page, "pages": lf.layout.pages, "files": files}
             out[layer] = got
         return out
-
-    def _admit_planned(self, layer: int, rows: np.ndarray) -> None:
-        """The background admission of planned rows (the :class:`.plan.Admitter`'s thread):
-        those not cached meanwhile are read from NVMe, checked, and offered to the cache."""
-        try:
-            self._enter()
-        except StorageError:
-            return  # closing
-        try:
-            cache = self._cache
-            li = cache.layer_index[layer]
-            with cache.lock:
-                rows = rows[cache.maps[li][rows] == 0]
-            if not len(rows):
-                return
-            rows, data, nbytes = self._read_verified(layer, rows, "a background admission")
-            admitted = cache.admit(layer, rows, data) if len(rows) else 0
-            self._plan_counters.add(admitted_rows=admitted, admit_bytes_read=nbytes)
-        finally:
-            self._exit()
-
-    def plan_admission_idle(self) -> bool:
-        """No planned rows wait for background admission (for tests and drains)."""
-        return self._admitter.idle()
 
     # --- for callers that gather from the arena themselves -----------------
     def resident_views(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
