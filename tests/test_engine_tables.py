@@ -72,10 +72,17 @@ def test_model_check_names_the_field_and_both_values(resident, tables):
         t.check_model(**(good | {"head_sizes": sizes}))
 
 
-def test_cached_daemon_and_grpc_are_refused_with_the_reason(tables, tmp_path):
+def test_cached_daemon_is_served_through_fetch_jobs_and_grpc_is_refused(tables, tmp_path):
     with DaemonProcess(tables.directory, tmp_path, dram_bytes="256KiB") as d:
-        with pytest.raises(errors.StorageError, match="cached.*resident arena"):
-            EngramStoreTables.connect(d.unix)
+        t = EngramStoreTables.connect(d.unix)
+        assert t.view is None and t.placement == {1: "cached", 3: "cached"} and not t.is_resident(3)
+        with pytest.raises(errors.StorageError, match="layer 3 is cached"):
+            t.views(3)
+        ids = np.random.default_rng(4).integers(-1, tables.rows(3), 500)  # -1: padding, zero rows
+        weight, scales = t.staged(3, ids)
+        want = np.where((ids >= 0)[:, None], tables.read_rows(3, np.clip(ids, 0, None)), 0)
+        np.testing.assert_array_equal(np.concatenate([weight.view(torch.uint8).numpy(), scales.numpy()], 1), want)
+        t.check_fetches()
         with pytest.raises(errors.ConfigError, match="Unix socket"):
             EngramStoreTables.connect(d.grpc)
     with pytest.raises(errors.Unavailable):

@@ -8,6 +8,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+import torch
 from daemon_helpers import DaemonProcess, expected
 from daemon_helpers import make_tables as make_daemon_tables
 
@@ -102,8 +103,14 @@ def test_a_mixed_daemon_serves_both_layers_and_says_where_each_is(tables, tmp_pa
         text = urllib.request.urlopen(f"http://{daemon.ready['metrics']}/metrics", timeout=10).read().decode()
         assert re.search(rf'^engram_store_layer_resident{{layer="{FIRST}"}} 1\.0$', text, re.M)
         assert re.search(rf'^engram_store_layer_resident{{layer="{LAST}"}} 0\.0$', text, re.M)
-        with pytest.raises(errors.StorageError, match=rf"layer\(s\) \[{LAST}\] cached .*{LAST} = \"resident\""):
-            EngramStoreTables.connect(daemon.unix)
+        engine = EngramStoreTables.connect(daemon.unix)  # engines read the resident layer in place, fetch the other
+        assert engine.placement == {FIRST: "resident", LAST: "cached"}
+        ids = rng.integers(0, TINY.rows(LAST), size=300)
+        weight, scales = engine.staged(LAST, ids)
+        np.testing.assert_array_equal(np.concatenate([weight.view(torch.uint8).numpy(), scales.numpy()], 1),
+                                      expected(tables, LAST, ids))
+        with pytest.raises(errors.StorageError, match=f"layer {LAST} is cached"):
+            engine.views(LAST)
 
 
 def test_a_placement_that_cannot_fit_is_a_config_error_before_any_table_is_read(tables, tmp_path):

@@ -41,6 +41,23 @@ def daemon(tables, tmp_path_factory):
         d.stop()
 
 
+def mixed_daemon(tables, workdir) -> DaemonProcess:
+    """Layer 1 resident, layer 14 cached behind a cache of ~7k of its ~77k rows (steps read NVMe)."""
+    from engram_store.storage.resident import resident_layout
+
+    dram = resident_layout([(1, SPEC.rows(1))], SPEC.row_format).size + (2 << 20)
+    return DaemonProcess(tables, workdir, dram_bytes=str(dram), extra=["--placement", "1=resident,14=cached"])
+
+
+@pytest.fixture(scope="module")
+def mixed(tables, tmp_path_factory):
+    d = mixed_daemon(tables, tmp_path_factory.mktemp("vllm-mixed"))
+    try:
+        yield d.start()
+    finally:
+        d.stop()
+
+
 def scenario(name: str, *args: str, address: str, wait: bool = True):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ENGRAM_STORE_", "VLLM_"))}
     env |= {"ENGRAM_STORE_ADDR": address, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
@@ -115,5 +132,59 @@ def test_engine_views_survive_a_daemon_restart(tables, tmp_path):
             if engine.poll() is None:
                 engine.kill()
         assert "OK views correct after" in scenario("hold", other, address=d.unix)
+    finally:
+        d.stop()
+
+
+def test_cached_layer_is_fetched_a_layer_ahead_through_vllms_lookup(mixed, tables):
+    from engram_store.client.client import EngramClient
+
+    out = scenario("cached", tables, address=mixed.unix)
+    assert out.count("layer 14 through its fetch job") == 3, out  # TP=1, TP=2 ranks 0 and 1
+    with EngramClient.connect(mixed.unix) as client:
+        stats = client.stats()
+    assert sum(v for k, v in stats.items() if "rows_nvme" in k or "nvme_rows" in k) > 0, stats
+
+
+def test_cached_layer_steps_stay_exact_through_a_daemon_outage(tables, tmp_path):
+    d = mixed_daemon(tables, tmp_path)
+    try:
+        d.start()
+        engine = scenario("cached-outage", tables, str(d.pid), address=d.unix, wait=False)
+        try:
+            lines = []
+            for expect, act in (("KILL", d.kill), ("RESTART", d.start)):
+                line = engine.stdout.readline()
+                while line and not line.startswith(expect):
+                    lines.append(line)
+                    line = engine.stdout.readline()
+                assert line, "".join(lines) + engine.communicate(timeout=60)[0][-4000:]
+                act()
+                engine.stdin.write("go\n")
+                engine.stdin.flush()
+            rest, _ = engine.communicate(timeout=SCENARIO_TIMEOUT)
+            out = "".join(lines) + rest
+            assert engine.returncode == 0, out[-4000:]
+        finally:
+            if engine.poll() is None:
+                engine.kill()
+        for what in ("with the daemon stopped", "with the daemon killed", "back on the restarted daemon"):
+            assert f"5 steps exact {what}" in out, out
+    finally:
+        d.stop()
+
+
+def test_cached_layer_page_failing_its_checksum_raises_naming_it(tmp_path):
+    from storage_helpers import flip
+
+    directory = tmp_path / "tables"
+    write_synthetic(directory, SPEC, seed=9)
+    page = 1234
+    d = mixed_daemon(directory, tmp_path)
+    try:
+        d.start()
+        flip(directory, 14, page)  # after the start: neither the daemon nor its cache has read it
+        out = scenario("cached-corrupt", directory, str(page), address=d.unix)
+        assert "CorruptRows from vLLM's lookup" in out and "the next step is served" in out
     finally:
         d.stop()

@@ -1,10 +1,14 @@
-"""The daemon's tables as an engine wants them: CPU tensors over the shared arena.
+"""The daemon's tables as an engine wants them: CPU tensors over the shared arena (resident layers)
+and fetch jobs (cached layers).
 
 ::
 
     tables = EngramStoreTables.connect("unix:///run/engram-store/engram-store.sock")
-    weight, scales = tables.views(14, row_start, row_end)   # float8_e4m3fn [n, 256], uint8 [n, 8]
+    weight, scales = tables.views(1, row_start, row_end)    # a resident layer: float8_e4m3fn [n, 256], uint8 [n, 8]
+    job = tables.fetch_job(14, max_rows)                    # a cached layer: rows fetched per step (client/fetch.py)
+    weight, scales = tables.staged(14, ids)                 # one step's rows of a cached layer, run here
     tables.register_cuda()                                  # once per process, on GPU hosts
+    tables.check_fetches()                                  # at each host-visible point of a step: raises failures
 
 The resident arena is in the engines' layout (``engram_store.format.arena_layout``):
 per layer a block of payloads and a block of scales, so any TP rank's row range
@@ -12,11 +16,20 @@ of either is one contiguous slice, the two tensors vLLM's and SGLang's kernels
 read. The views are zero-copy and read-only (the arena memfd is sealed against
 writes: a write through them faults).
 
+A cached layer's rows are not all in DRAM. Its rows of each step are fetched by a
+:class:`~engram_store.client.fetch.FetchJob` (native code a CUDA host function runs,
+inside the engines' CUDA graphs) into a staging buffer in the same split layout, which
+the engines' kernels read with positional ids (row ``i`` of the staging is ``ids[i]``).
+A daemon whose *first* Engram layer is cached is served too, with one warning giving
+the fetch time measured over the first steps (that layer has about one layer of compute
+ahead of it to hide the fetch).
+
 The mapping is taken once per process and per address (:meth:`shared`) and
 never moves: CUDA graphs captured over it stay valid. The connection that
 delivered the arena is closed right away, so a daemon restart does not touch
 a running engine: its memfd and mapping stay valid, with the rows they had;
-an engine started after the restart maps the daemon's new arena.
+an engine started after the restart maps the daemon's new arena. Fetch jobs
+outlive a daemon restart too (they read the table files themselves meanwhile).
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Sequence
 
+from ..client.fetch import FetchJob
 from ..errors import ConfigError, ModelMismatch, StorageError, UnknownLayer
 from ..format.arena_layout import ArenaView
 from ..spec import ModelSpec
@@ -37,29 +51,34 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HELLO_REGION_BYTES = 1 << 16  # the smallest shared region a daemon hands out: this client sends no lookups
+FIRST_LAYER_STEPS = 64  # steps of a cached first layer measured before its one warning
+STAGED_MIN_ROWS = 4096  # staged(): the smallest job made (grown when a call asks for more)
 
 
 class EngramStoreTables:
     """A daemon's resident arena mapped read-only into this process, with its spec."""
 
-    def __init__(self, address: str, view: ArenaView, info: dict[str, Any]) -> None:
+    def __init__(self, address: str, view: ArenaView | None, info: dict[str, Any]) -> None:
         self.address = address
-        self.view = view
+        self.view = view  # None when every layer is cached
         self.info = info
         self.spec = ModelSpec.from_dict(info["spec"])
+        self.placement = _placement(info)
         self.huge_pages = str((info.get("arena") or {}).get("huge_pages", "none"))
         self._whole: "torch.Tensor | None" = None
         self._registered: bool | None = None
         self._lock = threading.RLock()
+        self._jobs: list[FetchJob] = []  # every fetch job made here, for check_fetches
+        self._staged: dict[int, FetchJob] = {}  # staged()'s job per layer
+        self._first_warned = False
 
     # --- opening ------------------------------------------------------------------
     @classmethod
     def connect(cls, address: str, *, connect_timeout: float = 10.0) -> "EngramStoreTables":
-        """Map the arena of the daemon at ``address`` (``unix:///path/to.sock``). Raises
-        ``Unavailable`` when no daemon answers there and ``StorageError`` when it serves
-        any layer cached (its rows are then not all in DRAM and cannot be read in place:
-        ``placement`` names such layers) or when any
-        page of its arena failed its checksum (those rows are zeros there: never embeddings)."""
+        """Map the arena of the daemon at ``address`` (``unix:///path/to.sock``) when it holds any
+        layer resident. Raises ``Unavailable`` when no daemon answers there and ``StorageError``
+        when a page of a resident layer failed its checksum (those rows are zeros in the arena:
+        never embeddings) or when a layer is unavailable."""
         if not address.startswith("unix://"):
             raise ConfigError(f"engine tables need the daemon's Unix socket (unix:///path/to.sock), got {address!r}: "
                               "the arena is shared memory of this host, gRPC cannot pass it")
@@ -68,22 +87,15 @@ class EngramStoreTables:
         transport = UnixTransport(address[len("unix://"):], HELLO_REGION_BYTES, connect_timeout)
         try:
             info = dict(transport.info_cached)
-            cached = sorted(int(layer) for layer, where in (info.get("placement") or {}).items() if where != "resident")
-            if info.get("mode") == "mixed" and cached:
-                resident = sorted(int(layer) for layer, where in info["placement"].items() if where == "resident")
-                asked = ", ".join(f'{layer} = "resident"' for layer in cached)
-                raise StorageError(
-                    f"the daemon at {address} serves Engram layer(s) {cached} cached (placement; resident: "
-                    f"{resident}): engine kernels read every Engram layer in place from the resident arena, so an "
-                    "engine cannot use a daemon that holds any layer only in a cache; give those layers DRAM "
-                    f"(placement = {{{asked}}} with enough "
-                    "dram_bytes: engram-store info DIR gives each layer's size) or serve them from another daemon")
-            if info.get("mode") != "resident" or transport.arena is None:
-                raise StorageError(
-                    f"the daemon at {address} serves its tables in {info.get('mode')!r} mode: engine kernels read "
-                    "rows in place from a resident arena (every row in DRAM); give the daemon dram_bytes of at "
-                    "least the table set's size (engram-store info DIR) or store_mode = \"resident\"")
-            bad = {layer: ranges for layer, ranges in (info.get("bad_pages") or {}).items() if ranges}
+            placement = _placement(info)
+            resident = sorted(layer for layer, where in placement.items() if where == "resident")
+            unavailable = info.get("layers_unavailable") or {}
+            if unavailable:
+                why = "; ".join(f"layer {layer}: {reason}" for layer, reason in sorted(unavailable.items()))
+                raise StorageError(f"the daemon at {address} cannot serve every Engram layer ({why}); an engine needs "
+                                   "all of them: repair the table set and restart the daemon")
+            bad = {layer: ranges for layer, ranges in (info.get("bad_pages") or {}).items()
+                   if ranges and int(layer) in resident}
             if bad:
                 where = "; ".join(f"layer {layer} pages " + ", ".join(f"[{a}, {b})" for a, b in ranges)
                                   for layer, ranges in sorted(bad.items()))
@@ -92,11 +104,19 @@ class EngramStoreTables:
                     "rows are zeros in the arena, and an engine reading the arena in place would use them as "
                     "embeddings; repair the table set (engram-store verify DIR names the pages; re-import or "
                     "re-synth it) and restart the daemon")
+            if resident and transport.arena is None:
+                raise StorageError(f"the daemon at {address} holds layers {resident} resident but sent no arena")
             view, transport.arena = transport.arena, None  # ours now: closing the connection keeps the mapping
         finally:
             transport.close()
-        log.info("engram-store: mapped the arena of %s (%d bytes, huge pages: %s)", address, view.size,
-                 (info.get("arena") or {}).get("huge_pages", "none"))
+        cached = [layer for layer, where in placement.items() if where != "resident"]
+        if view is not None:
+            log.info("engram-store: mapped the arena of %s (%d bytes, huge pages: %s); resident layers %s%s", address,
+                     view.size, (info.get("arena") or {}).get("huge_pages", "none"), resident,
+                     f", cached layers {cached} fetched per step" if cached else "")
+        else:
+            log.info("engram-store: the daemon at %s holds every Engram layer cached (%s): rows fetched per step",
+                     address, cached)
         return cls(address, view, info)
 
     @classmethod
@@ -108,10 +128,18 @@ class EngramStoreTables:
     # --- facts ----------------------------------------------------------------------
     @property
     def layers(self) -> tuple[int, ...]:
-        return tuple(a.layer for a in self.view.layers)
+        return tuple(sorted(self.placement))
 
     def rows(self, layer: int) -> int:
-        return self.view.rows(layer)
+        try:
+            return int(self.info["rows"][str(layer)])
+        except KeyError:
+            raise UnknownLayer(f"layer {layer}: the daemon at {self.address} serves layers {self.layers}") from None
+
+    def is_resident(self, layer: int) -> bool:
+        """Whether ``layer`` is in the arena (read in place); otherwise its rows are fetched per step."""
+        self.rows(layer)
+        return self.placement[layer] == "resident"
 
     def head_sizes(self, layer: int) -> tuple[int, ...]:
         """Rows of each (order, head) table of ``layer``, in row order (the engines' head order)."""
@@ -129,11 +157,14 @@ class EngramStoreTables:
             return self._whole
 
     def views(self, layer: int, row_start: int = 0, row_end: int | None = None) -> "tuple[torch.Tensor, torch.Tensor]":
-        """Rows ``[row_start, row_end)`` of ``layer``: ``(weight float8_e4m3fn [n, dim],
+        """Rows ``[row_start, row_end)`` of resident ``layer``: ``(weight float8_e4m3fn [n, dim],
         scales uint8 [n, dim // scale_block])``, CPU tensors aliasing the arena (no copy).
         Never write through them: the mapping is read-only and a write faults."""
         import torch
 
+        if not self.is_resident(layer):
+            raise StorageError(f"layer {layer} is cached by the daemon at {self.address}: its rows are not all in "
+                               "DRAM and have no place in the arena; they are fetched per step (fetch_job, staged)")
         a = self.view.layout.layer(layer)
         end = a.rows if row_end is None else row_end
         if not 0 <= row_start <= end <= a.rows:
@@ -144,17 +175,97 @@ class EngramStoreTables:
         scales = whole[s0: s0 + n * a.scale_bytes].view(n, a.scale_bytes)
         return weight, scales
 
+    def owns(self, address: int) -> bool:
+        """Whether ``address`` lies in memory of the daemon's tables in this process: the mapped arena
+        or a fetch job's staging (engines must never write there, nor load checkpoint rows into it)."""
+        import numpy as np
+
+        spans = [] if self.view is None else [(self.view.array.ctypes.data, self.view.size)]
+        spans += [(np.frombuffer(job.staging, np.uint8).ctypes.data, len(job.staging)) for job in list(self._jobs)]
+        return any(base <= address < base + size for base, size in spans)
+
+    # --- cached layers ------------------------------------------------------------------
+    def fetch_job(self, layer: int, max_rows: int) -> FetchJob:
+        """A new fetch job for cached ``layer``, sized for ``max_rows`` rows a step (its own staging
+        and connection; see :mod:`engram_store.client.fetch`). Kept for :meth:`check_fetches`."""
+        if self.is_resident(layer):
+            raise StorageError(f"layer {layer} is resident: read it in place (views), no fetch job needed")
+        job = FetchJob(self.address, layer, max_rows)
+        with self._lock:
+            self._jobs.append(job)
+            if self._registered:
+                _register_staging(job)
+        if layer == min(self.layers) and not self._first_warned:
+            log.info("engram-store: Engram layer %d, the model's first, is cached: its rows are fetched with about one "
+                     "layer of compute ahead; the fetch time measured over the first %d steps is logged", layer,
+                     FIRST_LAYER_STEPS)
+        return job
+
+    def job_tensors(self, job: FetchJob) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor]":
+        """``(ids int64 [max_rows], weight float8_e4m3fn [max_rows, dim], scales uint8 [max_rows, sb])``:
+        CPU tensors over the job's staging (the engines' kernels read the last two with positional ids)."""
+        import torch
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            ids = torch.from_numpy(job.ids)
+            weight = torch.from_numpy(job.weight).view(torch.float8_e4m3fn)
+            scales = torch.from_numpy(job.scales)
+        return ids, weight, scales
+
+    def staged(self, layer: int, ids: Any) -> "tuple[torch.Tensor, torch.Tensor]":
+        """One step's rows of cached ``layer``, fetched here (synchronously): ``(weight float8_e4m3fn
+        [n, dim], scales uint8 [n, scale_bytes])``, row ``i`` = ``ids[i]`` (ids outside the layer:
+        zeros). CPU tensors over the layer's staging: valid until the next ``staged`` of that layer.
+        Raises ``CorruptRows`` when a page failed its checksum."""
+        import numpy as np
+
+        flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+        with self._lock:
+            job = self._staged.get(layer)
+            if job is None or job.max_rows < flat.size:
+                if job is not None:
+                    job.close()
+                    self._jobs.remove(job)
+                job = self._staged[layer] = self.fetch_job(layer, max(flat.size, STAGED_MIN_ROWS))
+            job.ids[: flat.size] = flat
+            job.run(flat.size)
+            job.raise_if_failed()
+            _, weight, scales = self.job_tensors(job)
+            return weight[: flat.size], scales[: flat.size]
+
+    def check_fetches(self) -> None:
+        """Raise the first failure of any fetch job of this process since the last check (a page
+        that failed its checksum: ``CorruptRows`` naming layer, rows and pages). Engines call it at
+        each host-visible point of a step. Logs the measured fetch time of a cached first layer once."""
+        for job in list(self._jobs):
+            job.raise_if_failed()
+        if not self._first_warned:
+            first = [job for job in self._jobs if job.layer == min(self.layers)]
+            if first and first[0].native.stats()["steps"] >= FIRST_LAYER_STEPS:
+                self._first_warned = True
+                stats = first[0].stats()
+                log.warning("engram-store: Engram layer %d is cached and is the model's first: its rows are fetched "
+                            "with about one layer of compute ahead, so each step may wait for them; over %d steps a "
+                            "fetch took %.2f ms on average, %.2f ms at most (%d of them read pages directly); give it "
+                            "DRAM (placement = {%d = \"resident\"}) to take that off every step", first[0].layer,
+                            stats["steps"], 1e3 * stats["total_seconds"] / max(1, stats["steps"]),
+                            1e3 * stats["max_seconds"], stats["direct_steps"], first[0].layer)
+
     def register_cuda(self) -> bool:
-        """Page-lock the whole arena for the GPU, read-only, once per process (idempotent), so
-        that UVA views of :meth:`views` are zero-copy. True when the views now report
-        ``is_pinned()``; False (logged) when the driver refused."""
+        """Page-lock the whole arena for the GPU, read-only, and every fetch job's staging (the jobs
+        write it), once per process (idempotent), so that UVA views of :meth:`views` and the staging
+        are zero-copy. True when they now report ``is_pinned()``; False (logged) when the driver refused."""
         from gpu_client.resident import register_host_memory
 
         with self._lock:
             if self._registered is None:
-                whole = self._whole_tensor()
-                ok = register_host_memory(whole.data_ptr(), whole.numel(), read_only=True) is not False
-                self._registered = ok and bool(whole.is_pinned())
+                ok = True
+                if self.view is not None:
+                    whole = self._whole_tensor()
+                    ok = register_host_memory(whole.data_ptr(), whole.numel(), read_only=True) is not False \
+                        and bool(whole.is_pinned())
+                self._registered = ok and all(_register_staging(job) for job in self._jobs)
             return self._registered
 
     # --- checks -----------------------------------------------------------------------
@@ -185,3 +296,22 @@ class EngramStoreTables:
 @functools.cache
 def _shared(address: str) -> EngramStoreTables:
     return EngramStoreTables.connect(address)
+
+
+def _placement(info: dict[str, Any]) -> dict[int, str]:
+    """``{layer: "resident" | "cached"}`` of a daemon's Info (an older daemon without placement: its mode)."""
+    placement = {int(layer): where for layer, where in (info.get("placement") or {}).items()}
+    if not placement:
+        where = "resident" if info.get("mode") == "resident" else "cached"
+        placement = {int(layer): where for layer in info.get("rows") or {}}
+    return placement
+
+
+def _register_staging(job: FetchJob) -> bool:
+    """Page-lock a fetch job's staging for the GPU (writable: the job writes rows there)."""
+    from gpu_client.resident import register_host_memory
+
+    import numpy as np
+
+    base = np.frombuffer(job.staging, dtype=np.uint8)
+    return register_host_memory(base.ctypes.data, base.nbytes) is not False

@@ -21,6 +21,10 @@ The patches (vLLM 0.33):
   read; the default safetensors iterator is forced to its lazy strategy, and
   loaders that read whole files (eager, prefetch, multi-thread,
   fastsafetensors, instanttensor) are refused, as they would read 189 GiB.
+* For a layer the daemon holds cached (its rows not all in DRAM): ``_allocate_weights`` gives
+  the layer a fetch job's staging, ``ParallelEngramEmbedding.lookup`` fetches each step's rows
+  into it before vLLM's own lookup reads them, and ``Engram._finish_prefetch`` and
+  ``GPUModelRunner.execute_model`` raise a fetch's failure (:mod:`.cached`).
 * Paths that write into parameters (``--load-format dummy``, weight reset,
   in-place reload) are refused for a model holding arena views: the mapping is
   read-only and a write would fault.
@@ -37,12 +41,14 @@ from typing import Any, Callable
 
 from ...errors import EngineUnsupported
 from ..tables import EngramStoreTables
+from . import cached
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_VERSIONS = ("0.33.",)  # vLLM releases whose Engram code these patches were written against
 ENGRAM = "vllm.models.deepseek_v41.common.engram"
 WEIGHT_UTILS = "vllm.model_executor.model_loader.weight_utils"
+MODEL_RUNNER = "vllm.v1.worker.gpu_model_runner"
 DEFAULT_LOADER = "vllm.model_executor.model_loader.default_loader"
 DUMMY_LOADER = "vllm.model_executor.model_loader.dummy_loader"
 WEIGHT_CHECKSUM = "vllm.model_executor.model_loader.weight_checksum"
@@ -112,6 +118,11 @@ def _targets() -> dict[str, tuple[Any, str, Callable[[Any], Any]]]:
         "dummy_weight": (weight_utils, "initialize_single_dummy_weight", _refuse_dummy),
         "zero_weights": (weight_checksum, "zero_weights", _refuse_zero),
         "reload_weights": (reload, "reload_weights", _refuse_reload),
+        # cached layers (cached.py): the fetch chain in vLLM's lookup, failures raised at host-visible points
+        "lookup": (embedding, "lookup", lambda original: cached.make_lookup(original, tables)),
+        "finish_prefetch": (engram_cls, "_finish_prefetch", lambda original: cached.make_finish_prefetch(original, tables)),
+        "execute_model": (_attr(_module(MODEL_RUNNER), "GPUModelRunner"), "execute_model",
+                          lambda original: cached.make_execute_model(original, tables)),
     }
     for name in ("multi_thread_safetensors_weights_iterator", "fastsafetensors_weights_iterator",
                  "instanttensor_weights_iterator"):
@@ -172,9 +183,7 @@ def _is_arena_tensor(t: Any) -> bool:
 
     if not _shared.cache_info().currsize:  # nothing mapped yet: nothing can alias it
         return False
-    view = tables().view
-    base = view.array.ctypes.data
-    return base <= t.data_ptr() < base + view.size
+    return tables().owns(t.data_ptr())
 
 
 def arena_parameters(model: Any) -> list[str]:
@@ -218,6 +227,10 @@ def _allocate_weights(original):
         if self.block_size != SCALE_BLOCK:
             raise EngineUnsupported(f"Engram scale block {self.block_size}: engram-store's tables use {SCALE_BLOCK}")
         t = tables()
+        if not t.is_resident(layer):  # rows fetched per step into a fetch job's staging (cached.py)
+            weight, scales = cached.allocate(self, t, layer)
+            self._weight_loader = _skip_engram_rows
+            return weight, scales
         weight, scales = t.views(layer, self.vocab_start_idx, self.vocab_end_idx)
         if weight.shape[0] != self.part_num_embeddings or weight.shape[1] != self.dim:
             raise EngineUnsupported(f"Engram layer {layer}: vLLM wants {self.part_num_embeddings} rows of {self.dim} "
