@@ -14,7 +14,6 @@ import shlex
 import subprocess
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
