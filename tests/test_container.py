@@ -64,7 +64,9 @@ def test_container_serves_a_lookup_through_the_mounted_socket(tmp_path):
     os.chown(run, UID, GID)  # what tmpfiles.d / the Kubernetes init container do
     name = f"engram-store-test-{os.getpid()}"
     proc = subprocess.Popen(
-        [*PODMAN, "run", "--rm", "--name", name, *LIMITS, "--network", "host",
+        # the DaemonSet's securityContext: read-only root, no capabilities, no privilege escalation
+        [*PODMAN, "run", "--rm", "--name", name, *LIMITS, "--network", "host", "--read-only", "--cap-drop", "ALL",
+         "--security-opt", "no-new-privileges",
          "-v", f"{tmp_path / 'tables'}:/var/lib/engram-store/tables:ro", "-v", f"{run}:/run/engram-store",
          "-e", "ENGRAM_STORE_DRAM_BYTES=256MiB", "-e", "ENGRAM_STORE_METRICS=127.0.0.1:0",
          "-e", "ENGRAM_STORE_READY_FILE=/run/engram-store/ready.json", "-e", "ENGRAM_STORE_HUGE_PAGES=false",
