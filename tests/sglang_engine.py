@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
@@ -44,6 +45,7 @@ def load_plugin() -> set:
     """Import what the plugin hooks, then run SGLang's own plugin loader; returns what changed."""
     import sglang.srt.layers.engram  # noqa: F401
     import sglang.srt.layers.engram_staging  # noqa: F401
+    import sglang.srt.model_executor.model_runner  # noqa: F401
     import sglang.srt.model_loader.loader  # noqa: F401
     from sglang.srt.plugins import load_plugins
 
@@ -59,7 +61,19 @@ def shim():
     E = importlib.import_module(ENGRAM)
     torch.cuda.current_device = lambda: 0
     E._sorted_host_reads = lambda device: True
+    E.engram_gather = cpu_engram_gather
     return E
+
+
+def cpu_engram_gather(w_ptr, s_ptr, ids, out, dim, block, row_lo=0, row_hi=2**62, sort_ids=False):
+    """SGLang's engram_gather without its CUDA-ids assertion: its kernel, one program per row, under
+    Triton's interpreter (sort_ids only reorders the reads)."""
+    import sglang.kernels.ops.embeddings.engram_gather as G
+
+    if ids.numel():
+        G._engram_gather_kernel[(ids.numel(),)](w_ptr, s_ptr, ids, ids, out, row_lo, row_hi, DIM=dim, BLK=block,
+                                                E8M0_ZERO=G._E8M0_ZERO, HAS_DST=False)
+    return out
 
 
 def build(E, layout, index: int, tp_size: int = 1, tp_rank: int = 0):
@@ -119,7 +133,9 @@ def scenario_lookup(tables_dir: str) -> None:
     changed = load_plugin()
     engram_cls = f"{ENGRAM}.EngramEmbedding"
     expected = {(f"{ENGRAM}.EngramLayout", "from_config"), (engram_cls, "__init__"), (engram_cls, "_init_host_table"),
-                (engram_cls, "_load_rows")}
+                (engram_cls, "_load_rows"), (engram_cls, "forward"), (f"{ENGRAM}.EngramHasher", "forward"),
+                ("sglang.srt.layers.engram_staging.EngramRowStager", "from_model"),
+                ("sglang.srt.model_executor.model_runner.ModelRunner", "forward")}
     for name in ("safetensors_weights_iterator", "buffered_multi_thread_safetensors_weights_iterator",
                  "fastsafetensors_weights_iterator", "instanttensor_weights_iterator", "_prefetch_all_checkpoints",
                  "initialize_dummy_weights", "initialize_capture_safe_weights"):
@@ -334,19 +350,68 @@ def scenario_loader(tables_dir: str, ckpt_dir: str) -> None:
 
 
 def scenario_cached(tables_dir: str) -> None:
-    """A cached-mode daemon: the model build stops with the reason."""
-    from engram_store.errors import EngineUnsupported
+    """A mixed daemon (layer 1 resident, 14 cached behind a small cache): every layer's rows started
+    ahead by the hasher hook and taken at the layer by SGLang's EngramEmbedding.forward and Engram.forward,
+    TP=1 and both ranks of TP=2 (SGLang's shared layout: every rank gathers every head), 20 steps of new
+    ids; inline (ids not the ones hashed ahead) too; scheduler staging turned off."""
+    from sglang.srt.layers import engram_staging
+    from sglang.srt.runtime_context import get_parallel
+
     from engram_store.format.tableset import TableSet
+    from engram_store.integrations.sglang import hooks, prefetch
 
     load_plugin()
+    ts = TableSet.open(tables_dir)
+    spec = ts.spec
     E = shim()
-    try:
-        E.EngramLayout.from_config(model_config(TableSet.open(tables_dir).spec))
-    except EngineUnsupported as exc:
-        assert "cached" in str(exc) and "decode step" in str(exc), str(exc)
-        ok(f"cached daemon refused: {exc}")
-    else:
-        raise AssertionError("a cached daemon was accepted")
+    tables = hooks.tables()
+    assert tables.placement == {1: "resident", 14: "cached"}, tables.placement
+    layout = E.EngramLayout.from_config(model_config(spec))
+    dim = spec.row_format.dim
+    for tp_size in (1, 2):
+        for tp_rank in range(tp_size):
+            prefetch._embeddings.clear()
+            embeds = {1: build(E, layout, 0, tp_size, tp_rank)}
+            with get_parallel().override(tp_size=tp_size, tp_rank=tp_rank, tp_group=None):
+                default = torch.get_default_dtype()
+                torch.set_default_dtype(torch.bfloat16)
+                try:  # SGLang's Engram module of layer 14 (its embedding built through the plugin)
+                    engram = E.Engram(types.SimpleNamespace(hidden_size=64, hc_mult=2, rms_norm_eps=1e-6), 14, layout)
+                finally:
+                    torch.set_default_dtype(default)
+            torch.nn.init.normal_(engram.wkv.weight, std=0.02, generator=torch.Generator().manual_seed(tp_rank))
+            embeds[14] = engram.embed
+            cached = embeds[14]._engram_store_cached
+            assert cached is not None and embeds[1]._engram_store_cached is None
+            assert embeds[14].weight.data_ptr() == cached.job.weight.ctypes.data, "layer 14 is not the staging"
+            for step in range(20):
+                batch = token_ids(spec, seed=2000 + step, tokens=2 + (step * 7) % 8)  # the interpreter: a program a row
+                hash_ids = torch.from_numpy(np.stack([batch[layer] for layer in spec.layers], axis=1))
+                prefetch.after_hasher(hash_ids, None, None, None)  # what the hook does after SGLang's hasher
+                for index, layer in enumerate(spec.layers):
+                    indices = hash_ids[:, index]
+                    want = reference(ts.read_rows(layer, indices.numpy().reshape(-1)), spec).view(*indices.shape, dim)
+                    ahead = embeds[layer]._engram_store_ahead
+                    if layer == 14 and step % 4 == 0:  # through SGLang's Engram module: wkv and the gate
+                        x = torch.randn(indices.shape[0], 2, 64, dtype=torch.bfloat16)
+                        got = engram.forward(x, indices, None, input_ids=torch.zeros(indices.shape[0], dtype=torch.long))
+                        kv, _ = engram.wkv(want.flatten(-2))
+                        assert torch.equal(got, E.engram_gate(x, kv, engram.q_weight, engram.k_weight, engram.eps,
+                                                              engram.clamp_value)), "Engram.forward differs"
+                        continue
+                    got = embeds[layer](indices)
+                    assert ahead is not None and got is ahead[1], "the rows fetched ahead were not used"
+                    assert torch.equal(got, want), f"layer {layer} step {step} differs from dequantize"
+                    if step % 10 == 0:  # ids that were not hashed ahead: gathered inline, the same rows
+                        assert torch.equal(embeds[layer](indices.clone()), want)
+            stats = cached.job.stats()
+            assert stats["daemon_steps"] >= 20 and stats["direct_steps"] == 0, stats
+            ok(f"TP={tp_size} rank {tp_rank}: 20 steps, layer 1 gathered ahead from the arena, layer 14 through its "
+               f"fetch job ({stats['rows']} rows in {stats['steps']} runs), EngramEmbedding.forward and Engram.forward "
+               "equal TableSet.read_rows / dequantize, ahead and inline")
+    model = torch.nn.ModuleList(embeds.values())
+    assert engram_staging.EngramRowStager.from_model(model, None, torch.device("cpu")) is None
+    ok("scheduler staging is off with a cached layer")
 
 
 def scenario_resident(tables_dir: str, ckpt_dir: str) -> None:

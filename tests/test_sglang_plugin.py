@@ -82,7 +82,7 @@ def resident(daemon, tables, tmp_path_factory):
 
 
 def test_plugin_hooks_and_sglang_reads_the_arena(resident):
-    assert "HookRegistry hooked exactly 18 names" in resident
+    assert "HookRegistry hooked exactly 22 names" in resident
     assert resident.count("TableSet.read_rows") == 5  # TP=1, TP=2 rank 0 and 1, a row range, the stager
     assert "_load_rows of Engram tensors is a no-op" in resident
     assert "engram-store plugin ACTIVE" in resident  # the one unmistakable line
@@ -115,7 +115,15 @@ def test_a_changed_sglang_stops_the_process(daemon, tables, how, words):
     assert ("engram-store plugin ACTIVE" in out) == (how == "not-applied")
 
 
-def test_a_cached_daemon_is_refused_with_the_reason(tables, tmp_path):
-    with DaemonProcess(tables, tmp_path, dram_bytes="1MiB") as d:
+def test_cached_layer_is_fetched_a_layer_ahead_through_sglangs_forward(tables, tmp_path):
+    from engram_store.client.client import EngramClient
+    from engram_store.storage.resident import resident_layout
+
+    dram = resident_layout([(1, SPEC.rows(1))], SPEC.row_format).size + (2 << 20)  # a cache of ~7k of 77k rows
+    with DaemonProcess(tables, tmp_path, dram_bytes=str(dram), extra=["--placement", "1=resident,14=cached"]) as d:
         out = scenario("cached", tables, address=d.unix)
-    assert "cached daemon refused" in out
+        with EngramClient.connect(d.unix) as client:
+            stats = client.stats()
+    assert out.count("layer 14 through its fetch job") == 3, out  # TP=1, TP=2 ranks 0 and 1
+    assert "scheduler staging is off with a cached layer" in out
+    assert sum(v for k, v in stats.items() if "rows_nvme" in k or "nvme_rows" in k) > 0, stats

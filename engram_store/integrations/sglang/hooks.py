@@ -18,6 +18,10 @@ The hooks (SGLang 0.5.23):
   arena, shared layout, no memfd, no ``/proc/<pid>/fd``, nothing loaded
   (:mod:`.host_table`).
 * ``EngramEmbedding._load_rows`` (AROUND): a no-op for arena tables.
+* ``EngramHasher.forward`` (AFTER), ``EngramEmbedding.forward`` (AROUND): each Engram layer's
+  rows gathered a layer ahead on a side stream, a cached layer's fetched by its fetch job
+  (:mod:`.prefetch`); ``EngramRowStager.from_model`` (AROUND): no scheduler staging when a layer
+  is cached; ``ModelRunner.forward`` (AFTER): a fetch's failure raised after the step.
 * ``weight_utils.safetensors_weights_iterator`` and
   ``buffered_multi_thread_safetensors_weights_iterator`` (REPLACE): the same
   iteration, skipping the Engram tensors before they are read; fastsafetensors,
@@ -34,7 +38,7 @@ import pkgutil
 import threading
 from typing import Any, Callable
 
-from ...errors import EngineUnsupported, StorageError
+from ...errors import EngineUnsupported
 from ..tables import EngramStoreTables
 
 log = logging.getLogger(__name__)
@@ -42,6 +46,8 @@ log = logging.getLogger(__name__)
 SUPPORTED_VERSIONS = ("0.5.23",)  # SGLang releases whose Engram code these hooks were written against
 ENGRAM = "sglang.srt.layers.engram"
 WEIGHT_UTILS = "sglang.srt.model_loader.weight_utils"
+STAGING = "sglang.srt.layers.engram_staging"
+MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
 SCALE_BLOCK = 32  # values per E8M0 scale (SGLang's FP8_BLOCK_SIZE; engram-store's row format)
 
 # Names read (not hooked): the module attributes the replacements call, and for each
@@ -113,21 +119,12 @@ def sglang_version() -> str:
 
 
 def tables() -> EngramStoreTables:
-    """The daemon's arena in this process (mapped on first use, once). A daemon in
-    cached mode is refused: SGLang gathers Engram rows in place from the host table
-    in every decode step (a CUDA-graph-captured kernel), so every row has to be in
-    the mapped arena."""
+    """The daemon's tables in this process (the arena mapped on first use, once): resident layers
+    are SGLang's shared host tables in place, cached ones are fetched a layer ahead (:mod:`.prefetch`)."""
     address = _installed.get("address")
     if address is None:
         raise EngineUnsupported("the engram-store SGLang plugin is not installed in this process")
-    try:
-        return EngramStoreTables.shared(address)
-    except StorageError as exc:
-        raise EngineUnsupported(
-            f"SGLang cannot run over this daemon: {exc}. SGLang reads DeepSeek-V4.1 Engram rows in place from the "
-            "host table: every decode step (CUDA graphs included) gathers them there with a kernel, and its "
-            "scheduler staging (SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING) covers extend batches only, so no SGLang "
-            "mode runs on a daemon whose rows are not all in DRAM") from exc
+    return EngramStoreTables.shared(address)
 
 
 def check_applied() -> None:
@@ -149,7 +146,7 @@ def check_applied() -> None:
 def targets() -> dict[str, tuple[str, Callable, tuple[str, ...] | None]]:
     """target -> (HookType name, hook, parameter names of the original that the hook
     takes over, or None when it only wraps)."""
-    from . import checkpoint, host_table
+    from . import checkpoint, host_table, prefetch
 
     files = ("hf_weights_files",)
     return {
@@ -175,6 +172,13 @@ def targets() -> dict[str, tuple[str, Callable, tuple[str, ...] | None]]:
             "AROUND", checkpoint.refuse_write("--load-format dummy"), None),
         f"{WEIGHT_UTILS}.initialize_capture_safe_weights": (
             "AROUND", checkpoint.refuse_write("filling the weights for overlapped start-up"), None),
+        # every layer's rows a layer ahead, cached layers through fetch jobs (prefetch.py)
+        f"{ENGRAM}.EngramHasher.forward": ("AFTER", prefetch.after_hasher, None),
+        f"{ENGRAM}.EngramEmbedding.forward": ("AROUND", prefetch.forward,
+                                              ("self", "indices", "forward_batch", "cp_all_tokens")),
+        f"{STAGING}.EngramRowStager.from_model": ("AROUND", prefetch.stager_from_model,
+                                                  ("cls", "model", "hasher", "device")),
+        f"{MODEL_RUNNER}.ModelRunner.forward": ("AFTER", prefetch.after_step, None),
     }
 
 

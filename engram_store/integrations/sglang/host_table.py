@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import EngineUnsupported, ModelMismatch
-from . import hooks
+from . import hooks, prefetch
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +107,17 @@ def init_host_table(self, num_embeddings: int, dim: int, layer_id: int) -> None:
                             f"(scale block {block}), the engram-store daemon at {t.address} serves "
                             f"{t.rows(layer_id)} rows of {t.spec.row_format.dim} (scale block "
                             f"{t.spec.row_format.scale_block})")
-    weight, scales = t.views(layer_id)
+    cached = None
+    if t.is_resident(layer_id):
+        weight, scales = t.views(layer_id)
+    else:  # rows fetched per step into a fetch job's staging, read with positional ids (prefetch.py)
+        heads = len(t.head_sizes(layer_id))
+        job = t.fetch_job(layer_id, prefetch.PIECE_TOKENS * heads)
+        ids, weight, scales = t.job_tensors(job)
     scale = scales.view(torch.float8_e8m0fnu)
     if torch.cuda.is_available() and not t.register_cuda():
-        raise EngineUnsupported("cudaHostRegister refused the engram-store arena, so SGLang's kernels cannot read it; "
-                                "check the memlock limit (ulimit -l)")
+        raise EngineUnsupported("cudaHostRegister refused the engram-store arena or staging, so SGLang's kernels cannot "
+                                "read it; check the memlock limit (ulimit -l)")
     w_ptr = int(engram._registered_device_ptr(weight.data_ptr()))  # the host address on CUDA (UVA); HIP maps it
     s_ptr = int(engram._registered_device_ptr(scale.data_ptr()))
     self.host_table = ArenaHostTable(t.address, int(layer_id), int(num_embeddings), w_ptr, s_ptr,
@@ -119,9 +125,17 @@ def init_host_table(self, num_embeddings: int, dim: int, layer_id: int) -> None:
     self.weight = nn.Parameter(weight, requires_grad=False)
     self.scale = nn.Parameter(scale, requires_grad=False)
     self._host_table_ptrs = (w_ptr, s_ptr)
-    self._sort_host_reads = engram._sorted_host_reads(torch.cuda.current_device())
-    log.info("engram-store: Engram layer %d (%d rows) is the daemon's arena: weight %#x, scale %#x (zero copy)",
-             layer_id, num_embeddings, w_ptr, s_ptr)
+    if t.is_resident(layer_id):
+        self._sort_host_reads = engram._sorted_host_reads(torch.cuda.current_device())
+        log.info("engram-store: Engram layer %d (%d rows) is the daemon's arena: weight %#x, scale %#x (zero copy)",
+                 layer_id, num_embeddings, w_ptr, s_ptr)
+    else:
+        self._sort_host_reads = False  # positional ids: already in address order
+        cached = prefetch.Cached(job, ids, w_ptr, s_ptr, prefetch.PIECE_TOKENS, {})
+        log.info("engram-store: Engram layer %d (%d rows) is cached: each step's rows are fetched a layer ahead by a "
+                 "fetch job (up to %d tokens a piece, deadline %.1f s, then direct page reads)", layer_id,
+                 num_embeddings, prefetch.PIECE_TOKENS, job.deadline)
+    prefetch.register(self, t.layers.index(int(layer_id)), cached)
 
 
 def is_arena_table(embedding: Any) -> bool:
