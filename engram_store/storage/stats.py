@@ -22,6 +22,7 @@ class LookupStats:
     bytes_dram: int = 0
     bytes_nvme: int = 0
     nvme_rows_distinct: int = 0  # distinct rows read from NVMe
+    nvme_rows_shared: int = 0  # distinct rows taken from a concurrent lookup's NVMe read (read once for both)
     nvme_pages_read: int = 0  # distinct 4 KiB pages read
     nvme_reads: int = 0  # read calls after coalescing adjacent pages
     nvme_bytes_read: int = 0

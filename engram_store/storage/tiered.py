@@ -50,9 +50,10 @@ from ..format.manifest import Manifest
 from ..native.gather import Gatherer
 from ..native.readers import DEFAULT_QUEUE_DEPTH, open_reader
 from .gds import make_bulk_reader
+from .inflight import InFlight
 from .integrity import PageHealth
 from .layer_file import LayerFile, open_layer
-from .nvme import DEFAULT_CHUNK_PAGES, DEFAULT_MAX_COALESCE_PAGES, NvmeTier
+from .nvme import DEFAULT_CHUNK_PAGES, DEFAULT_MAX_COALESCE_PAGES, NvmeTier, ReadStats
 from .opening import MAX_QUEUE_DEPTH, check_open_args  # noqa: F401  (MAX_QUEUE_DEPTH: config checks it)
 from .placement import CACHED, RESIDENT, cache_slots, format_placement, plan_store, slot_bytes
 from .plan import Admitter, PlanCounters, PlanLookups
@@ -97,6 +98,7 @@ class TieredStore(PlanLookups):
         self._admitter = Admitter(self._admit_planned, self._plan_counters)
         self._file_ids: dict[int, tuple[str, int, int]] = {}  # layer -> (absolute path, st_dev, st_ino)
         self._layer_files: dict[int, dict] = {}  # layer_files(), computed once per layer
+        self._inflight = InFlight()  # NVMe reads of lookups in flight, shared by lookups missing the same rows
 
     # --- opening -------------------------------------------------------
     @classmethod
@@ -352,8 +354,7 @@ class TieredStore(PlanLookups):
             return
         miss = np.flatnonzero(~hit)
         distinct, inverse = np.unique(flat[miss], return_inverse=True)
-        data = np.empty((len(distinct), self.row_bytes), dtype=np.uint8)
-        rs = self._nvme.read_rows(layer, distinct, data)
+        data, rs, shared = self._read_missing(layer, distinct)
         self._clear_good(layer, distinct, rs.bad_pages, "an NVMe read")
         if len(rs.bad_pages):
             self._refuse_read(layer, distinct, inverse, data, rs.bad_pages)
@@ -362,9 +363,43 @@ class TieredStore(PlanLookups):
         else:
             out2[miss] = data[inverse]
         st.rows_nvme = len(miss)
-        st.nvme_rows_distinct = len(distinct)
+        st.nvme_rows_distinct = len(distinct) - shared
+        st.nvme_rows_shared = shared
         st.nvme_pages_read, st.nvme_reads, st.nvme_bytes_read, st.nvme_read_seconds = rs.pages, rs.reads, rs.bytes, rs.seconds
         st.cache_admitted = cache.admit(layer, distinct, data)
+
+    def _read_missing(self, layer: int, distinct: np.ndarray) -> tuple[np.ndarray, ReadStats, int]:
+        """The bytes of sorted distinct ``distinct`` from NVMe: rows another lookup is reading now
+        are taken from its read (:mod:`.inflight`), the others read here. Returns (their bytes, what
+        was read here, with every bad page met; rows taken from another read)."""
+        data = np.empty((len(distinct), self.row_bytes), dtype=np.uint8)
+        read, mine, waits = self._inflight.claim(layer, distinct)
+        rs = ReadStats()
+        if read is not None:
+            part = data if not waits else np.empty((len(mine), self.row_bytes), dtype=np.uint8)
+            try:
+                rs = self._nvme.read_rows(layer, read.rows, part)
+            except BaseException:
+                self._inflight.done(read, None)
+                raise
+            self._inflight.done(read, part, rs.bad_pages)
+            if waits:
+                data[mine] = part
+        shared = 0
+        for wait in waits:
+            if wait.take(data):
+                shared += len(wait.at)
+                rpp = self._files[layer].layout.rows_per_page
+                met = np.intersect1d(wait.read.bad_pages, distinct[wait.at] // rpp)
+                rs.bad_pages = np.union1d(rs.bad_pages, met).astype(np.int64)
+                continue
+            part = np.empty((len(wait.at), self.row_bytes), dtype=np.uint8)  # that read failed: read them here
+            got = self._nvme.read_rows(layer, distinct[wait.at], part)
+            data[wait.at] = part
+            rs.pages, rs.reads, rs.bytes = rs.pages + got.pages, rs.reads + got.reads, rs.bytes + got.bytes
+            rs.seconds += got.seconds
+            rs.bad_pages = np.union1d(rs.bad_pages, got.bad_pages).astype(np.int64)
+        return data, rs, shared
 
     def _refuse_known_bad(self, layer: int, flat: np.ndarray) -> None:
         """CorruptRows when any of ``flat`` sits in a page already known corrupt (rows read in place)."""

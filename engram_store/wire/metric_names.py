@@ -112,6 +112,8 @@ FAMILIES: tuple[Family, ...] = (
     _c("nvme_read_bytes", "Bytes read from the NVMe tier", "store_nvme_bytes_read"),
     _c("nvme_read_seconds", "Time spent in NVMe reads", "store_nvme_read_seconds"),
     _c("nvme_rows_read", "Distinct rows read from the NVMe tier", "store_nvme_rows_distinct"),
+    _c("nvme_rows_shared", "Rows a lookup took from a concurrent lookup's NVMe read of them (read once for both)",
+       "store_nvme_rows_shared"),
     _c("cache_admitted_rows", "Rows admitted into the DRAM cache", "store_cache_admitted_rows"),
     _c("cache_evicted_rows", "Rows evicted from the DRAM cache", "store_cache_evicted_rows"),
     _c("cache_not_admitted_rows", "Rows read from NVMe and not admitted (policy or admission limit)",
