@@ -41,11 +41,12 @@ def daemon(tables, tmp_path_factory):
         d.stop()
 
 
-def scenario(name: str, *args: str, address: str, expect_rc: int = 0) -> str:
+def scenario(name: str, *args: str, address: str, expect_rc: int = 0, extra_env=None) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ENGRAM_STORE_", "SGLANG_"))}
     env |= {"ENGRAM_STORE_ADDR": address, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
             "SGLANG_PLUGINS": "engram_store", "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1",
-            "SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+            "SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)} \
+        | (extra_env or {})
     cmd = [str(SGLANG_PYTHON), str(REPO / "tests" / "sglang_engine.py"), name, *map(str, args)]
     result = subprocess.run(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                             timeout=SCENARIO_TIMEOUT)
@@ -127,3 +128,10 @@ def test_cached_layer_is_fetched_a_layer_ahead_through_sglangs_forward(tables, t
     assert out.count("layer 14 through its fetch job") == 3, out  # TP=1, TP=2 ranks 0 and 1
     assert "scheduler staging is off with a cached layer" in out
     assert sum(v for k, v in stats.items() if "rows_nvme" in k or "nvme_rows" in k) > 0, stats
+
+
+def test_no_daemon_at_the_address_stops_sglang_at_plugin_load(tables, tmp_path):
+    out = scenario("renamed", tables, "none", address=f"unix://{tmp_path}/nobody.sock", expect_rc=1,
+                   extra_env={"ENGRAM_STORE_CONNECT_WAIT_SECONDS": "0.5"})
+    assert f"no engram-store daemon answers at unix://{tmp_path}/nobody.sock" in out and "plugin cannot run" in out, out[-3000:]
+    assert "plugin ACTIVE" not in out

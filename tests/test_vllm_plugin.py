@@ -58,17 +58,17 @@ def mixed(tables, tmp_path_factory):
         d.stop()
 
 
-def scenario(name: str, *args: str, address: str, wait: bool = True):
+def scenario(name: str, *args: str, address: str, wait: bool = True, expect_rc: int = 0, extra_env=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ENGRAM_STORE_", "VLLM_"))}
     env |= {"ENGRAM_STORE_ADDR": address, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
-            "VLLM_PLUGINS": "engram_store", "PYTHONUNBUFFERED": "1"}
+            "VLLM_PLUGINS": "engram_store", "PYTHONUNBUFFERED": "1"} | (extra_env or {})
     cmd = [sys.executable, str(REPO / "tests" / "vllm_engine.py"), name, *map(str, args)]
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
     result = subprocess.run(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                             timeout=SCENARIO_TIMEOUT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert result.returncode == expect_rc, result.stdout[-3000:] + result.stderr[-6000:]
     return result.stdout + result.stderr
 
 
@@ -188,3 +188,10 @@ def test_cached_layer_page_failing_its_checksum_raises_naming_it(tmp_path):
         assert "CorruptRows from vLLM's lookup" in out and "the next step is served" in out
     finally:
         d.stop()
+
+
+def test_no_daemon_at_the_address_stops_vllm_at_plugin_load(tmp_path):
+    out = scenario("load", address=f"unix://{tmp_path}/nobody.sock", expect_rc=1,
+                   extra_env={"ENGRAM_STORE_CONNECT_WAIT_SECONDS": "0.5"})
+    assert f"no engram-store daemon answers at unix://{tmp_path}/nobody.sock" in out and "Unavailable" in out, out[-3000:]
+    assert "plugin ACTIVE" not in out

@@ -443,9 +443,15 @@ def scenario_cached_corrupt(tables_dir: str, page: str) -> None:
     ok("the next step is served")
 
 
+def scenario_load() -> None:
+    """vLLM's plugin loader and nothing else (the plugin probes the daemon when it loads)."""
+    load_plugin()
+    ok("plugin loaded")
+
+
 SCENARIOS = {"lookup": scenario_lookup, "write-paths": scenario_write_paths, "mismatch": scenario_mismatch,
              "loader": scenario_loader, "hold": scenario_hold, "cached": scenario_cached,
-             "cached-outage": scenario_cached_outage, "cached-corrupt": scenario_cached_corrupt}
+             "cached-outage": scenario_cached_outage, "cached-corrupt": scenario_cached_corrupt, "load": scenario_load}
 
 if __name__ == "__main__":
     SCENARIOS[sys.argv[1]](*sys.argv[2:])

@@ -52,6 +52,7 @@ MIN_TOKEN_CHARS = 16
 CLIENT_ENV = frozenset({
     "ENGRAM_STORE_ADDR",  # engram_store.integrations (vLLM, SGLang): the daemon to use
     "ENGRAM_STORE_FETCH_DEADLINE_SECONDS",  # engram_store.client.fetch: how long a client waits for rows
+    "ENGRAM_STORE_CONNECT_WAIT_SECONDS",  # engram_store.integrations: how long a plugin waits for the daemon at load
 })
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # printable ASCII without spaces: it travels in a header
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Sequence
@@ -53,6 +54,9 @@ log = logging.getLogger(__name__)
 HELLO_REGION_BYTES = 1 << 16  # the smallest shared region a daemon hands out: this client sends no lookups
 FIRST_LAYER_STEPS = 64  # steps of a cached first layer measured before its one warning
 STAGED_MIN_ROWS = 4096  # staged(): the smallest job made (grown when a call asks for more)
+PROBE_WAIT_SECONDS = 30.0  # how long an engine plugin waits at load for a daemon that is not listening yet
+PROBE_WAIT_ENV = "ENGRAM_STORE_CONNECT_WAIT_SECONDS"
+PROBE_PAUSE_SECONDS = 0.25
 
 
 class EngramStoreTables:
@@ -118,6 +122,44 @@ class EngramStoreTables:
             log.info("engram-store: the daemon at %s holds every Engram layer cached (%s): rows fetched per step",
                      address, cached)
         return cls(address, view, info)
+
+    @staticmethod
+    def probe(address: str, wait: float | None = None) -> dict[str, Any]:
+        """The Info of the daemon at ``address``, checked now (engine plugins call it when they load,
+        so a wrong address stops the engine at start, not at model build). Waits up to ``wait``
+        seconds for a daemon that is not listening yet (an engine started before the daemon);
+        raises ``ConfigError`` for an address that is not a Unix socket and ``Unavailable`` naming the
+        address when no daemon answers."""
+        import time
+
+        from ..client.unix_transport import UnixTransport
+        from ..errors import Unavailable
+
+        if not address.startswith("unix://"):
+            raise ConfigError(f"engine tables need the daemon's Unix socket (unix:///path/to.sock), got {address!r}")
+        if wait is None:
+            text = os.environ.get(PROBE_WAIT_ENV, "")
+            try:
+                wait = float(text) if text else PROBE_WAIT_SECONDS
+            except ValueError:
+                raise ConfigError(f"{PROBE_WAIT_ENV}={text!r}: expected seconds, e.g. 30") from None
+        deadline, told = time.monotonic() + wait, False
+        while True:
+            try:
+                transport = UnixTransport(address[len("unix://"):], HELLO_REGION_BYTES, min(5.0, max(wait, 0.1)))
+            except Unavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise Unavailable(f"no engram-store daemon answers at {address} ({exc}); start it (systemctl start "
+                                      "engram-store, or its DaemonSet) or unset ENGRAM_STORE_ADDR") from None
+                if not told:
+                    log.warning("engram-store: no daemon answers at %s yet; waiting up to %.0f s", address, wait)
+                    told = True
+                time.sleep(PROBE_PAUSE_SECONDS)
+                continue
+            try:
+                return dict(transport.info_cached)
+            finally:
+                transport.close()
 
     @classmethod
     def shared(cls, address: str) -> "EngramStoreTables":
@@ -296,6 +338,16 @@ class EngramStoreTables:
 @functools.cache
 def _shared(address: str) -> EngramStoreTables:
     return EngramStoreTables.connect(address)
+
+
+def describe_placement(info: dict[str, Any]) -> str:
+    """One phrase for the log: which layers are read in place and which are fetched per step."""
+    placement = _placement(info)
+    resident = [layer for layer, where in sorted(placement.items()) if where == "resident"]
+    cached = [layer for layer, where in sorted(placement.items()) if where != "resident"]
+    parts = ([f"layers {resident} resident, mapped on first use"] if resident else []) + \
+        ([f"layers {cached} cached, fetched a layer ahead"] if cached else [])
+    return "; ".join(parts) or "no layers"
 
 
 def _placement(info: dict[str, Any]) -> dict[int, str]:

@@ -39,7 +39,7 @@ import threading
 from typing import Any, Callable
 
 from ...errors import EngineUnsupported
-from ..tables import EngramStoreTables
+from ..tables import EngramStoreTables, describe_placement
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +99,12 @@ def install(address: str) -> None:
                                         "does not declare")
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+        info = EngramStoreTables.probe(address)  # a daemon must answer now, not at model build
         for target, (hook_type, hook, _) in hooks.items():
             HookRegistry.register(target, hook, getattr(HookType, hook_type))
         _installed.update(address=address, version=version, originals=originals)
     log.warning("engram-store plugin ACTIVE: SGLang %s reads DeepSeek-V4.1 Engram host tables from the engram-store "
-                "daemon at %s (arena mapped on first use; checkpoint Engram tensors are not read)", version, address)
+                "daemon at %s (%s; checkpoint Engram tensors are not read)", version, address, describe_placement(info))
 
 
 def installed_address() -> str | None:

@@ -45,7 +45,7 @@ import threading
 from typing import Any, Callable
 
 from ...errors import EngineUnsupported
-from ..tables import EngramStoreTables
+from ..tables import EngramStoreTables, describe_placement
 from . import cached
 
 log = logging.getLogger(__name__)
@@ -85,12 +85,13 @@ def install(address: str) -> None:
                                     f", this is vLLM {version}; unset ENGRAM_STORE_ADDR to run vLLM without "
                                     "engram-store, or install a matching engram-store")
         targets = _targets()
+        info = EngramStoreTables.probe(address)  # a daemon must answer now, not at model build
         originals = {key: getattr(mod, name) for key, (mod, name, _) in targets.items()}
         for key, (mod, name, make) in targets.items():
             _rebind(mod, name, originals[key], make(originals[key]))
         _installed.update(address=address, originals=originals, version=version)
     log.warning("engram-store plugin ACTIVE: vLLM %s reads DeepSeek-V4.1 Engram tables from the engram-store daemon at "
-                "%s (arena mapped on first use; checkpoint Engram tensors are not read)", version, address)
+                "%s (%s; checkpoint Engram tensors are not read)", version, address, describe_placement(info))
 
 
 def installed_address() -> str | None:
