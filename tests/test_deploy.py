@@ -197,6 +197,19 @@ def test_kustomize_renders_and_validates_strictly(directory):
         assert f"passed for resource {kind}/" in out, out
 
 
+@needs_kubectl
+def test_the_service_monitor_scrapes_the_daemons_metrics_port():
+    docs = _docs(_render(DEPLOY / "k8s-example"))
+    ds, service, monitor = docs["DaemonSet"], docs["Service"], docs["ServiceMonitor"]
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    port = next(p for p in service["spec"]["ports"] if p["name"] == endpoint["port"])
+    daemon = next(c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "engram-store")
+    assert port["targetPort"] in [p["name"] for p in daemon["ports"]] and endpoint["path"] == "/metrics"
+
+
 @needs_validate
 def test_engine_example_validates():
     _validate((DEPLOY / "k8s" / "examples" / "engine.yaml").read_text())
