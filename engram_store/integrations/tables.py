@@ -235,8 +235,9 @@ class EngramStoreTables:
         job = FetchJob(self.address, layer, max_rows)
         with self._lock:
             self._jobs.append(job)
-            if self._registered:
-                _register_staging(job)
+            if self._registered and not _register_staging(job):
+                raise StorageError(f"cudaHostRegister refused the staging of layer {layer}'s fetch job "
+                                   f"({len(job.staging)} bytes); check the memlock limit (ulimit -l)")
         if layer == min(self.layers) and not self._first_warned:
             log.info("engram-store: Engram layer %d, the model's first, is cached: its rows are fetched with about one "
                      "layer of compute ahead; the fetch time measured over the first %d steps is logged", layer,
