@@ -4,6 +4,9 @@
 table without a stored copy. Payload bytes are valid FP8 e4m3 values (the NaN
 codes 0x7F/0xFF are avoided) and scale bytes are E8M0 exponents near 2^0, so
 dequantized rows are finite and the tiny model's logits are meaningful.
+
+With a ``tokenizer.json`` the set also stores the compressed token map, as ``import``
+does, so raw ids and text hash against it (``engram-store hash --tables DIR --text ...``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import numpy as np
 from ..format.layout import PageLayout
 from ..format.manifest import Manifest
 from ..format.writer import Progress, TableSetWriter
+from ..errors import SpecError
 from ..spec import ModelSpec
+from ..tokens import TokenMap, write_token_map
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -56,14 +61,36 @@ def synth_blocks(spec: ModelSpec, seed: int, layer: int, block_rows: int) -> Ite
         yield synth_rows(spec, seed, layer, np.arange(start, min(start + block_rows, total), dtype=np.int64))
 
 
+def check_token_map(spec: ModelSpec, token_map: TokenMap, tokenizer: str | Path) -> None:
+    """The map of ``tokenizer`` must give ``spec``'s compressed vocabulary and pad; SpecError naming both values."""
+    bad = []
+    if token_map.classes != spec.compressed_vocab:
+        bad.append(f"it gives {token_map.classes} compressed classes, the model has {spec.compressed_vocab}")
+    if spec.pad_token_id is not None and spec.pad_token_id < token_map.raw_vocab \
+            and int(token_map.ids[spec.pad_token_id]) != spec.pad_id:
+        bad.append(f"it maps pad token {spec.pad_token_id} to {int(token_map.ids[spec.pad_token_id])}, "
+                   f"the model's compressed pad is {spec.pad_id}")
+    if bad:
+        raise SpecError(f"{tokenizer} does not fit model {spec.name!r}: {'; '.join(bad)} (give the model's own "
+                        "tokenizer.json, or no --tokenizer)")
+
+
 def write_synthetic(out: str | Path, spec: ModelSpec, seed: int = 0, *, overwrite: bool = False,
                     progress: Progress | None = None, block_rows: int = 1 << 17, group: str | None = None,
-                    stripe_dirs: list | None = None) -> Manifest:
+                    stripe_dirs: list | None = None, tokenizer: str | Path | None = None) -> Manifest:
     """Write the synthetic table set of ``spec`` and ``seed`` to ``out`` (atomically), readable
     by ``group`` (default: the writer's group; see :mod:`engram_store.format.writer`), striped over
-    ``stripe_dirs`` when given (two or more directories)."""
+    ``stripe_dirs`` when given (two or more directories). With ``tokenizer`` (a ``tokenizer.json``
+    whose compressed map fits ``spec``) the map and a copy of the tokenizer are stored with the tables."""
+    token_map = None
+    if tokenizer is not None:
+        token_map = TokenMap.from_tokenizer(tokenizer)  # checked before a table byte is written
+        check_token_map(spec, token_map, tokenizer)
+    inputs = [Path(tokenizer)] if tokenizer is not None else []  # never written over, never inside out
     with TableSetWriter(out, spec, source={"kind": "synthetic", "seed": seed}, overwrite=overwrite, group=group,
-                        stripe_dirs=stripe_dirs) as w:
+                        stripe_dirs=stripe_dirs, inputs=inputs) as w:
         for layer in spec.layers:
             w.write_layer(layer, synth_blocks(spec, seed, layer, block_rows), progress)
+        if token_map is not None:
+            w.token_map = write_token_map(w.tmp, token_map, tokenizer, write=w.add_file)
         return w.commit()
