@@ -63,11 +63,18 @@ def test_probes_answer_and_other_paths_are_404(daemon):
 def test_metrics_parse_and_count_a_lookup(daemon, tables):
     with EngramClient.connect(daemon.unix) as c:
         c.lookup(1, [0, 1, 2])
-    status, text = _get(f"http://{daemon.ready['metrics']}/metrics")
-    assert status == 200
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-    rows = {s.labels.get("transport"): s.value for s in families["engram_store_rows"].samples
-            if s.name == "engram_store_rows_total"}
+    # The daemon counts a lookup just after its reply is sent (the native path returns to Python
+    # once the client has its rows), so a scrape right after the reply may not have it yet: poll.
+    deadline = time.monotonic() + 10
+    while True:
+        status, text = _get(f"http://{daemon.ready['metrics']}/metrics")
+        assert status == 200
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        rows = {s.labels.get("transport"): s.value for s in families["engram_store_rows"].samples
+                if s.name == "engram_store_rows_total"}
+        if rows.get("unix", 0) >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)  # polling the counter, bounded by the deadline
     assert rows.get("unix", 0) >= 3, rows
 
 
