@@ -90,7 +90,7 @@ class ResidentArena:
         log.info("resident arena: %d layers in the engines' layout, %.1f MiB filled in %.2fs (%.0f MB/s), "
                  "huge pages: %s%s", len(files), size / 2**20, seconds, size / max(seconds, 1e-9) / 1e6, huge_pages,
                  "" if huge_pages != "none" else " (reserve huge pages or set shmem THP to advise: GPU lookups "
-                 "over 4 KiB pages are much slower; see README)")
+                 "over 4 KiB pages are much slower; see docs/sizing.md)")
         return cls(memfd, map_fd(memfd.fd, size, writable=False, huge=huge, populate=True), layout, huge_pages)
 
     def info(self) -> ArenaInfo:
