@@ -187,3 +187,24 @@ def test_block_runs_as_written(block, make_run):
                          text=True, timeout=BLOCK_TIMEOUT)
     assert res.returncode == 0, (f"{block.where} exited {res.returncode}\n--- block\n{block.text}--- stdout\n"
                                  f"{res.stdout[-3000:]}\n--- stderr\n{res.stderr[-3000:]}")
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings (lowercase, punctuation dropped, spaces to hyphens)."""
+    heads = re.findall(r"^#+ (.+)$", path.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_relative_links_and_anchors_resolve():
+    bad = []
+    for path in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"^[a-z]+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                bad.append(f"{path.name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                bad.append(f"{path.name}: {target} (no such heading)")
+    assert not bad, bad
