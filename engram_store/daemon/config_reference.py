@@ -95,7 +95,11 @@ def client_env_comments() -> dict[str, str]:
     for node in ast.parse(source).body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "CLIENT_ENV" for t in node.targets):
             names = [n for n in ast.walk(node.value) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
-            return {n.value: _comment_at(lines, comments, n.end_lineno) for n in names}
+            out = {n.value: _comment_at(lines, comments, n.end_lineno) for n in names}
+            undocumented = sorted(set(CLIENT_ENV) - {name for name, text in out.items() if text})
+            if undocumented:
+                raise ConfigError(f"CLIENT_ENV names without a comment in config.py: {', '.join(undocumented)}")
+            return out
     raise ConfigError("config.py declares no CLIENT_ENV")
 
 
