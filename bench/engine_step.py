@@ -201,7 +201,8 @@ class Stepper:
         if stats:
             now = self.store()
             got |= {k: now[k] - self.last[k] for k in ("rows", "rows_dram", "rows_nvme", "nvme_rows_distinct",
-                                                       "nvme_pages_read", "nvme_reads", "lookup_seconds")}
+                                                       "nvme_pages_read", "nvme_reads", "nvme_read_seconds",
+                                                       "lookup_seconds")}
             self.last = now
         return got
 
@@ -275,11 +276,14 @@ def decode(args, spec, tables: Path, stepper: Stepper, steps: np.ndarray, measur
         fio = fio_replay(tables / f"layer_{args.layer:03d}.bin",
                          np.random.default_rng(int(block[0])).permutation(pages)[: args.fio_ios], args.queue_depth,
                          args.fio_engine, workdir, args.fio_seconds) if args.fio else None
-        pps = sum(r["nvme_pages_read"] for r in got) / sum(r["seconds"] for r in got)
+        n_pages = sum(r["nvme_pages_read"] for r in got)
+        pps = n_pages / sum(r["seconds"] for r in got)  # over the steps' whole fetch time
+        rps = n_pages / sum(r["nvme_read_seconds"] for r in got)  # over the daemon's NVMe reads alone
         ms = [r["seconds"] * 1e3 for r in got]
         blocks.append({"steps": len(got), "p50_ms": pct(ms, 50), "p99_ms": pct(ms, 99), "pages_per_s": pps,
-                       "fio_iops": fio["iops"] if fio else None, "fio": fio,
-                       "ratio": pps / fio["iops"] if fio else None})
+                       "reader_pages_per_s": rps, "fio_iops": fio["iops"] if fio else None, "fio": fio,
+                       "ratio": pps / fio["iops"] if fio else None,
+                       "reader_ratio": rps / fio["iops"] if fio else None})
         per_step += got
     ms = [r["seconds"] * 1e3 for r in per_step]
     col = lambda key: [r[key] for r in per_step]  # noqa: E731
@@ -290,7 +294,8 @@ def decode(args, spec, tables: Path, stepper: Stepper, steps: np.ndarray, measur
             "distinct_rows_per_step": spread(col("distinct")),
             "hit_rate_rows": 1 - sum(col("rows_nvme")) / sum(col("rows")),
             "hit_rate_distinct": 1 - sum(col("nvme_rows_distinct")) / sum(col("distinct")),
-            "daemon_lookup_ms": spread([x * 1e3 for x in col("lookup_seconds")]), "blocks": blocks,
+            "daemon_lookup_ms": spread([x * 1e3 for x in col("lookup_seconds")]),
+            "nvme_read_ms": spread([x * 1e3 for x in col("nvme_read_seconds")]), "blocks": blocks,
             "rows_not_equal_synth_steps": bad}
 
 
@@ -322,7 +327,9 @@ def prefill(args, spec, daemon: Daemon, chunks: list[np.ndarray]) -> dict:
         stepper.close()
     return {"chunks": len(got), "rows": int(chunks[0].size), "chunk_ms": [r["seconds"] * 1e3 for r in got],
             "chunk_misses": [r["nvme_rows_distinct"] for r in got],
-            "chunk_pages_per_s": [r["nvme_pages_read"] / r["seconds"] for r in got], "rows_not_equal_synth_chunks": bad}
+            "chunk_pages_per_s": [r["nvme_pages_read"] / r["seconds"] for r in got],
+            "chunk_lookup_ms": [r["lookup_seconds"] * 1e3 for r in got],
+            "chunk_nvme_read_ms": [r["nvme_read_seconds"] * 1e3 for r in got], "rows_not_equal_synth_chunks": bad}
 
 
 def profile_all_hit(args, spec, tables: Path, steps: np.ndarray, share: float) -> dict:
@@ -402,6 +409,10 @@ def summarize(cases: list[dict]) -> list[dict]:
                "fetch_p50_ms": spread([d["p50_ms"] for d in dec]), "fetch_p99_ms": spread([d["p99_ms"] for d in dec]),
                "fetch_p99_ms_pooled": pct(ms, 99), "steps_pooled": len(ms),
                "pages_per_s": spread([b["pages_per_s"] for b in blocks]),
+               "reader_pages_per_s": spread([b["reader_pages_per_s"] for b in blocks]),
+               "reader_ratio_vs_fio": spread([b["reader_ratio"] for b in blocks if b["reader_ratio"]]),
+               "daemon_lookup_p50_ms": spread([d["daemon_lookup_ms"]["median"] for d in dec]),
+               "nvme_read_p50_ms": spread([d["nvme_read_ms"]["median"] for d in dec]),
                "fio_iops": spread([b["fio_iops"] for b in blocks if b["fio_iops"]]),
                "ratio_vs_fio": spread([b["ratio"] for b in blocks if b["ratio"]]),
                "all_hit_p50_ms": spread([c["all_hit"]["p50_ms"] for c in group if c["all_hit"]["steps"]]),
@@ -417,6 +428,8 @@ def summarize(cases: list[dict]) -> list[dict]:
             row["prefill"] = {"rows": chunks[0]["rows"], "chunks": len(cms), "ms": spread(cms),
                               "misses": spread([x for p in chunks for x in p["chunk_misses"]]),
                               "pages_per_s": spread([x for p in chunks for x in p["chunk_pages_per_s"]]),
+                              "lookup_ms": spread([x for p in chunks for x in p["chunk_lookup_ms"]]),
+                              "nvme_read_ms": spread([x for p in chunks for x in p["chunk_nvme_read_ms"]]),
                               "hidden_below_ms": {k: {"median": float(np.median(cms)) / v, "worst": max(cms) / v}
                                                   for k, v in SLACK_LAYERS.items()}}
         rows.append(row)
@@ -461,6 +474,14 @@ def print_report(doc: dict) -> None:
               f"{r['misses_per_step_p99']['median']:>6,.0f} {_r(r['fetch_p50_ms']):>20} {_r(r['fetch_p99_ms']):>20} "
               f"{r['pages_per_s']['median']:>8,.0f} {f(r['fio_iops']['median'], ',.0f'):>8} "
               f"{_r(r['ratio_vs_fio']):>17} {h[0]:>16.2f} {h[1]:>6.1f}")
+    print("\nwhere a step's time goes (medians over repeats of per-step medians, ms): the job's fetch = the daemon's "
+          "store lookup (its NVMe reads inside) + transport and copies; the reader's own rate over its reads vs fio")
+    for r in doc["summary"]:
+        print(f"{r['batch']:>5} {r['share_percent']:>4g}%: fetch {r['fetch_p50_ms']['median']:.2f} = store lookup "
+              f"{r['daemon_lookup_p50_ms']['median']:.2f} (NVMe reads {r['nvme_read_p50_ms']['median']:.2f}, the rest "
+              f"{r['daemon_lookup_p50_ms']['median'] - r['nvme_read_p50_ms']['median']:.2f}) + "
+              f"{r['fetch_p50_ms']['median'] - r['daemon_lookup_p50_ms']['median']:.2f}; reader "
+              f"{r['reader_pages_per_s']['median']:,.0f} pages/s = {_r(r['reader_ratio_vs_fio'])} x fio")
     print("\nall-hit steps (each fetched twice, the second timed; every row in the daemon's DRAM), p99 ms:")
     for r in doc["summary"]:
         print(f"{r['batch']:>5} {r['share_percent']:>4g}% {r['rows_per_step']:>6,} rows: fetch p50 "
@@ -478,7 +499,9 @@ def print_report(doc: dict) -> None:
             h = p["hidden_below_ms"][next(iter(SLACK_LAYERS))]
             print(f"prefill chunk of {p['rows'] // doc['rows_per_token']:,} tokens ({p['rows']:,} rows), cache "
                   f"{r['share_percent']:g}%: fetch {_r(p['ms'], '.0f')} ms over {p['chunks']} chunk fetches, "
-                  f"{p['misses']['median']:,.0f} misses, {p['pages_per_s']['median']:,.0f} pages/s; hidden in 14 "
+                  f"{p['misses']['median']:,.0f} misses, {p['pages_per_s']['median']:,.0f} pages/s (store lookups "
+                  f"{p['lookup_ms']['median']:.0f} ms, their NVMe reads {p['nvme_read_ms']['median']:.0f} ms, summed "
+                  f"over the daemon's pieces); hidden in 14 "
                   f"layers if a layer takes >= {h['median']:.1f} ms (worst chunk {h['worst']:.1f} ms)")
     print(f"\nsizing: 4 KiB NVMe reads/s one engine needs (QD {doc['queue_depth']}) so that layer 14's misses are read "
           f"within 14 layers of t ms each = pages per step / (14 t); a node needs the sum over its engines; "
@@ -505,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="cache sizes, percent of the layer's rows")
     ap.add_argument("--warm-tokens", type=int, default=1_500_000, help="tokens of decode steps served before measuring")
     ap.add_argument("--steps", type=int, default=200, help="measured decode steps per batch and share")
-    ap.add_argument("--blocks", type=int, default=2, help="measured steps in this many blocks, fio after each")
+    ap.add_argument("--blocks", type=int, default=5, help="measured steps in this many blocks, fio after each")
     ap.add_argument("--repeats", type=int, default=1, help="run every case this many times (a fresh daemon, warm-up "
                     "and measurement each); figures are given as median [min..max] over them")
     ap.add_argument("--no-profile", dest="profile", action="store_false",
