@@ -108,3 +108,8 @@ def run_in_workdir(run: Callable[[argparse.Namespace], int], args: argparse.Name
     finally:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def check_row(check: str, ok: bool | None, value: str = "", note: str = "") -> dict:
+    """One row of a check table (bench/device_check.py): status ok / FAIL / skipped (ok None)."""
+    return {"check": check, "status": {True: "ok", False: "FAIL", None: "skipped"}[ok], "value": value, "note": note}

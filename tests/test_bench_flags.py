@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHES = sorted(p for p in (ROOT / "bench").glob("*.py") if p.name not in ("_common.py", "cachesim.py"))
+BENCHES = sorted(p for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_") and p.name != "cachesim.py")
 sys.path.insert(0, str(ROOT / "bench"))
 
 from _common import JsonReport, add_report_args  # noqa: E402
