@@ -332,60 +332,100 @@ def prefill(args, spec, daemon: Daemon, chunks: list[np.ndarray]) -> dict:
             "chunk_nvme_read_ms": [r["nvme_read_seconds"] * 1e3 for r in got], "rows_not_equal_synth_chunks": bad}
 
 
-def profile_all_hit(args, spec, tables: Path, steps: np.ndarray, share: float) -> dict:
-    """Where an all-hit lookup's time goes inside the store the daemon runs: the same ``TieredStore``
-    opened in this process on the same files and cache size, each step looked up once (admitted), then
-    timed whole, then with the steps of its cached path (``TieredStore._lookup_cached``) timed one by one."""
+class Laps:
+    """Named laps in milliseconds: ``lap(name)`` adds the time since the previous lap to ``name``."""
+
+    def __init__(self, parts: dict[str, list[float]]) -> None:
+        self.parts, self.t = parts, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.parts.setdefault(name, []).append((now - self.t) * 1e3)
+        self.t = now
+
+
+def lookup_by_parts(store, layer: int, ids: np.ndarray, out: np.ndarray, parts: dict[str, list[float]]) -> int:
+    """One cached-layer lookup with each step of ``TieredStore._lookup_into`` / ``_lookup_cached`` timed (the
+    same calls in the same order, corrupt-page handling left out); returns the rows missed. A profile
+    mirrors the store as written: "sum of parts" against "lookup_into" (whole) shows any drift."""
     from engram_store.format import requests
-    from engram_store.storage.placement import slot_bytes
     from engram_store.storage.stats import LookupStats
+
+    t, cache = Laps(parts), store._cache  # the bench looks inside the store
+    flat = requests.flat_row_ids(requests.row_ids(ids))
+    requests.check_bounds(layer, flat, store.rows(layer))
+    t.lap("check ids")
+    token, found = cache.begin(layer, flat)
+    t.lap("cache.begin (row map, policy hits)")
+    hit = found > 0
+    n_hit = int(np.count_nonzero(hit))
+    t.lap("hit mask")
+    if n_hit == len(flat):
+        store._gather.take(cache.slots, found - 1, out)
+    elif n_hit:
+        at = np.flatnonzero(hit)
+        out[at] = cache.slots[found[at] - 1]
+    t.lap("copy hits")
+    cache.end(token)
+    t.lap("cache.end")
+    if n_hit < len(flat):
+        miss = np.flatnonzero(~hit)
+        distinct, inverse = np.unique(flat[miss], return_inverse=True)
+        t.lap("unique misses")
+        data = np.empty((len(distinct), store.row_bytes), dtype=np.uint8)
+        store._nvme.read_rows(layer, distinct, data)
+        t.lap("NVMe reads")
+        out[miss] = data[inverse]
+        t.lap("scatter misses")
+        cache.admit(layer, distinct, data)
+        t.lap("cache.admit (evictions)")
+    store._sampler.record(layer, flat)
+    t.lap("sampler.record")
+    store._counters.add(LookupStats(rows=len(flat), rows_dram=n_hit))
+    t.lap("counters.add")
+    parts.setdefault("sum of parts", []).append(sum(v[-1] for k, v in parts.items() if k not in
+                                                    ("sum of parts", "lookup_into")))
+    return len(flat) - n_hit
+
+
+def profile_store(args, spec, tables: Path, steps: np.ndarray, batch: int, share: float) -> dict:
+    """Where a step's time goes inside the store the daemon runs: the same ``TieredStore`` opened in this
+    process on the same files and cache size, the warm-up steps served, then the measured steps with the
+    parts of each lookup timed (misses: NVMe reads, admission), then the last ``--all-hit-steps`` of them
+    again, every row now a hit: timed whole once, then by parts."""
+    from engram_store.storage.placement import slot_bytes
     from engram_store.storage.tiered import TieredStore
 
-    layer, rows = args.layer, spec.rows(args.layer)
-    slots = max(1, int(rows * share / 100))
+    layer, warm = args.layer, args.warm_steps[batch]
+    slots = max(1, int(spec.rows(layer) * share / 100))
     store = TieredStore.open(tables, dram_bytes=slots * slot_bytes(spec.row_bytes, "s3fifo"), mode="cached",
                              queue_depth=args.queue_depth)
-    parts: dict[str, list[float]] = {k: [] for k in ("check ids", "cache.begin (row map, policy hits)",
-                                                     "hit mask", "gather rows", "cache.end", "sampler.record",
-                                                     "counters.add", "sum of parts", "lookup_into")}
+    miss_parts: dict[str, list[float]] = {}
+    hit_parts: dict[str, list[float]] = {"lookup_into": []}
+    not_all_hit = 0
     try:
-        cache, missed = store._cache, 0  # the bench looks inside the store: a profile
         out = np.empty((steps.shape[1], spec.row_bytes), dtype=np.uint8)
-        chosen = steps[args.warm_steps[max(args.batches)]:][: args.all_hit_steps].astype(np.int64)
-        for ids in chosen:  # admitted: every row of every chosen step is in the cache from here on
-            store.lookup_into(layer, ids, out)
-        for ids in chosen:  # one pass timing whole lookups, one timing their parts: each step cold in both
-            t0 = time.perf_counter()
-            store.lookup_into(layer, ids, out)
-            parts["lookup_into"].append((time.perf_counter() - t0) * 1e3)
+        for ids in steps[:warm]:
+            store.lookup_into(layer, ids.astype(np.int64), out)
+        chosen = steps[warm: warm + args.steps].astype(np.int64)
         for ids in chosen:
-            t = [time.perf_counter()]
-            flat = requests.flat_row_ids(requests.row_ids(ids))
-            requests.rows_out(out, flat.shape, spec.row_bytes)
-            requests.check_bounds(layer, flat, rows)
-            t.append(time.perf_counter())
-            token, found = cache.begin(layer, flat)
-            t.append(time.perf_counter())
-            hit = found > 0
-            n_hit = int(np.count_nonzero(hit))
-            t.append(time.perf_counter())
-            store._gather.take(cache.slots, found - 1, out)
-            t.append(time.perf_counter())
-            cache.end(token)
-            t.append(time.perf_counter())
-            store._sampler.record(layer, flat)
-            t.append(time.perf_counter())
-            store._counters.add(LookupStats(rows=n_hit, rows_dram=n_hit))
-            t.append(time.perf_counter())
-            d = np.diff(t) * 1e3
-            for k, v in zip(list(parts)[:7], d):
-                parts[k].append(float(v))
-            parts["sum of parts"].append(float(d.sum()))
-            missed += n_hit != len(flat)
+            lookup_by_parts(store, layer, ids, out, miss_parts)
+        again = chosen[-args.all_hit_steps:]
+        for ids in again:  # every row of these steps in the cache from here on
+            store.lookup_into(layer, ids, out)
+        for ids in again:  # one pass timing whole lookups, one timing their parts: each step cold in both
+            t0 = time.perf_counter()
+            st = store.lookup_into(layer, ids, out)
+            hit_parts["lookup_into"].append((time.perf_counter() - t0) * 1e3)
+            not_all_hit += st.rows_nvme > 0
+        for ids in again:
+            not_all_hit += lookup_by_parts(store, layer, ids, out, hit_parts) > 0
     finally:
         store.close()
-    return {"rows": int(steps.shape[1]), "share_percent": share, "steps": len(parts["lookup_into"]),
-            "not_all_hit": missed, "ms": {k: {"p50": pct(v, 50), "p99": pct(v, 99)} for k, v in parts.items()}}
+    summary = lambda parts: {k: {"p50": pct(v, 50), "p99": pct(v, 99)} for k, v in parts.items()}  # noqa: E731
+    return {"batch": batch, "rows": int(steps.shape[1]), "share_percent": share, "steps": len(chosen),
+            "all_hit_steps": len(again), "not_all_hit": not_all_hit, "miss_steps_ms": summary(miss_parts),
+            "all_hit_ms": summary(hit_parts)}
 
 
 # --------------------------------------------------------------------------- report
@@ -487,12 +527,12 @@ def print_report(doc: dict) -> None:
         print(f"{r['batch']:>5} {r['share_percent']:>4g}% {r['rows_per_step']:>6,} rows: fetch p50 "
               f"{_r(r['all_hit_p50_ms'], '.3f')}, p99 {_r(r['all_hit_p99_ms'], '.3f')}; the daemon's store lookup p99 "
               f"{_r(r['all_hit_daemon_lookup_p99_ms'], '.3f')}; {r['not_all_hit']} steps not all hits")
-    prof = doc.get("all_hit_profile")
+    prof = doc.get("store_profile")
     if prof:
-        print(f"\nall-hit lookup of {prof['rows']:,} rows inside the store (in process, cache "
-              f"{prof['share_percent']:g}%, "
-              f"{prof['steps']} steps), ms p50 / p99:")
-        print("  " + "; ".join(f"{k} {v['p50']:.3f} / {v['p99']:.3f}" for k, v in prof["ms"].items()))
+        print(f"\ninside the store (TieredStore in this process, same files, cache {prof['share_percent']:g}%, batch "
+              f"{prof['batch']}: {prof['rows']:,} rows a step), ms p50 / p99 of each part of a lookup:")
+        for what, key in (("steps with misses", "miss_steps_ms"), ("all-hit steps", "all_hit_ms")):
+            print(f"  {what}: " + "; ".join(f"{k} {v['p50']:.3f} / {v['p99']:.3f}" for k, v in prof[key].items()))
     for r in doc["summary"]:
         p = r.get("prefill")
         if p:
@@ -532,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="run every case this many times (a fresh daemon, warm-up "
                     "and measurement each); figures are given as median [min..max] over them")
     ap.add_argument("--no-profile", dest="profile", action="store_false",
-                    help="skip the in-process profile of the all-hit lookup")
+                    help="skip the in-process profile of the store's lookups (largest batch, smallest cache)")
     ap.add_argument("--all-hit-steps", type=int, default=200, help="steps fetched twice for the all-hit figure")
     ap.add_argument("--prefill-chunks", type=int, default=3, help="prefill chunks per share (largest batch's run)")
     ap.add_argument("--chunk-tokens", type=int, default=8192, help="tokens per prefill chunk")
@@ -626,7 +666,9 @@ def run(args) -> dict:
                                     scratch, sims.get((b, share)))
                     doc["cases"].append(case | {"repeat": rep})
         if args.profile:
-            doc["all_hit_profile"] = profile_all_hit(args, spec, tables, traces[max(args.batches)], min(args.shares))
+            b = max(args.batches)
+            print(f"profile: batch {b}, cache {min(args.shares):g}%, in this process", file=sys.stderr)
+            doc["store_profile"] = profile_store(args, spec, tables, traces[b], b, min(args.shares))
     finally:
         if tables.exists():
             removed = remove_sparse(tables)

@@ -49,4 +49,5 @@ def test_engine_step_quick(tmp_path):
         if fio and all(b["fio"] for b in d["blocks"]):
             assert all(b["ratio"] > 0 for b in d["blocks"])
     assert [z["batch"] for z in doc["sizing"]] == [16, 16]
-    assert doc["all_hit_profile"]["not_all_hit"] == 0
+    prof = doc["store_profile"]
+    assert prof["not_all_hit"] == 0 and "NVMe reads" in prof["miss_steps_ms"] and "NVMe reads" not in prof["all_hit_ms"]
