@@ -1,0 +1,106 @@
+"""bench/engine_step.py's profile: where a lookup's time goes inside the store the daemon runs
+(``TieredStore`` opened in the bench's own process on the same files and cache size), part by part."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+from _engine_step_report import pct
+
+
+class Laps:
+    """Named laps in milliseconds: ``lap(name)`` adds the time since the previous lap to ``name``."""
+
+    def __init__(self, parts: dict[str, list[float]]) -> None:
+        self.parts, self.t = parts, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.parts.setdefault(name, []).append((now - self.t) * 1e3)
+        self.t = now
+
+
+def lookup_by_parts(store, layer: int, ids: np.ndarray, out: np.ndarray, parts: dict[str, list[float]]) -> int:
+    """One cached-layer lookup with each step of ``TieredStore._lookup_into`` / ``_lookup_cached`` timed (the
+    same calls in the same order, corrupt-page handling left out); returns the rows missed. A profile
+    mirrors the store as written: "sum of parts" against "lookup_into" (whole) shows any drift."""
+    from engram_store.format import requests
+    from engram_store.storage.stats import LookupStats
+
+    t, cache = Laps(parts), store._cache  # the bench looks inside the store
+    flat = requests.flat_row_ids(requests.row_ids(ids))
+    requests.check_bounds(layer, flat, store.rows(layer))
+    t.lap("check ids")
+    token, found = cache.begin(layer, flat)
+    t.lap("cache.begin (row map, policy hits)")
+    hit = found > 0
+    n_hit = int(np.count_nonzero(hit))
+    t.lap("hit mask")
+    if n_hit == len(flat):
+        store._gather.take(cache.slots, found - 1, out)
+    elif n_hit:
+        at = np.flatnonzero(hit)
+        out[at] = cache.slots[found[at] - 1]
+    t.lap("copy hits")
+    cache.end(token)
+    t.lap("cache.end")
+    if n_hit < len(flat):
+        miss = np.flatnonzero(~hit)
+        distinct, inverse = np.unique(flat[miss], return_inverse=True)
+        t.lap("unique misses")
+        data = np.empty((len(distinct), store.row_bytes), dtype=np.uint8)
+        store._nvme.read_rows(layer, distinct, data)
+        t.lap("NVMe reads")
+        out[miss] = data[inverse]
+        t.lap("scatter misses")
+        cache.admit(layer, distinct, data)
+        t.lap("cache.admit (evictions)")
+    store._sampler.record(layer, flat)
+    t.lap("sampler.record")
+    store._counters.add(LookupStats(rows=len(flat), rows_dram=n_hit))
+    t.lap("counters.add")
+    parts.setdefault("sum of parts", []).append(sum(v[-1] for k, v in parts.items() if k not in
+                                                    ("sum of parts", "lookup_into")))
+    return len(flat) - n_hit
+
+
+def profile_store(args, spec, tables: Path, steps: np.ndarray, batch: int, share: float) -> dict:
+    """Where a step's time goes inside the store the daemon runs: the same ``TieredStore`` opened in this
+    process on the same files and cache size, the warm-up steps served, then the measured steps with the
+    parts of each lookup timed (misses: NVMe reads, admission), then the last ``--all-hit-steps`` of them
+    again, every row now a hit: timed whole once, then by parts."""
+    from engram_store.storage.placement import slot_bytes
+    from engram_store.storage.tiered import TieredStore
+
+    layer, warm = args.layer, args.warm_steps[batch]
+    slots = max(1, int(spec.rows(layer) * share / 100))
+    store = TieredStore.open(tables, dram_bytes=slots * slot_bytes(spec.row_bytes, "s3fifo"), mode="cached",
+                             queue_depth=args.queue_depth)
+    miss_parts: dict[str, list[float]] = {}
+    hit_parts: dict[str, list[float]] = {"lookup_into": []}
+    not_all_hit = 0
+    try:
+        out = np.empty((steps.shape[1], spec.row_bytes), dtype=np.uint8)
+        for ids in steps[:warm]:
+            store.lookup_into(layer, ids.astype(np.int64), out)
+        chosen = steps[warm: warm + args.steps].astype(np.int64)
+        for ids in chosen:
+            lookup_by_parts(store, layer, ids, out, miss_parts)
+        again = chosen[-args.all_hit_steps:]
+        for ids in again:  # every row of these steps in the cache from here on
+            store.lookup_into(layer, ids, out)
+        for ids in again:  # one pass timing whole lookups, one timing their parts: each step cold in both
+            t0 = time.perf_counter()
+            st = store.lookup_into(layer, ids, out)
+            hit_parts["lookup_into"].append((time.perf_counter() - t0) * 1e3)
+            not_all_hit += st.rows_nvme > 0
+        for ids in again:
+            not_all_hit += lookup_by_parts(store, layer, ids, out, hit_parts) > 0
+    finally:
+        store.close()
+    summary = lambda parts: {k: {"p50": pct(v, 50), "p99": pct(v, 99)} for k, v in parts.items()}  # noqa: E731
+    return {"batch": batch, "rows": int(steps.shape[1]), "share_percent": share, "steps": len(chosen),
+            "all_hit_steps": len(again), "not_all_hit": not_all_hit, "miss_steps_ms": summary(miss_parts),
+            "all_hit_ms": summary(hit_parts)}
