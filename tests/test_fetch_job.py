@@ -88,6 +88,18 @@ def test_twenty_steps_exact_from_the_daemon_and_from_a_native_thread(daemon, tab
         job.close()
 
 
+def test_a_small_job_still_gets_a_daemon_connection(daemon, tables):
+    job = FetchJob(daemon.unix, CACHED, 96)  # its ids and rows need less than the smallest region a daemon gives
+    try:
+        assert job.connected
+        ids = step_ids(50, 96, padding=2)
+        fetch(job, ids)
+        check(job, tables, ids)
+        assert job.stats()["daemon_steps"] == 1
+    finally:
+        job.close()
+
+
 def daemon_stats(daemon) -> dict:
     from engram_store.client.client import EngramClient
 

@@ -145,7 +145,7 @@ class FetchJob:
         native = native_fetch()
         self.address, self.path, self.layer = address, socket_path(address), int(layer)
         self.deadline = deadline_seconds(deadline)
-        transport = UnixTransport(self.path, 1 << 16, connect_timeout)  # the handshake only: its Info
+        transport = UnixTransport(self.path, MIN_REGION_BYTES, connect_timeout)  # the handshake only: its Info
         try:
             info = transport.info_cached
             self.spec = ModelSpec.from_dict(info["spec"])
@@ -262,8 +262,11 @@ class FetchJob:
         shm.release(region)
 
 
+MIN_REGION_BYTES = 1 << 16  # the smallest shared region a daemon hands out
+
+
 def _region_bytes(max_rows: int, row_bytes: int) -> int:
-    return wire.align(max_rows * 8) + wire.align(max_rows * row_bytes) + wire.ALIGN
+    return max(MIN_REGION_BYTES, wire.align(max_rows * 8) + wire.align(max_rows * row_bytes) + wire.ALIGN)
 
 
 class _Supervisor:

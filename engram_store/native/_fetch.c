@@ -150,6 +150,26 @@ static int io_all(int fd, void *buf, size_t n, int64_t deadline, int sending) {
     return 0;
 }
 
+/* Row k of the packed rows at src (row_bytes each) goes to staging row pos[k]: its payload into the
+   payload block, its scales into the scale block. DeepSeek-V4.1's 256 + 8 bytes get copies of constant
+   size (inlined vector moves); other row formats the general loop. */
+static void split_rows(Job *j, const uint8_t *src, int64_t m) {
+    const int64_t rb = j->row_bytes, dim = j->dim, sb = j->scale_bytes;
+    const int64_t *pos = j->pos;
+    if (dim == 256 && sb == 8) {
+        for (int64_t k = 0; k < m; k++) {
+            const uint8_t *row = src + k * 264;
+            memcpy(j->weight + pos[k] * 256, row, 256);
+            memcpy(j->scales + pos[k] * 8, row + 256, 8);
+        }
+        return;
+    }
+    for (int64_t k = 0; k < m; k++) {
+        memcpy(j->weight + pos[k] * dim, src + k * rb, (size_t)dim);
+        memcpy(j->scales + pos[k] * sb, src + k * rb + dim, (size_t)sb);
+    }
+}
+
 /* 1: the daemon wrote every taken row into the blocks; 0: fall back to direct reads. */
 static int from_daemon(Job *j, int64_t m) {
     if (j->ids_off + m * 8 > j->region.len || j->out_off + m * j->row_bytes > j->region.len) {
@@ -196,13 +216,7 @@ static int from_daemon(Job *j, int64_t m) {
         atomic_fetch_add(&j->daemon_errors, 1);
         return 0;
     }
-    const uint8_t *out = region + j->out_off;
-    const int64_t rb = j->row_bytes, dim = j->dim, sb = j->scale_bytes;
-    for (int64_t k = 0; k < m; k++) {
-        const int64_t i = j->pos[k];
-        memcpy(j->weight + i * dim, out + k * rb, (size_t)dim);
-        memcpy(j->scales + i * sb, out + k * rb + dim, (size_t)sb);
-    }
+    split_rows(j, region + j->out_off, m);
     return 1;
 }
 
