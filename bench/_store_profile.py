@@ -38,23 +38,31 @@ def lookup_by_parts(store, layer: int, ids: np.ndarray, out: np.ndarray, parts: 
     hit = found > 0
     n_hit = int(np.count_nonzero(hit))
     t.lap("hit mask")
-    if n_hit == len(flat):
+    n, rb = len(flat), store.row_bytes
+    if n_hit == n:
         store._gather.take(cache.slots, found - 1, out)
     elif n_hit:
         at = np.flatnonzero(hit)
-        out[at] = cache.slots[found[at] - 1]
+        block = np.empty((n, rb), dtype=np.uint8)
+        store._gather.take(cache.slots, found[at] - 1, block[:n_hit])
     t.lap("copy hits")
     cache.end(token)
     t.lap("cache.end")
-    if n_hit < len(flat):
-        miss = np.flatnonzero(~hit)
-        distinct, inverse = np.unique(flat[miss], return_inverse=True)
+    if n_hit < n:
+        miss = np.flatnonzero(~hit) if n_hit else None
+        distinct, inverse = np.unique(flat[miss] if n_hit else flat, return_inverse=True)
         t.lap("unique misses")
-        data = np.empty((len(distinct), store.row_bytes), dtype=np.uint8)
+        data = block[n_hit: n_hit + len(distinct)] if n_hit else np.empty((len(distinct), rb), dtype=np.uint8)
         store._nvme.read_rows(layer, distinct, data)
         t.lap("NVMe reads")
-        out[miss] = data[inverse]
-        t.lap("scatter misses")
+        if not n_hit:
+            store._gather.take(data, inverse, out)
+        else:
+            source = np.empty(n, dtype=np.int64)
+            source[at] = np.arange(n_hit)
+            source[miss] = n_hit + inverse
+            store._gather.take(block, source, out)
+        t.lap("place hits and misses")
         cache.admit(layer, distinct, data)
         t.lap("cache.admit (evictions)")
     store._sampler.record(layer, flat)

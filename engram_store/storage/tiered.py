@@ -338,41 +338,50 @@ class TieredStore(PlanLookups):
         self._counters.add_dram(n, n * self.row_bytes, seconds)
 
     def _lookup_cached(self, layer: int, flat: np.ndarray, out2: np.ndarray, st: LookupStats) -> None:
-        cache = self._cache
+        """Rows in DRAM gathered from the cache's slots, the others read from NVMe (shared with
+        lookups reading them now) and offered to the cache. With both kinds, the hits are gathered
+        into a block followed by the rows read, and one native gather from that block fills ``out2``
+        (numpy's fancy indexing of 264-byte rows costs several times a gather)."""
+        cache, n, rb = self._cache, len(flat), self.row_bytes
         token, found = cache.begin(layer, flat)
         try:
             hit = found > 0
-            st.rows_dram = int(np.count_nonzero(hit))
-            if st.rows_dram == len(flat):
+            n_hit = st.rows_dram = int(np.count_nonzero(hit))
+            if n_hit == n:
                 self._gather.take(cache.slots, found - 1, out2)
-            elif st.rows_dram:
+            elif n_hit:
                 at = np.flatnonzero(hit)
-                out2[at] = cache.slots[found[at] - 1]
+                block = np.empty((n, rb), dtype=np.uint8)  # [hits; rows read] (at most n rows)
+                self._gather.take(cache.slots, found[at] - 1, block[:n_hit])
         finally:
             cache.end(token)  # slots read above may be reused from here on
-        if st.rows_dram == len(flat):
+        if n_hit == n:
             return
-        miss = np.flatnonzero(~hit)
-        distinct, inverse = np.unique(flat[miss], return_inverse=True)
-        data, rs, shared = self._read_missing(layer, distinct)
+        miss = np.flatnonzero(~hit) if n_hit else None
+        distinct, inverse = np.unique(flat[miss] if n_hit else flat, return_inverse=True)
+        data = block[n_hit: n_hit + len(distinct)] if n_hit else np.empty((len(distinct), rb), dtype=np.uint8)
+        rs, shared = self._read_missing(layer, distinct, data)
         self._clear_good(layer, distinct, rs.bad_pages, "an NVMe read")
         if len(rs.bad_pages):
             self._refuse_read(layer, distinct, inverse, data, rs.bad_pages)
-        if len(miss) == len(flat):
-            np.take(data, inverse, axis=0, out=out2, mode="clip")  # no temporary of the request's size
+        if not n_hit:
+            self._gather.take(data, inverse, out2)
         else:
-            out2[miss] = data[inverse]
-        st.rows_nvme = len(miss)
+            source = np.empty(n, dtype=np.int64)  # row i of out2: block[source[i]]
+            source[at] = np.arange(n_hit)
+            source[miss] = n_hit + inverse
+            self._gather.take(block, source, out2)
+        st.rows_nvme = n - n_hit
         st.nvme_rows_distinct = len(distinct) - shared
         st.nvme_rows_shared = shared
         st.nvme_pages_read, st.nvme_reads, st.nvme_bytes_read, st.nvme_read_seconds = rs.pages, rs.reads, rs.bytes, rs.seconds
         st.cache_admitted = cache.admit(layer, distinct, data)
 
-    def _read_missing(self, layer: int, distinct: np.ndarray) -> tuple[np.ndarray, ReadStats, int]:
-        """The bytes of sorted distinct ``distinct`` from NVMe: rows another lookup is reading now
-        are taken from its read (:mod:`.inflight`), the others read here. Returns (their bytes, what
-        was read here, with every bad page met; rows taken from another read)."""
-        data = np.empty((len(distinct), self.row_bytes), dtype=np.uint8)
+    def _read_missing(self, layer: int, distinct: np.ndarray, data: np.ndarray) -> tuple[ReadStats, int]:
+        """The bytes of sorted distinct ``distinct`` from NVMe into ``data`` (C-contiguous uint8
+        ``[len(distinct), row_bytes]``): rows another lookup is reading now are taken from its read
+        (:mod:`.inflight`), the others read here. Returns (what was read here, with every bad page
+        met; rows taken from another read)."""
         read, mine, waits = self._inflight.claim(layer, distinct)
         rs = ReadStats()
         if read is not None:
@@ -399,7 +408,7 @@ class TieredStore(PlanLookups):
             rs.pages, rs.reads, rs.bytes = rs.pages + got.pages, rs.reads + got.reads, rs.bytes + got.bytes
             rs.seconds += got.seconds
             rs.bad_pages = np.union1d(rs.bad_pages, got.bad_pages).astype(np.int64)
-        return data, rs, shared
+        return rs, shared
 
     def _refuse_known_bad(self, layer: int, flat: np.ndarray) -> None:
         """CorruptRows when any of ``flat`` sits in a page already known corrupt (rows read in place)."""
