@@ -2,6 +2,10 @@
  *
  * gather(src, row_bytes, index, out, threads=1) -> None
  *     out[i] = src[index[i]] for rows of row_bytes bytes.
+ * take_int32(table, index, out) -> None, bump_uint8(counts, index, cap) -> None
+ *     The row cache's per-lookup bookkeeping: row-to-slot entries read at random rows
+ *     (prefetched), hit counts raised up to a cap (numpy's semantics for repeated indices).
+ *     On the caller's thread, the GIL released.
  * gather_split(weights, weight_bytes, scales, scale_bytes, index, out, threads=1) -> None
  *     The same for a table kept in two blocks, the engines' layout (every row's
  *     payload in one block, every row's scales in the other): out[i] is
@@ -34,6 +38,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -392,8 +397,107 @@ done:
     return result;
 }
 
+/* out[i] = table[index[i]] (int32), prefetching PREFETCH_AHEAD entries ahead: the cache's row-to-slot
+   lookups, a random read per row over a table of the layer's size. Returns the first bad i, or -1. */
+static int64_t take_i32(const int32_t *table, int64_t len, const int64_t *index, int64_t n, int32_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n) {
+            const int64_t ahead = index[i + PREFETCH_AHEAD];
+            if (ahead >= 0 && ahead < len) __builtin_prefetch(table + ahead, 0, 0);
+        }
+        const int64_t k = index[i];
+        if (k < 0 || k >= len) return i;
+        out[i] = table[k];
+    }
+    return -1;
+}
+
+static PyObject *take_int32(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *o_table, *o_idx, *o_out;
+    if (!PyArg_ParseTuple(args, "OOO", &o_table, &o_idx, &o_out)) return NULL;
+    Py_buffer t, x, o;
+    if (PyObject_GetBuffer(o_table, &t, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(o_idx, &x, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&t);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(o_out, &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&t);
+        PyBuffer_Release(&x);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (t.itemsize != 4 || x.itemsize != 8 || o.itemsize != 4 || o.len / 4 < x.len / 8) {
+        PyErr_SetString(PyExc_TypeError, "take_int32(table int32, index int64, out int32 of len(index))");
+    } else {
+        const int64_t n = x.len / 8, len = t.len / 4;
+        int64_t bad;
+        Py_BEGIN_ALLOW_THREADS
+        bad = take_i32(t.buf, len, x.buf, n, o.buf);
+        Py_END_ALLOW_THREADS
+        if (bad >= 0)
+            PyErr_Format(PyExc_IndexError, "take_int32: index %lld is outside [0, %lld)",
+                         (long long)((int64_t *)x.buf)[bad], (long long)len);
+        else
+            result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&t);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&o);
+    return result;
+}
+
+/* counts[index] = min(counts[index], cap - 1) + 1 for uint8 counts, every index in [0, len(counts)), with
+   numpy's fancy-assignment semantics (every count read before any is written, so an index listed twice
+   counts once): S3-FIFO's hit counts. */
+static PyObject *bump_uint8(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *o_counts, *o_idx;
+    int cap;
+    if (!PyArg_ParseTuple(args, "OOi", &o_counts, &o_idx, &cap)) return NULL;
+    Py_buffer c, x;
+    if (PyObject_GetBuffer(o_counts, &c, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(o_idx, &x, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&c);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    const int64_t n = x.itemsize ? x.len / x.itemsize : 0, len = c.len;
+    uint8_t *next = n ? malloc((size_t)n) : NULL;
+    if (c.itemsize != 1 || (x.itemsize != 4 && x.itemsize != 8) || cap < 1 || cap > 255) {
+        PyErr_SetString(PyExc_TypeError, "bump_uint8(counts uint8, index int32 or int64, cap in 1..255)");
+    } else if (n && next == NULL) {
+        PyErr_NoMemory();
+    } else {
+        uint8_t *counts = c.buf;
+        int64_t bad = -1;
+        Py_BEGIN_ALLOW_THREADS
+        for (int64_t i = 0; i < n && bad == -1; i++) {  /* read every count first */
+            const int64_t k = x.itemsize == 8 ? ((int64_t *)x.buf)[i] : ((int32_t *)x.buf)[i];
+            if (k < 0 || k >= len)
+                bad = k;
+            else
+                next[i] = (uint8_t)((counts[k] < cap - 1 ? counts[k] : cap - 1) + 1);
+        }
+        for (int64_t i = 0; i < n && bad == -1; i++)
+            counts[x.itemsize == 8 ? ((int64_t *)x.buf)[i] : ((int32_t *)x.buf)[i]] = next[i];
+        Py_END_ALLOW_THREADS
+        if (bad != -1)
+            PyErr_Format(PyExc_IndexError, "bump_uint8: index %lld is outside [0, %lld)", (long long)bad, (long long)len);
+        else
+            result = Py_NewRef(Py_None);
+    }
+    free(next);
+    PyBuffer_Release(&c);
+    PyBuffer_Release(&x);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS, "gather(src, row_bytes, index, out, threads=1) -> None"},
+    {"take_int32", take_int32, METH_VARARGS,
+     "take_int32(table, index, out) -> None: out[i] = table[index[i]], int32 entries, prefetched"},
+    {"bump_uint8", bump_uint8, METH_VARARGS,
+     "bump_uint8(counts, index, cap) -> None: counts[index] = min(counts[index], cap - 1) + 1 (uint8, as numpy)"},
     {"gather_split", gather_split, METH_VARARGS,
      "gather_split(weights, weight_bytes, scales, scale_bytes, index, out, threads=1) -> None"},
     {"prime", prime, METH_NOARGS, "prime() -> None: wake idle workers, a gather is coming"},

@@ -99,6 +99,20 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(PAGE, round_up(nbytes, PAGE)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
+def zeroed_array(n: int, dtype, *, huge: bool = True) -> np.ndarray:
+    """``n`` zeros of ``dtype`` in anonymous private memory (pages are given only when written), on
+    transparent huge pages where the host allows (``madvise``): large tables read at random positions
+    (the cache's row-to-slot maps) then take a TLB miss per 2 MiB instead of per 4 KiB."""
+    dtype = np.dtype(dtype)
+    mm = aligned_buffer(max(1, n) * dtype.itemsize)
+    if huge and hasattr(mmap, "MADV_HUGEPAGE") and len(mm) >= HUGE_PAGE:
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass  # THP off on this host: 4 KiB pages, same zeros
+    return np.frombuffer(mm, dtype=dtype, count=n)
+
+
 def round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 

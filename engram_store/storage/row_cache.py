@@ -2,7 +2,8 @@
 
 A slot arena of ``n_slots`` rows, one int32 row-to-slot array per layer
 (``slot + 1``, 0 when absent; allocated zeroed, so pages of rows never cached
-cost no memory), and an eviction policy (:mod:`.policies`).
+cost no memory; on transparent huge pages where the host allows, as every
+lookup reads them at random rows), and an eviction policy (:mod:`.policies`).
 
 Slots are never reused under a reader, by epochs: a lookup registers the
 current epoch while it copies out of slots; evicted slots are retired with the
@@ -18,7 +19,8 @@ import threading
 
 import numpy as np
 
-from ..native.syscalls import HUGE_PAGE, as_array, create_memfd, map_fd, round_up
+from ..native import load
+from ..native.syscalls import HUGE_PAGE, as_array, create_memfd, map_fd, round_up, zeroed_array
 from .policies import make_policy
 
 log = logging.getLogger(__name__)
@@ -28,6 +30,7 @@ LAYER_SHIFT = 40  # cache key = layer_index << LAYER_SHIFT | row
 
 ROW_MASK = (1 << LAYER_SHIFT) - 1
 ADMIT_DIVISOR = 4  # one lookup admits at most n_slots // ADMIT_DIVISOR new rows
+_NATIVE = load("_gather", "the cache's row-to-slot lookups use numpy indexing")
 
 
 class RowCache:
@@ -40,7 +43,7 @@ class RowCache:
         self.row_bytes = row_bytes
         self.n_slots = n_slots
         self.layer_index = {layer: i for i, layer in enumerate(sorted(layer_rows))}
-        self.maps = [np.zeros(layer_rows[layer], dtype=np.int32) for layer in sorted(layer_rows)]
+        self.maps = [zeroed_array(layer_rows[layer], np.int32, huge=huge) for layer in sorted(layer_rows)]
         size = round_up(n_slots * row_bytes, HUGE_PAGE)
         self.memfd = create_memfd("engram-cache", size, huge=huge)
         self._mm = map_fd(self.memfd.fd, size, writable=True, huge=huge)
@@ -67,7 +70,11 @@ class RowCache:
         with self.lock:
             token = self.epoch
             self.active[token] = self.active.get(token, 0) + 1
-            found = self.maps[li][rows]
+            if _NATIVE is not None:  # prefetched: one random read per row of a layer-sized table
+                found = np.empty(len(rows), dtype=np.int32)
+                _NATIVE.take_int32(self.maps[li], np.ascontiguousarray(rows, dtype=np.int64), found)
+            else:
+                found = self.maps[li][rows]
             hit = found[found > 0] - 1
             if len(hit):
                 self.policy.on_hit(hit)

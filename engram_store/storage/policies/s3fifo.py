@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...native import load
+
 FREQ_MAX = 3
+_NATIVE = load("_gather", "S3-FIFO counts hits with numpy indexing")
 SMALL_FRACTION = 0.10
 GHOST_FRACTION = 0.90
 MIN_WINDOW = 256
@@ -123,6 +126,9 @@ class S3FifoPolicy:
         self.small.push(slots[~seen])
 
     def on_hit(self, slots: np.ndarray) -> None:
+        if _NATIVE is not None:
+            _NATIVE.bump_uint8(self.freq, np.ascontiguousarray(slots), FREQ_MAX)  # the same, in one native pass
+            return
         f = self.freq[slots]
         self.freq[slots] = np.minimum(f, FREQ_MAX - 1) + 1
 
