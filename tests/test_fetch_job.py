@@ -36,9 +36,9 @@ def tables(tmp_path_factory):
     return TableSet.open(directory)
 
 
-def start(tables, workdir, **kw) -> DaemonProcess:
+def start(tables, workdir, *flags: str) -> DaemonProcess:
     return DaemonProcess(tables.directory, workdir, dram_bytes=str(DRAM),
-                         extra=["--placement", f"{FIRST}=resident,{CACHED}=cached"], **kw).start()
+                         extra=["--placement", f"{FIRST}=resident,{CACHED}=cached", *flags]).start()
 
 
 @pytest.fixture
@@ -132,6 +132,26 @@ def test_killed_daemon_steps_stay_exact_then_the_job_goes_back_to_it(tables, tmp
         fetch(job, ids)
         check(job, tables, ids)
         assert job.stats()["daemon_steps"] == before + 1 and job.reconnects >= 1
+    finally:
+        job.close()
+        d.stop()
+
+
+def test_a_connection_the_daemon_drops_between_steps_is_remade_before_the_next_step(tables, tmp_path):
+    d = start(tables, tmp_path, "--client-idle-timeout-seconds", "1")
+    job = FetchJob(d.unix, CACHED, STEP_ROWS)
+    try:
+        fetch(job, step_ids(150))
+        deadline = time.monotonic() + 20  # idle for 1 s: the daemon drops the connection; the job remakes it
+        while not job.reconnects:
+            assert time.monotonic() < deadline, job.stats()
+            time.sleep(0.02)
+        ids = step_ids(151)  # on the new connection, well within its own idle second
+        fetch(job, ids)
+        check(job, tables, ids)
+        stats = job.stats()
+        assert stats["daemon_steps"] == 2 and stats["direct_steps"] == 0, stats
+        assert "between steps" in stats["note"]
     finally:
         job.close()
         d.stop()

@@ -270,7 +270,9 @@ def _region_bytes(max_rows: int, row_bytes: int) -> int:
 
 
 class _Supervisor:
-    """One thread per process that gives jobs without a daemon connection a new one."""
+    """One thread per process that gives jobs without a daemon connection a new one. A connection the
+    daemon closed while its job sat between steps (its ``client_idle_timeout_seconds``, a restart) is
+    noticed here (``probe``) and remade at once, so the next step still goes to the daemon."""
 
     def __init__(self) -> None:
         self._jobs: list[FetchJob] = []
@@ -293,8 +295,14 @@ class _Supervisor:
         while True:
             time.sleep(RECONNECT_SECONDS)
             with self._lock:
-                jobs = [job for job in self._jobs if not job.connected]
+                jobs = list(self._jobs)
             for job in jobs:
+                if job.connected and job.native.probe():
+                    log.info("engram-store fetch job, layer %d: the daemon closed its connection between steps; "
+                             "reconnecting", job.layer)
+            for job in jobs:
+                if job.connected:
+                    continue
                 try:
                     job.connect(RECONNECT_TIMEOUT_SECONDS)
                 except errors.EngramStoreError:

@@ -31,7 +31,7 @@
  * Python: run(n) (the GIL released), run_in_native_thread(n) (a pthread of its own: proof that no
  * GIL is needed), launch_host(stream, n) (cuLaunchHostFunc through the driver's libcuda.so.1, looked
  * up at first use: the job needs no CUDA at build time), run_address / call_address(n), attach(fd,
- * region, ids_offset, out_offset), detach(), connected, stats(), error(), clear_error().
+ * region, ids_offset, out_offset), detach(), probe(), connected, stats(), error(), clear_error().
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -635,6 +635,28 @@ static PyObject *job_detach(Job *j, PyObject *noargs) {
     Py_RETURN_NONE;
 }
 
+/* Between steps nothing is due from the daemon: a connection that reads as ready then was closed by it (its
+   idle timeout, a restart) or is out of step. Dropping it now lets the reconnect come before the next step
+   instead of that step finding it closed (and reading its pages directly). Never waits behind a run. */
+static PyObject *job_probe(Job *j, PyObject *noargs) {
+    if (!ready(j)) return NULL;
+    int dropped = 0;
+    if (pthread_mutex_trylock(&j->lock) == 0) {
+        if (j->sock >= 0) {
+            struct pollfd p = {.fd = j->sock, .events = POLLIN};
+            if (poll(&p, 1, 0) > 0) {
+                char byte;
+                const ssize_t r = recv(j->sock, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+                drop(j, r == 0 || (p.revents & (POLLHUP | POLLERR)) ? "the daemon closed it between steps"
+                                                                     : "bytes nobody asked for between steps");
+                dropped = 1;
+            }
+        }
+        pthread_mutex_unlock(&j->lock);
+    }
+    return PyBool_FromLong(dropped);
+}
+
 static PyObject *job_connected(Job *j, void *closure) {
     return PyBool_FromLong(j->lock_ready && __atomic_load_n(&j->sock, __ATOMIC_RELAXED) >= 0);
 }
@@ -700,6 +722,8 @@ static PyMethodDef job_methods[] = {
     {"attach", (PyCFunction)job_attach, METH_VARARGS,
      "attach(fd, region, ids_offset, out_offset): take a daemon connection (the job closes fd)"},
     {"detach", (PyCFunction)job_detach, METH_NOARGS, "detach(): close the daemon connection"},
+    {"probe", (PyCFunction)job_probe, METH_NOARGS,
+     "probe() -> True when it dropped a connection the daemon closed between steps (never waits behind a run)"},
     {"stats", (PyCFunction)job_stats, METH_NOARGS, "stats() -> dict of counters and the last fallback's reason"},
     {"error", (PyCFunction)job_error, METH_NOARGS,
      "error() -> (kind, message, pages) of the first unreported failure: kind 'corrupt' (pages: the first bad "
