@@ -12,7 +12,7 @@ from engram_store import TieredStore
 from engram_store.errors import ConfigError
 from engram_store.storage.policies import make_policy
 from engram_store.storage.policies.s3fifo import GhostSet, Ring, S3FifoPolicy
-from engram_store.storage.row_cache import RowCache
+from engram_store.storage.row_cache import EpochGuard, RowCache
 from engram_store.tools.synth import synth_rows
 
 
@@ -24,6 +24,31 @@ def rows_bytes(rows: np.ndarray, rb: int = 8) -> np.ndarray:
 def fill(cache: RowCache, layer: int, rows: np.ndarray) -> int:
     rows = np.unique(rows)
     return cache.admit(layer, rows, rows_bytes(rows, cache.row_bytes))
+
+
+def guards() -> list:
+    from engram_store.native import load
+
+    native = load("_gather", "")
+    return [EpochGuard] + ([native.EpochGuard] if native is not None else [])
+
+
+@pytest.mark.parametrize("make_guard", guards(), ids=lambda g: g.__module__)
+def test_epoch_guards_keep_the_same_books(make_guard):
+    """The native EpochGuard (shared with the daemon's native readers) and the Python one agree step by step."""
+    g = make_guard()
+    with g:
+        assert g.oldest() is None and g.enter() == 0 and g.enter() == 0 and g.readers == 2
+        assert g.advance() == 0 and g.epoch == 1 and g.enter() == 1 and g.oldest() == 0
+    g.leave(0)
+    with g:
+        assert g.oldest() == 0 and g.readers == 2
+    g.leave(0)
+    with g:
+        assert g.oldest() == 1 and g.advance() == 1 and g.advance() == 2 and g.oldest() == 1
+    g.leave(1)
+    with g:
+        assert g.oldest() is None and g.readers == 0 and g.epoch == 3
 
 
 @pytest.mark.parametrize("policy", ["s3fifo", "lru"])

@@ -63,6 +63,7 @@
 enum { SERVED = 0, FRAME = 1, PEER_EOF = 2 };
 
 static const engram_gather_api *gather_api;
+#include "cached_hits.h" /* cache_t, cache_serve: lookups of cached layers whose rows are all cached */
 static atomic_flag poll_token = ATOMIC_FLAG_INIT; /* held by the one connection busy-polling, native or Python
                                                       (poll_token_try / poll_token_release) */
 
@@ -127,6 +128,7 @@ typedef struct {
     int threads;
     uint64_t max_rows;
     int64_t busy_poll_ns;
+    cache_t cache; /* cached layers (cached_hits.h); none when nlayers is 0 */
 } Conn;
 
 static void release(Conn *c) {
@@ -141,6 +143,7 @@ static void release(Conn *c) {
     PyMem_Free(c->layers);
     c->layers = NULL;
     c->nlayers = 0;
+    cache_release(&c->cache);
 }
 
 static void Conn_dealloc(Conn *c) {
@@ -150,16 +153,16 @@ static void Conn_dealloc(Conn *c) {
 
 static int Conn_init(Conn *c, PyObject *args, PyObject *kwds) {
     static char *kw[] = {"fd", "region", "ids", "layers", "row_bytes", "weight_bytes", "threads", "max_rows",
-                         "busy_poll_ns", NULL};
-    PyObject *o_region, *o_ids, *o_layers;
+                         "busy_poll_ns", "cache", NULL};
+    PyObject *o_region, *o_ids, *o_layers, *o_cache = Py_None;
     long long row_bytes, weight_bytes, max_rows, busy_poll_ns;
     int fd, threads;
     if (c->open) {
         PyErr_SetString(PyExc_RuntimeError, "Conn is already initialized");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOO!LLiLL", kw, &fd, &o_region, &o_ids, &PyDict_Type, &o_layers,
-                                     &row_bytes, &weight_bytes, &threads, &max_rows, &busy_poll_ns))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOOO!LLiLL|O", kw, &fd, &o_region, &o_ids, &PyDict_Type, &o_layers,
+                                     &row_bytes, &weight_bytes, &threads, &max_rows, &busy_poll_ns, &o_cache))
         return -1;
     if (row_bytes <= 0 || weight_bytes <= 0 || weight_bytes > row_bytes || threads < 1 || max_rows < 0 ||
         busy_poll_ns < 0) {
@@ -215,6 +218,10 @@ static int Conn_init(Conn *c, PyObject *args, PyObject *kwds) {
             release(c);
             return -1;
         }
+    }
+    if (cache_init(&c->cache, o_cache, c->ids.len / 8, c->row_bytes) < 0) {
+        release(c);
+        return -1;
     }
     return 0;
 }
@@ -278,8 +285,9 @@ static int serve(Conn *c, const frame_t *f, double *seconds) {
     const layer_t *l = NULL;
     for (Py_ssize_t i = 0; i < c->nlayers; i++)
         if (c->layers[i].layer == f->layer) l = &c->layers[i];
+    const cached_layer_t *cached = l == NULL ? cache_layer(&c->cache, f->layer) : NULL;
     const uint64_t n = f->count, size = (uint64_t)c->region.len, rb = c->row_bytes;
-    if (l == NULL || n == 0 || n > c->max_rows || n > (uint64_t)c->ids.len / 8) return 0;
+    if ((l == NULL && cached == NULL) || n == 0 || n > c->max_rows || n > (uint64_t)c->ids.len / 8) return 0;
     if (f->ids_offset % 8 || f->out_offset % 8 || f->ids_offset > size || f->out_offset > size ||
         n * 8 > size - f->ids_offset || n * rb > size - f->out_offset)
         return 0;
@@ -289,10 +297,17 @@ static int serve(Conn *c, const frame_t *f, double *seconds) {
     char *region = c->region.buf;
     int64_t *ids = c->ids.buf;
     memcpy(ids, region + f->ids_offset, n * 8);
-    const size_t wb = c->weight_bytes;
-    const int64_t rows = l->weights.len / (Py_ssize_t)wb;
     char *out = region + f->out_offset;
-    if (n <= FAIR_PIECE_ROWS) {
+    const size_t wb = c->weight_bytes;
+    const int64_t rows = l != NULL ? l->weights.len / (Py_ssize_t)wb : 0;
+    if (cached != NULL) { /* served only when every row is cached; a decode or prefill-chunk size */
+        if (n > FAIR_PIECE_ROWS) return 0;
+        atomic_fetch_add(&small_active, 1);
+        if (!cache_serve(&c->cache, cached, ids, (int64_t)n, out, rb, c->threads)) {
+            small_done();
+            return 0;
+        }
+    } else if (n <= FAIR_PIECE_ROWS) {
         atomic_fetch_add(&small_active, 1);
         const int64_t bad = gather_api->gather_split(l->weights.buf, l->scales.buf, rows, wb, rb - wb, ids, (int64_t)n,
                                                      out, c->threads);

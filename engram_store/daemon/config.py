@@ -128,7 +128,7 @@ class DaemonConfig:
     max_request_rows: int = 1 << 20  # rows per request (both transports); more is RESOURCE_EXHAUSTED
     workers: int = 0  # lookup threads; 0 = one per CPU
     busy_poll_us: int = 200  # Unix clients: poll for the next request this long before sleeping; 0 = never
-    unix_native: bool = True  # resident mode: serve Unix lookups in native code (false: the Python path)
+    unix_native: bool = True  # serve Unix lookups of resident layers, and all-hit ones of cached layers, natively
     grpc: str = ""  # gRPC listen address, e.g. "127.0.0.1:50051"; "" (default) disables it
     grpc_token_file: str = ""  # file holding the shared token gRPC clients must send (client auth)
     grpc_tls_client_ca: str = ""  # PEM CA bundle: require client certificates it signed (mTLS)

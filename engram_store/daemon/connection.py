@@ -9,10 +9,11 @@ region[out_offset:...])``. Pooled lookups larger than the server's
 ``piece_rows`` are served in pieces, connection by connection in turn
 (:class:`~.limits.RoundRobin`).
 
-In resident mode (``unix_native``) the reader first hands its socket to the
-native path (:mod:`.fastpath`): well-formed lookups are answered there, one
-after another, without the interpreter; whatever it leaves comes back here as
-a frame header and is answered below. Such a connection never uses the worker
+With ``unix_native`` the reader first hands its socket to the native path
+(:mod:`.fastpath`): well-formed lookups of resident layers, and of cached
+layers whose rows are all cached, are answered there, one after another,
+without the interpreter; whatever it leaves comes back here as a frame header
+and is answered below. Such a connection never uses the worker
 pool (the native path sends on the reader's thread).
 
 A LOOKUP with ``Flag.PLAN`` (see :mod:`engram_store.wire.frames`) is answered on

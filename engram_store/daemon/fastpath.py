@@ -1,15 +1,19 @@
-"""The native path for resident lookups over the Unix socket, and when the daemon uses it.
+"""The native path for lookups over the Unix socket, and when the daemon uses it.
 
-In resident mode a connection's reader hands its socket to :class:`NativeConn`
-(``_unixfast.c``): it reads frame headers, checks them, copies the ids, gathers
-rows from the arena into the client's region and sends the RESULT without the
-interpreter. Whatever it does not take (another op, a frame with a payload,
-int32 ids, any request the checks or the bounds refuse) comes back as a header
-for the Python reader, which answers it exactly as before, errors included.
+A connection's reader hands its socket to :class:`NativeConn` (``_unixfast.c``):
+it reads frame headers, checks them, copies the ids, gathers rows into the
+client's region and sends the RESULT without the interpreter, from the resident
+arena, or from the row cache for a cached layer when every row of the lookup is
+cached (``cached_hits.h``, under the cache's own lock and reader epochs).
+Whatever it does not take (another op, a frame with a payload, int32 ids, a
+cached lookup with a miss, any request the checks or the bounds refuse) comes
+back as a header for the Python reader, which answers it exactly as before,
+errors included.
 
 Used when ``unix_native`` is on, both native modules are built and agree with
-:mod:`wire`, and the store serves resident views (``TieredStore.resident_views``);
-otherwise the Python reader does everything.
+:mod:`wire`, and the store serves resident or cached views
+(``TieredStore.resident_views``, ``cached_views``); otherwise the Python reader
+does everything.
 """
 
 from __future__ import annotations
@@ -79,8 +83,8 @@ class NativePath:
     """What the native path serves, shared by every connection of one daemon."""
 
     def __init__(self, module: ModuleType, store: ResidentStore, config: DaemonConfig,
-                 views: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
-        self.module, self.store, self.config, self.views = module, store, config, views
+                 views: dict[int, tuple[np.ndarray, np.ndarray]], cached: dict | None) -> None:
+        self.module, self.store, self.config, self.views, self.cached = module, store, config, views, cached
         self.threads = int(store.gather_threads)
 
     @classmethod
@@ -88,8 +92,10 @@ class NativePath:
         if not config.unix_native or not isinstance(store, ResidentStore):
             return None
         module = native_module()
-        views = store.resident_views() if module is not None else {}
-        return cls(module, store, config, views) if views else None
+        if module is None:
+            return None
+        views, cached = store.resident_views(), store.cached_views()
+        return cls(module, store, config, views, cached) if views or cached else None
 
     def connect(self, sock: socket.socket, region: np.ndarray) -> "NativeConn":
         return NativeConn(self, sock, region)
@@ -104,11 +110,10 @@ class NativeConn:
         self._conn = self._open()
 
     def _open(self) -> Any:
-        cfg = self.path.config
-        weight_bytes = next(iter(self.path.views.values()))[0].shape[1]
+        cfg, store = self.path.config, self.path.store
         return self.path.module.Conn(self._sock.fileno(), self._region, self.ids, self.path.views,
-                                     self.path.store.row_bytes, weight_bytes, self.path.threads,
-                                     cfg.max_request_rows, cfg.busy_poll_us * 1000)
+                                     store.row_bytes, store.spec.row_format.dim, self.path.threads,
+                                     cfg.max_request_rows, cfg.busy_poll_us * 1000, self.path.cached)
 
     def next(self) -> tuple:
         """``(SERVED, layer, count, seconds)`` after answering a lookup (its ids are
@@ -117,7 +122,7 @@ class NativeConn:
         return self._conn.next()
 
     def record(self, layer: int, count: int, seconds: float) -> None:
-        self.path.store.record_resident_lookup(layer, self.ids[:count], seconds)
+        self.path.store.record_native_lookup(layer, self.ids[:count], seconds)
 
     def fit(self, frame: wire.Frame) -> None:
         """Grow the id buffer when ``frame`` is a lookup too large for it (the Python

@@ -17,9 +17,10 @@ connection has one handshake deadline from its connect, an idle timeout, a
 per-uid count (SO_PEERCRED) and its region's share of one budget for all
 regions.
 
-In resident mode (``unix_native``) lookups are answered by the native path
-(:mod:`.fastpath`) on each connection's reader; large ones there are gathered
-in pieces that take turns and wait for small ones (``_unixfast.c``).
+With ``unix_native`` lookups of resident layers, and of cached layers whose rows
+are all cached, are answered by the native path (:mod:`.fastpath`) on each
+connection's reader; large resident ones there are gathered in pieces that take
+turns and wait for small ones (``_unixfast.c``).
 
 At the fd limit (accept() or the region's memfd fails with EMFILE/ENFILE) a
 client is told so: the daemon keeps one spare fd, closes it to accept the

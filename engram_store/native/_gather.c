@@ -6,6 +6,8 @@
  *     The row cache's per-lookup bookkeeping: row-to-slot entries read at random rows
  *     (prefetched), hit counts raised up to a cap (numpy's semantics for repeated indices).
  *     On the caller's thread, the GIL released.
+ * EpochGuard()
+ *     The row cache's lock and reader epochs, shared with the daemon's native path (epoch_guard.h).
  * gather_split(weights, weight_bytes, scales, scale_bytes, index, out, threads=1) -> None
  *     The same for a table kept in two blocks, the engines' layout (every row's
  *     payload in one block, every row's scales in the other): out[i] is
@@ -45,6 +47,7 @@
 #include <unistd.h>
 
 #include "_gather_api.h"
+#include "epoch_guard.h"  /* EpochGuard: the row cache's lock and reader epochs */
 
 #define BLOCK_ROWS 1024     /* rows per claim: small enough to balance, large enough to amortize */
 #define MIN_SPLIT_ROWS 2048 /* smaller gathers run on the caller's thread */
@@ -300,7 +303,6 @@ static int64_t gather_split_rows(const char *weights, const char *scales, int64_
     return run_gather(&j, threads);
 }
 
-static engram_gather_api c_api = {.gather = gather_rows, .prime = prime_pool, .gather_split = gather_split_rows};
 
 static PyObject *pool_size(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
     return PyLong_FromLong(n_workers);
@@ -492,6 +494,10 @@ static PyObject *bump_uint8(PyObject *Py_UNUSED(self), PyObject *args) {
     return result;
 }
 
+static engram_gather_api c_api = {.gather = gather_rows, .prime = prime_pool, .gather_split = gather_split_rows,
+                                  .take_int32 = take_i32, .guard_type = &EpochGuardType, .guard_lock = guard_lock,
+                                  .guard_unlock = guard_unlock, .guard_enter = guard_enter, .guard_leave = guard_leave};
+
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS, "gather(src, row_bytes, index, out, threads=1) -> None"},
     {"take_int32", take_int32, METH_VARARGS,
@@ -513,6 +519,10 @@ PyMODINIT_FUNC PyInit__gather(void) {
     pthread_atfork(NULL, NULL, reset_pool_in_child);
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
+    if (PyType_Ready(&EpochGuardType) < 0 || PyModule_AddObjectRef(m, "EpochGuard", (PyObject *)&EpochGuardType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     PyObject *api = PyCapsule_New(&c_api, ENGRAM_GATHER_CAPSULE, NULL);
     if (api == NULL || PyModule_AddIntConstant(m, "MIN_SPLIT_ROWS", MIN_SPLIT_ROWS) < 0 ||
         PyModule_AddObject(m, "_C_API", api) < 0) {

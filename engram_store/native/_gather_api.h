@@ -7,6 +7,7 @@
 #ifndef ENGRAM_GATHER_API_H
 #define ENGRAM_GATHER_API_H
 
+#include <Python.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -24,6 +25,15 @@ typedef struct {
        weight_bytes of weights[idx[i]] then the scale_bytes of scales[idx[i]]. */
     int64_t (*gather_split)(const char *weights, const char *scales, int64_t rows, size_t weight_bytes,
                             size_t scale_bytes, const int64_t *idx, int64_t n, char *out, int threads);
+    /* out[i] = table[idx[i]] for int32 entries, prefetched (the row cache's row-to-slot maps). Returns -1,
+       or the first i whose index is outside [0, len). */
+    int64_t (*take_int32)(const int32_t *table, int64_t len, const int64_t *idx, int64_t n, int32_t *out);
+    /* The row cache's lock and reader epochs (epoch_guard.h); `guard` is an instance of guard_type. */
+    PyTypeObject *guard_type;
+    void (*guard_lock)(void *guard);
+    void (*guard_unlock)(void *guard);
+    int64_t (*guard_enter)(void *guard); /* lock held; the reader's token, -1 when out of memory */
+    void (*guard_leave)(void *guard, int64_t token); /* takes the lock */
 } engram_gather_api;
 
 #endif

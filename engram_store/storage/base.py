@@ -115,8 +115,8 @@ class RowStore(Protocol):
 
 @runtime_checkable
 class ResidentStore(RowStore, Protocol):
-    """A :class:`RowStore` whose resident arena a caller may gather from with its own
-    native code (the daemon's Unix fast path, ``_unixfast.c``).
+    """A :class:`RowStore` whose resident arena, and row cache, a caller may gather from
+    with its own native code (the daemon's Unix fast path, ``_unixfast.c``).
 
     - ``resident_views()``: each servable layer's two blocks in the sealed arena,
       read-only ``(weights uint8 [rows, dim], scales uint8 [rows, scale_count])``;
@@ -125,16 +125,23 @@ class ResidentStore(RowStore, Protocol):
       refuses its bad rows. The caller checks every id against ``rows(layer)`` and
       stops using the views before ``close``.
     - ``gather_threads``: threads one large gather may use.
-    - ``record_resident_lookup(layer, ids, seconds)``: counts a lookup the caller
-      served from the views (stats, access sampling); any thread, never blocks long.
+    - ``record_native_lookup(layer, ids, seconds)``: counts a lookup the caller
+      served from either views (stats, access sampling); any thread, never blocks long.
+    - ``cached_views()``: the row cache as ``RowCache.native_views`` describes it, for
+      the servable cached layers only (``maps``), or None (no cache, or none a native
+      reader may use). A lookup whose rows are all cached may be served from it under
+      that contract; any other goes to ``lookup_into``. Not used after ``close``.
     """
 
     def resident_views(self) -> dict[int, tuple[np.ndarray, np.ndarray]]: ...
 
+    def cached_views(self) -> dict | None: ...
+
+
     @property
     def gather_threads(self) -> int: ...
 
-    def record_resident_lookup(self, layer: int, ids: np.ndarray, seconds: float) -> None: ...
+    def record_native_lookup(self, layer: int, ids: np.ndarray, seconds: float) -> None: ...
 
 
 @runtime_checkable

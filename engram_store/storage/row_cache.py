@@ -8,7 +8,10 @@ lookup reads them at random rows), and an eviction policy (:mod:`.policies`).
 Slots are never reused under a reader, by epochs: a lookup registers the
 current epoch while it copies out of slots; evicted slots are retired with the
 epoch of their eviction and go back to the free stack only once every lookup
-that started at or before that epoch has finished.
+that started at or before that epoch has finished. The lock and the epochs are
+an ``EpochGuard`` (``native/epoch_guard.h``) that the daemon's native Unix path
+shares (:meth:`RowCache.native_views`): it serves lookups whose rows are all
+cached under the same rule, without the interpreter.
 """
 
 from __future__ import annotations
@@ -33,6 +36,47 @@ ADMIT_DIVISOR = 4  # one lookup admits at most n_slots // ADMIT_DIVISOR new rows
 _NATIVE = load("_gather", "the cache's row-to-slot lookups use numpy indexing")
 
 
+class EpochGuard:
+    """The lock and reader epochs where the native module is not built (the same contract as
+    ``_gather.EpochGuard``, ``native/epoch_guard.h``): ``with guard`` holds the lock;
+    ``enter()`` / ``advance()`` / ``oldest()`` with it held, ``leave(token)`` takes it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.epoch = 0
+        self._active: dict[int, int] = {}
+
+    def __enter__(self) -> "EpochGuard":
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def enter(self) -> int:
+        self._active[self.epoch] = self._active.get(self.epoch, 0) + 1
+        return self.epoch
+
+    def leave(self, token: int) -> None:
+        with self._lock:
+            left = self._active[token] - 1
+            if left:
+                self._active[token] = left
+            else:
+                del self._active[token]
+
+    def advance(self) -> int:
+        self.epoch += 1
+        return self.epoch - 1
+
+    def oldest(self) -> int | None:
+        return min(self._active) if self._active else None
+
+    @property
+    def readers(self) -> int:
+        return sum(self._active.values())
+
+
 class RowCache:
     """Hot rows of a table set in a slot arena. Thread-safe (one lock, vectorized work)."""
 
@@ -53,11 +97,9 @@ class RowCache:
         self.free_top = n_slots
         self.limbo: collections.deque[tuple[int, np.ndarray]] = collections.deque()
         self.limbo_slots = 0
-        self.epoch = 0
-        self.active: dict[int, int] = {}
         self.policy = make_policy(policy, n_slots)
         self.admit_limit = max(1, n_slots // ADMIT_DIVISOR)
-        self.lock = threading.Lock()
+        self.lock = _NATIVE.EpochGuard() if _NATIVE is not None else EpochGuard()
         self.admitted = 0
         self.evicted = 0
         self.not_admitted = 0
@@ -68,8 +110,7 @@ class RowCache:
         The slots stay valid until :meth:`end` is called with the token."""
         li = self.layer_index[layer]
         with self.lock:
-            token = self.epoch
-            self.active[token] = self.active.get(token, 0) + 1
+            token = self.lock.enter()
             if _NATIVE is not None:  # prefetched: one random read per row of a layer-sized table
                 found = np.empty(len(rows), dtype=np.int32)
                 _NATIVE.take_int32(self.maps[li], np.ascontiguousarray(rows, dtype=np.int64), found)
@@ -81,12 +122,7 @@ class RowCache:
         return token, found
 
     def end(self, token: int) -> None:
-        with self.lock:
-            left = self.active[token] - 1
-            if left:
-                self.active[token] = left
-            else:
-                del self.active[token]
+        self.lock.leave(token)
 
     # --- admission -----------------------------------------------------
     def admit(self, layer: int, rows: np.ndarray, data: np.ndarray, *, main: bool = False) -> int:
@@ -129,18 +165,33 @@ class RowCache:
         for li in np.unique(layer_of):
             self.maps[li][keys[layer_of == li] & ROW_MASK] = 0
         self.slot_key[victims] = -1
-        self.limbo.append((self.epoch, victims))
+        self.limbo.append((self.lock.advance(), victims))
         self.limbo_slots += len(victims)
-        self.epoch += 1
         self.evicted += len(victims)
 
     def _reclaim(self) -> None:
-        oldest = min(self.active) if self.active else None
+        oldest = self.lock.oldest()
         while self.limbo and (oldest is None or self.limbo[0][0] < oldest):
             _, slots = self.limbo.popleft()
             self.free[self.free_top : self.free_top + len(slots)] = slots
             self.free_top += len(slots)
             self.limbo_slots -= len(slots)
+
+    # --- native readers ------------------------------------------------
+    def native_views(self) -> dict | None:
+        """What a native reader of cached rows needs (the daemon's Unix fast path), or None where the
+        native module is not built or the policy's hits cannot be recorded natively:
+        ``{"maps": {layer: int32 row-to-slot map}, "slots": uint8 [n_slots, row_bytes], "counts":
+        uint8 hit counts, "count_cap": int, "guard": EpochGuard}``. A reader does what
+        :meth:`begin` / :meth:`end` do: with the guard held, map every row (an entry of 0 is a miss),
+        raise ``counts`` of the slots read to at most ``count_cap`` and enter; copy the slots after
+        releasing it; then leave. It must drop the views before :meth:`close`."""
+        hits = self.policy.hit_counts()
+        if _NATIVE is None or hits is None or not isinstance(self.lock, _NATIVE.EpochGuard):
+            return None
+        counts, cap = hits
+        return {"maps": {layer: self.maps[i] for layer, i in self.layer_index.items()}, "slots": self.slots,
+                "counts": counts, "count_cap": int(cap), "guard": self.lock}
 
     # --- introspection -------------------------------------------------
     def cached_keys(self) -> np.ndarray:

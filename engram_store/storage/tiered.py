@@ -303,7 +303,7 @@ class TieredStore(PlanLookups):
         ``(weights uint8 [rows, dim], scales uint8 [rows, scale_count])``; ``{}`` when no
         layer is resident. For a caller that gathers with its own native code (the daemon's Unix fast
         path): it must stop using the views before :meth:`close`, check every id against
-        ``rows``, and report each lookup with :meth:`record_resident_lookup`. A layer with a
+        ``rows``, and report each lookup with :meth:`record_native_lookup`. A layer with a
         corrupt page (see :meth:`bad_pages`) is left out: only :meth:`lookup_into` refuses
         its rows, so its lookups must come here."""
         if self._arena is None or self._closed:
@@ -319,6 +319,18 @@ class TieredStore(PlanLookups):
             views[layer] = self._arena.blocks[layer]
         return views
 
+    def cached_views(self) -> dict | None:
+        """The row cache for a native reader (``RowCache.native_views``), its ``maps`` limited to the
+        servable cached layers; None when there is none. See ``ResidentStore``."""
+        if self._cache is None or self._closed:
+            return None
+        views = self._cache.native_views()
+        if views is None:
+            return None
+        views["maps"] = {layer: m for layer, m in views["maps"].items()
+                         if self._files[layer].file is not None and layer not in self._resident}
+        return views if views["maps"] else None
+
     def bad_pages(self) -> dict[int, list[list[int]]]:
         """Pages known corrupt: ``{layer: [[first_page, end_page), ...]}`` (file offset of a page:
         ``page * 4096``; rows ``page * rows_per_page ..`` of it). Their rows are refused; in
@@ -331,8 +343,9 @@ class TieredStore(PlanLookups):
         """Threads one large gather may use (``gather_threads`` of :meth:`open`)."""
         return self._gather.threads
 
-    def record_resident_lookup(self, layer: int, ids: np.ndarray, seconds: float) -> None:
-        """Count a lookup of ``ids`` served from :meth:`resident_views` (stats, access sampling)."""
+    def record_native_lookup(self, layer: int, ids: np.ndarray, seconds: float) -> None:
+        """Count a lookup of ``ids`` served from :meth:`resident_views` or :meth:`cached_views` (stats,
+        access sampling)."""
         self._sampler.record(layer, ids)
         n = len(ids)
         self._counters.add_dram(n, n * self.row_bytes, seconds)

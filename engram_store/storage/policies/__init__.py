@@ -32,6 +32,9 @@ class EvictionPolicy(Protocol):
       policies that remember evicted keys. Fewer are returned only when fewer
       slots are tracked.
     - ``tracked``: number of slots the policy holds.
+    - ``hit_counts()``: ``(counts, cap)`` when ``on_hit`` is exactly ``counts[slots] =
+      min(counts[slots], cap - 1) + 1`` (uint8, numpy's semantics for repeated slots), so native
+      readers can record hits themselves; None otherwise (their hits then take the Python path).
     """
 
     name: str
@@ -46,6 +49,8 @@ class EvictionPolicy(Protocol):
     def evict(self, count: int, slot_keys: np.ndarray) -> np.ndarray: ...
 
     def metadata_bytes(self) -> int: ...
+
+    def hit_counts(self) -> tuple[np.ndarray, int] | None: ...
 
 
 POLICIES = ("s3fifo", "lru")

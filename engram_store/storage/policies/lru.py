@@ -35,6 +35,9 @@ class LruPolicy:
         self.clock += 1
         self.stamp[slots] = self.clock
 
+    def hit_counts(self) -> None:
+        return None  # hits stamp a batch clock: only the Python path records them
+
     def evict(self, count: int, slot_keys: np.ndarray) -> np.ndarray:
         count = min(count, self._tracked)
         if count <= 0:

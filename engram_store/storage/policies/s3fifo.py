@@ -132,6 +132,9 @@ class S3FifoPolicy:
         f = self.freq[slots]
         self.freq[slots] = np.minimum(f, FREQ_MAX - 1) + 1
 
+    def hit_counts(self) -> tuple[np.ndarray, int]:
+        return self.freq, FREQ_MAX
+
     def evict(self, count: int, slot_keys: np.ndarray) -> np.ndarray:
         victims: list[np.ndarray] = []
         need = count

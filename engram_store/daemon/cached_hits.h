@@ -1,0 +1,125 @@
+/* The native path's cached layers: a lookup whose rows are all in the row cache, served without the
+ * interpreter under the cache's own rule (storage/row_cache.py, native/epoch_guard.h). Included by
+ * _unixfast.c after gather_api is declared.
+ *
+ * With the cache's guard held: every row mapped to its slot (any row not cached, or an id outside the
+ * layer, and the lookup goes to Python, which reads the misses and answers errors), the slots' S3-FIFO
+ * hit counts raised as RowCache.begin does, and the reader's epoch registered. Then, with the guard
+ * released, the slots are gathered into the client's region, and the reader leaves: a slot evicted
+ * meanwhile is not reused before that.
+ */
+#ifndef ENGRAM_STORE_CACHED_HITS_H
+#define ENGRAM_STORE_CACHED_HITS_H
+
+typedef struct {
+    int32_t layer;
+    Py_buffer map; /* int32 [rows]: slot + 1, 0 when not cached */
+} cached_layer_t;
+
+typedef struct {
+    cached_layer_t *layers;
+    Py_ssize_t nlayers;
+    Py_buffer slots, counts; /* uint8 [n_slots, row_bytes], uint8 [n_slots] */
+    int have_slots, have_counts, count_cap;
+    PyObject *guard;         /* an EpochGuard (strong reference) */
+    int32_t *found;          /* [capacity] scratch: slot + 1 per row */
+    int64_t *slot;           /* [capacity] scratch: slot per row */
+    uint8_t *next;           /* [capacity] scratch: the raised hit counts */
+} cache_t;
+
+static void cache_release(cache_t *k) {
+    for (Py_ssize_t i = 0; i < k->nlayers; i++) PyBuffer_Release(&k->layers[i].map);
+    PyMem_Free(k->layers);
+    if (k->have_slots) PyBuffer_Release(&k->slots);
+    if (k->have_counts) PyBuffer_Release(&k->counts);
+    Py_CLEAR(k->guard);
+    PyMem_Free(k->found);
+    PyMem_Free(k->slot);
+    PyMem_Free(k->next);
+    memset(k, 0, sizeof *k);
+}
+
+static int cache_fail(cache_t *k, const char *why) {
+    PyErr_Format(PyExc_ValueError, "Conn: cache %s", why);
+    cache_release(k);
+    return -1;
+}
+
+/* `views`: RowCache.native_views() (None: no cached layers). `capacity`: the most rows one lookup has. */
+static int cache_init(cache_t *k, PyObject *views, Py_ssize_t capacity, size_t row_bytes) {
+    memset(k, 0, sizeof *k);
+    if (views == Py_None) return 0;
+    if (!PyDict_Check(views)) return cache_fail(k, "must be a dict (RowCache.native_views) or None");
+    PyObject *maps = PyDict_GetItemString(views, "maps"), *slots = PyDict_GetItemString(views, "slots");
+    PyObject *counts = PyDict_GetItemString(views, "counts"), *cap = PyDict_GetItemString(views, "count_cap");
+    PyObject *guard = PyDict_GetItemString(views, "guard");
+    if (!maps || !PyDict_Check(maps) || !slots || !counts || !cap || !guard)
+        return cache_fail(k, "needs maps (a dict), slots, counts, count_cap and guard");
+    if (!PyObject_TypeCheck(guard, gather_api->guard_type)) return cache_fail(k, "guard must be an EpochGuard");
+    k->guard = Py_NewRef(guard);
+    k->count_cap = (int)PyLong_AsLong(cap);
+    if (PyErr_Occurred() || k->count_cap < 1 || k->count_cap > 255) return cache_fail(k, "count_cap must be in 1..255");
+    if (PyObject_GetBuffer(slots, &k->slots, PyBUF_C_CONTIGUOUS) < 0) return cache_release(k), -1;
+    k->have_slots = 1;
+    if (PyObject_GetBuffer(counts, &k->counts, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return cache_release(k), -1;
+    k->have_counts = 1;
+    if (k->counts.len < k->slots.len / (Py_ssize_t)row_bytes) return cache_fail(k, "counts hold fewer slots than slots");
+    k->layers = PyMem_Calloc((size_t)PyDict_Size(maps) + 1, sizeof(cached_layer_t));
+    k->found = PyMem_Malloc((size_t)capacity * sizeof(int32_t) + 1);
+    k->slot = PyMem_Malloc((size_t)capacity * sizeof(int64_t) + 1);
+    k->next = PyMem_Malloc((size_t)capacity + 1);
+    if (!k->layers || !k->found || !k->slot || !k->next) {
+        cache_release(k);
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(maps, &pos, &key, &value)) {
+        cached_layer_t *l = &k->layers[k->nlayers];
+        l->layer = (int32_t)PyLong_AsLong(key);
+        if (PyErr_Occurred() || PyObject_GetBuffer(value, &l->map, PyBUF_C_CONTIGUOUS) < 0) return cache_release(k), -1;
+        k->nlayers++;
+        if (l->map.itemsize != 4) return cache_fail(k, "maps must be int32 arrays");
+    }
+    return 0;
+}
+
+static const cached_layer_t *cache_layer(const cache_t *k, int32_t layer) {
+    for (Py_ssize_t i = 0; i < k->nlayers; i++)
+        if (k->layers[i].layer == layer) return &k->layers[i];
+    return NULL;
+}
+
+/* Rows ids[0..n) of `l` into out when every one is cached: 1, or 0 to leave the lookup to Python. */
+static int cache_serve(const cache_t *k, const cached_layer_t *l, const int64_t *ids, int64_t n, char *out,
+                       size_t row_bytes, int threads) {
+    const int64_t rows = l->map.len / 4, n_slots = k->slots.len / (Py_ssize_t)row_bytes;
+    uint8_t *counts = k->counts.buf;
+    const int cap = k->count_cap;
+    gather_api->guard_lock(k->guard);
+    if (gather_api->take_int32(l->map.buf, rows, ids, n, k->found) >= 0) { /* an id outside the layer */
+        gather_api->guard_unlock(k->guard);
+        return 0;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (k->found[i] <= 0 || k->found[i] > n_slots) { /* a miss */
+            gather_api->guard_unlock(k->guard);
+            return 0;
+        }
+        k->slot[i] = k->found[i] - 1;
+    }
+    for (int64_t i = 0; i < n; i++) { /* every count read before any is written: a slot listed twice counts once */
+        const uint8_t c = counts[k->slot[i]];
+        k->next[i] = (uint8_t)((c < cap - 1 ? c : cap - 1) + 1);
+    }
+    for (int64_t i = 0; i < n; i++) counts[k->slot[i]] = k->next[i];
+    const int64_t token = gather_api->guard_enter(k->guard);
+    gather_api->guard_unlock(k->guard);
+    if (token < 0) return 0;
+    gather_api->gather(k->slots.buf, n_slots, row_bytes, k->slot, n, out, threads);
+    gather_api->guard_leave(k->guard, token);
+    return 1;
+}
+
+#endif
