@@ -51,6 +51,12 @@ def summarize(cases: list[dict]) -> list[dict]:
                "all_hit_daemon_lookup_p99_ms": spread([c["all_hit"]["daemon_lookup_p99_ms"] for c in group
                                                        if c["all_hit"]["steps"]]),
                "not_all_hit": sum(c["all_hit"]["not_all_hit"] for c in group)}
+        python = [c["all_hit_python"] for c in group if c.get("all_hit_python", {}).get("steps")]
+        if python:  # the same steps with every Unix lookup in Python (--no-unix-native), same run
+            row["all_hit_python_p50_ms"] = spread([p["p50_ms"] for p in python])
+            row["all_hit_python_p99_ms"] = spread([p["p99_ms"] for p in python])
+            row["all_hit_p99_vs_python"] = spread([c["all_hit"]["p99_ms"] / c["all_hit_python"]["p99_ms"] for c in group
+                                                   if c["all_hit"]["steps"] and c.get("all_hit_python", {}).get("steps")])
         p99 = row["fetch_p99_ms"]["median"]
         row["hidden_below_ms"] = {k: p99 / v for k, v in SLACK_LAYERS.items()}
         chunks = [c["prefill"] for c in group if c.get("prefill")]
@@ -125,6 +131,9 @@ def print_report(doc: dict) -> None:
         print(f"{r['batch']:>5} {r['share_percent']:>4g}% {r['rows_per_step']:>6,} rows: fetch p50 "
               f"{_r(r['all_hit_p50_ms'], '.3f')}, p99 {_r(r['all_hit_p99_ms'], '.3f')}; the daemon's store lookup p99 "
               f"{_r(r['all_hit_daemon_lookup_p99_ms'], '.3f')}; {r['not_all_hit']} steps not all hits")
+        if "all_hit_python_p99_ms" in r:
+            print(f"{'':>12} Python path (--no-unix-native, same steps): fetch p50 {_r(r['all_hit_python_p50_ms'], '.3f')}, "
+                  f"p99 {_r(r['all_hit_python_p99_ms'], '.3f')}; native p99 / Python p99 {_r(r['all_hit_p99_vs_python'], '.2f')}")
     prof = doc.get("store_profile")
     if prof:
         print(f"\ninside the store (TieredStore in this process, same files, cache {prof['share_percent']:g}%, batch "

@@ -22,7 +22,8 @@ per step (distinct rows and pages the daemon read), the hit rate measured agains
 S3-FIFO simulated on the same trace (``bench/cachesim.py``), page reads/s during the steps against
 fio's 4 KiB random reads of the same pages of the same file at the same queue depth (an iolog
 replay, shuffled; one after each block), the all-hit overhead (each step fetched twice, the second
-timed: every row in the daemon's DRAM), and the per-layer compute time below which the fetch is no
+timed: every row in the daemon's DRAM; the daemon answers those natively, and the same steps through a
+second daemon with ``--no-unix-native`` give the Python path's figure, same run), and the per-layer compute time below which the fetch is no
 longer hidden (fetch p99 / 14 for layer 14, / 1 for a cached first layer); then one prefill chunk
 of ``--chunk-tokens`` tokens at a time. Last, a sizing table: NVMe IOPS a node needs.
 
@@ -109,14 +110,14 @@ class Daemon:
     and log sit in a short-named folder of the temp dir (a socket path is at most 107 bytes), removed by
     :meth:`stop`."""
 
-    def __init__(self, tables: Path, dram_bytes: int, qd: int) -> None:
-        self.workdir = Path(tempfile.mkdtemp(prefix="es-daemon-"))
+    def __init__(self, tables: Path, dram_bytes: int, qd: int, *extra: str) -> None:
+        self.workdir, self.dram_bytes = Path(tempfile.mkdtemp(prefix="es-daemon-")), dram_bytes
         self.ready, sock = self.workdir / "ready.json", self.workdir / "engram.sock"
         self.log = open(self.workdir / "daemon.log", "ab")
         cmd = [sys.executable, "-m", "engram_store.daemon", "serve", "--tables", str(tables), "--dram-bytes",
                str(dram_bytes), "--store-mode", "cached", "--nvme-queue-depth", str(qd), "--scrub-bytes-per-second",
                "0", "--socket", str(sock), "--grpc", "", "--metrics", "", "--ready-file", str(self.ready),
-               "--log-level", "WARNING"]
+               "--log-level", "WARNING", *extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_STORE_")}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
@@ -227,6 +228,8 @@ def run_case(args, spec, tables: Path, steps: np.ndarray, batch: int, share: flo
         measured = np.arange(args.warm_steps[batch], args.warm_steps[batch] + args.steps)
         case["decode"] = decode(args, spec, tables, stepper, steps, measured, workdir) | {"hit_rate_simulated": sim}
         case["all_hit"] = all_hit(stepper, steps, measured[-args.all_hit_steps:])
+        if args.all_hit_python:
+            case["all_hit_python"] = all_hit_python_path(args, tables, daemon.dram_bytes, steps, measured)
         if chunks:
             case["prefill"] = prefill(args, spec, daemon, chunks)
         case["job"] = {k: v for k, v in stepper.job.stats().items() if k != "note"}
@@ -304,6 +307,20 @@ def all_hit(stepper: Stepper, steps: np.ndarray, chosen: np.ndarray) -> dict:
             "daemon_lookup_p99_ms": pct(daemon_ms, 99)}
 
 
+def all_hit_python_path(args, tables: Path, dram_bytes: int, steps: np.ndarray, measured: np.ndarray) -> dict:
+    """The same all-hit steps against a daemon of the same cache whose Unix lookups all take the Python path
+    (``--no-unix-native``): the baseline of the native path's cached hits, same run."""
+    daemon = Daemon(tables, dram_bytes, args.queue_depth, "--no-unix-native")
+    stepper = None
+    try:
+        stepper = Stepper(daemon, args.layer, steps.shape[1], args.deadline)
+        return all_hit(stepper, steps, measured[-args.all_hit_steps:])
+    finally:
+        if stepper is not None:
+            stepper.close()
+        daemon.stop()
+
+
 def prefill(args, spec, daemon: Daemon, chunks: list[np.ndarray]) -> dict:
     """One prefill chunk at a time through a job of the chunk's size."""
     stepper = Stepper(daemon, args.layer, chunks[0].size, args.deadline)
@@ -338,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-profile", dest="profile", action="store_false",
                     help="skip the in-process profile of the store's lookups (largest batch, smallest cache)")
     ap.add_argument("--all-hit-steps", type=int, default=200, help="steps fetched twice for the all-hit figure")
+    ap.add_argument("--no-all-hit-python", dest="all_hit_python", action="store_false",
+                    help="skip the all-hit baseline: the same steps against a daemon with --no-unix-native")
     ap.add_argument("--prefill-chunks", type=int, default=3, help="prefill chunks per share (largest batch's run)")
     ap.add_argument("--chunk-tokens", type=int, default=8192, help="tokens per prefill chunk")
     ap.add_argument("--layer", type=int, default=14, help="the cached Engram layer measured")
