@@ -113,8 +113,11 @@ class UnixServer:
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._thread = threading.Thread(target=self._accept_loop, name="engram-unix-accept", daemon=True)
         self._thread.start()
-        log.info("unix socket listening on %s (mode %o); resident lookups in %s", self.path, self.config.socket_mode,
-                 "native code" if self.native is not None else "Python")
+        native = self.native
+        where = "all in Python" if native is None else ", ".join(
+            what for what, on in (("resident lookups", native.views), ("all-hit cached lookups", native.cached)) if on
+        ) + " in native code"
+        log.info("unix socket listening on %s (mode %o); %s", self.path, self.config.socket_mode, where)
         return self.path
 
     def _accept_loop(self) -> None:
