@@ -53,9 +53,10 @@ from .gds import make_bulk_reader
 from .inflight import InFlight
 from .integrity import PageHealth
 from .layer_file import LayerFile, open_layer
-from .nvme import DEFAULT_CHUNK_PAGES, DEFAULT_MAX_COALESCE_PAGES, NvmeTier, ReadStats
+from .nvme import DEFAULT_CHUNK_PAGES, DEFAULT_MAX_COALESCE_PAGES, NvmeTier
 from .opening import MAX_QUEUE_DEPTH, check_open_args  # noqa: F401  (MAX_QUEUE_DEPTH: config checks it)
 from .placement import CACHED, RESIDENT, cache_slots, format_placement, plan_store, slot_bytes
+from .cached_path import CachedLookups
 from .plan import Admitter, PlanCounters, PlanLookups
 from .profile import DEFAULT_CAPACITY, AccessSampler, merge_hottest, open_profile, read_profile, write_profile
 from .resident import ResidentArena
@@ -70,7 +71,7 @@ def _disk_paths(files: dict[int, LayerFile]) -> dict[int, str | list[str]]:
     return {k: [part.path for part in lf.stripes] if lf.stripes else lf.path for k, lf in files.items()}
 
 
-class TieredStore(PlanLookups):
+class TieredStore(CachedLookups, PlanLookups):
     """A table set served from a DRAM tier in front of an NVMe tier. Implements ``RowStore``."""
 
     def __init__(self, directory: Path, manifest: Manifest, files: dict[int, LayerFile], nvme: NvmeTier,
@@ -349,116 +350,6 @@ class TieredStore(PlanLookups):
         self._sampler.record(layer, ids)
         n = len(ids)
         self._counters.add_dram(n, n * self.row_bytes, seconds)
-
-    def _lookup_cached(self, layer: int, flat: np.ndarray, out2: np.ndarray, st: LookupStats) -> None:
-        """Rows in DRAM gathered from the cache's slots, the others read from NVMe (shared with
-        lookups reading them now) and offered to the cache. With both kinds, the hits are gathered
-        into a block followed by the rows read, and one native gather from that block fills ``out2``
-        (numpy's fancy indexing of 264-byte rows costs several times a gather)."""
-        cache, n, rb = self._cache, len(flat), self.row_bytes
-        token, found = cache.begin(layer, flat)
-        try:
-            hit = found > 0
-            n_hit = st.rows_dram = int(np.count_nonzero(hit))
-            if n_hit == n:
-                self._gather.take(cache.slots, found - 1, out2)
-            elif n_hit:
-                at = np.flatnonzero(hit)
-                block = np.empty((n, rb), dtype=np.uint8)  # [hits; rows read] (at most n rows)
-                self._gather.take(cache.slots, found[at] - 1, block[:n_hit])
-        finally:
-            cache.end(token)  # slots read above may be reused from here on
-        if n_hit == n:
-            return
-        miss = np.flatnonzero(~hit) if n_hit else None
-        distinct, inverse = np.unique(flat[miss] if n_hit else flat, return_inverse=True)
-        data = block[n_hit: n_hit + len(distinct)] if n_hit else np.empty((len(distinct), rb), dtype=np.uint8)
-        rs, shared = self._read_missing(layer, distinct, data)
-        self._clear_good(layer, distinct, rs.bad_pages, "an NVMe read")
-        if len(rs.bad_pages):
-            self._refuse_read(layer, distinct, inverse, data, rs.bad_pages)
-        if not n_hit:
-            self._gather.take(data, inverse, out2)
-        else:
-            source = np.empty(n, dtype=np.int64)  # row i of out2: block[source[i]]
-            source[at] = np.arange(n_hit)
-            source[miss] = n_hit + inverse
-            self._gather.take(block, source, out2)
-        st.rows_nvme = n - n_hit
-        st.nvme_rows_distinct = len(distinct) - shared
-        st.nvme_rows_shared = shared
-        st.nvme_pages_read, st.nvme_reads, st.nvme_bytes_read, st.nvme_read_seconds = rs.pages, rs.reads, rs.bytes, rs.seconds
-        st.cache_admitted = cache.admit(layer, distinct, data)
-
-    def _read_missing(self, layer: int, distinct: np.ndarray, data: np.ndarray) -> tuple[ReadStats, int]:
-        """The bytes of sorted distinct ``distinct`` from NVMe into ``data`` (C-contiguous uint8
-        ``[len(distinct), row_bytes]``): rows another lookup is reading now are taken from its read
-        (:mod:`.inflight`), the others read here. Returns (what was read here, with every bad page
-        met; rows taken from another read)."""
-        read, mine, waits = self._inflight.claim(layer, distinct)
-        rs = ReadStats()
-        if read is not None:
-            part = data if not waits else np.empty((len(mine), self.row_bytes), dtype=np.uint8)
-            try:
-                rs = self._nvme.read_rows(layer, read.rows, part)
-            except BaseException:
-                self._inflight.done(read, None)
-                raise
-            self._inflight.done(read, part, rs.bad_pages)
-            if waits:
-                data[mine] = part
-        shared = 0
-        for wait in waits:
-            if wait.take(data):
-                shared += len(wait.at)
-                rpp = self._files[layer].layout.rows_per_page
-                met = np.intersect1d(wait.read.bad_pages, distinct[wait.at] // rpp)
-                rs.bad_pages = np.union1d(rs.bad_pages, met).astype(np.int64)
-                continue
-            part = np.empty((len(wait.at), self.row_bytes), dtype=np.uint8)  # that read failed: read them here
-            got = self._nvme.read_rows(layer, distinct[wait.at], part)
-            data[wait.at] = part
-            rs.pages, rs.reads, rs.bytes = rs.pages + got.pages, rs.reads + got.reads, rs.bytes + got.bytes
-            rs.seconds += got.seconds
-            rs.bad_pages = np.union1d(rs.bad_pages, got.bad_pages).astype(np.int64)
-        return rs, shared
-
-    def _refuse_known_bad(self, layer: int, flat: np.ndarray) -> None:
-        """CorruptRows when any of ``flat`` sits in a page already known corrupt (rows read in place)."""
-        if self._health.has_bad(layer):
-            bad = self._health.bad_rows(layer, flat)
-            if bad.any():
-                self._counters.error()
-                raise self._health.refuse(layer, np.unique(flat[bad]), int(np.count_nonzero(bad)))
-
-    def _read_verified(self, layer: int, rows: np.ndarray, who: str) -> tuple[np.ndarray, np.ndarray, int]:
-        """Read distinct sorted ``rows`` from NVMe for the cache (warm-up, background admission):
-        pages failing their crc32c are marked (found by ``who``) and their rows dropped. Returns
-        (rows kept, their bytes, bytes read)."""
-        data = np.empty((len(rows), self.row_bytes), dtype=np.uint8)
-        rs = self._nvme.read_rows(layer, rows, data)
-        self._clear_good(layer, rows, rs.bad_pages, who)
-        if len(rs.bad_pages):
-            self._health.mark(layer, rs.bad_pages, who)
-            good = ~np.isin(rows // self._files[layer].layout.rows_per_page, rs.bad_pages)
-            rows, data = rows[good], data[good]
-        return rows, data, rs.bytes
-
-    def _clear_good(self, layer: int, rows: np.ndarray, bad_pages: np.ndarray, who: str) -> None:
-        """Pages of ``rows`` just read that matched their crc32c are not bad (any more)."""
-        if self._health.has_bad(layer):
-            pages = np.unique(rows // self._files[layer].layout.rows_per_page)
-            self._health.clear(layer, np.setdiff1d(pages, bad_pages), who)
-
-    def _refuse_read(self, layer: int, distinct: np.ndarray, inverse: np.ndarray, data: np.ndarray,
-                     bad_pages: np.ndarray) -> None:
-        """Rows just read include some of corrupt pages: admit the verified ones, raise CorruptRows."""
-        self._health.mark(layer, bad_pages, "an NVMe read")
-        bad = np.isin(distinct // self._files[layer].layout.rows_per_page, bad_pages)
-        good = np.flatnonzero(~bad)
-        if len(good):
-            self._cache.admit(layer, distinct[good], data[good])
-        raise self._health.refuse(layer, distinct[bad], int(np.count_nonzero(bad[inverse])))
 
     def _layer(self, layer) -> LayerFile:
         return self._files[requests.check_layer(layer, self._files)]
