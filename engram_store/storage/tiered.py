@@ -49,6 +49,7 @@ from ..format.checksums import implementation as checksum_implementation
 from ..format.manifest import Manifest
 from ..native.gather import Gatherer
 from ..native.readers import DEFAULT_QUEUE_DEPTH, open_reader
+from .cached_path import CachedLookups
 from .gds import make_bulk_reader
 from .inflight import InFlight
 from .integrity import PageHealth
@@ -56,7 +57,6 @@ from .layer_file import LayerFile, open_layer
 from .nvme import DEFAULT_CHUNK_PAGES, DEFAULT_MAX_COALESCE_PAGES, NvmeTier
 from .opening import MAX_QUEUE_DEPTH, check_open_args  # noqa: F401  (MAX_QUEUE_DEPTH: config checks it)
 from .placement import CACHED, RESIDENT, cache_slots, format_placement, plan_store, slot_bytes
-from .cached_path import CachedLookups
 from .plan import Admitter, PlanCounters, PlanLookups
 from .profile import DEFAULT_CAPACITY, AccessSampler, merge_hottest, open_profile, read_profile, write_profile
 from .resident import ResidentArena
