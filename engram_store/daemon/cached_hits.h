@@ -95,8 +95,6 @@ static const cached_layer_t *cache_layer(const cache_t *k, int32_t layer) {
 static int cache_serve(const cache_t *k, const cached_layer_t *l, const int64_t *ids, int64_t n, char *out,
                        size_t row_bytes, int threads) {
     const int64_t rows = l->map.len / 4, n_slots = k->slots.len / (Py_ssize_t)row_bytes;
-    uint8_t *counts = k->counts.buf;
-    const int cap = k->count_cap;
     gather_api->guard_lock(k->guard);
     if (gather_api->take_int32(l->map.buf, rows, ids, n, k->found) >= 0) { /* an id outside the layer */
         gather_api->guard_unlock(k->guard);
@@ -109,11 +107,7 @@ static int cache_serve(const cache_t *k, const cached_layer_t *l, const int64_t 
         }
         k->slot[i] = k->found[i] - 1;
     }
-    for (int64_t i = 0; i < n; i++) { /* every count read before any is written: a slot listed twice counts once */
-        const uint8_t c = counts[k->slot[i]];
-        k->next[i] = (uint8_t)((c < cap - 1 ? c : cap - 1) + 1);
-    }
-    for (int64_t i = 0; i < n; i++) counts[k->slot[i]] = k->next[i];
+    gather_api->bump_counts(k->counts.buf, k->counts.len, k->slot, 8, n, k->count_cap, k->next); /* slots < n_slots */
     const int64_t token = gather_api->guard_enter(k->guard);
     gather_api->guard_unlock(k->guard);
     if (token < 0) return 0;

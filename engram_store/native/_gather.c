@@ -449,9 +449,23 @@ static PyObject *take_int32(PyObject *Py_UNUSED(self), PyObject *args) {
     return result;
 }
 
-/* counts[index] = min(counts[index], cap - 1) + 1 for uint8 counts, every index in [0, len(counts)), with
-   numpy's fancy-assignment semantics (every count read before any is written, so an index listed twice
-   counts once): S3-FIFO's hit counts. */
+/* counts[index[i]] = min(counts[index[i]], cap - 1) + 1 for i < n, uint8 counts, index int64 (index_bytes 8) or
+   int32 (4), with numpy's fancy-assignment semantics (every count read before any is written, so an index listed
+   twice counts once): S3-FIFO's hit counts. `next` is n bytes of scratch. Returns -1, or the first index outside
+   [0, len) (nothing written then). */
+static int64_t bump_counts(uint8_t *counts, int64_t len, const void *index, int index_bytes, int64_t n, int cap,
+                           uint8_t *next) {
+#define AT(i) (index_bytes == 8 ? ((const int64_t *)index)[i] : (int64_t)((const int32_t *)index)[i])
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t k = AT(i);
+        if (k < 0 || k >= len) return k;
+        next[i] = (uint8_t)((counts[k] < cap - 1 ? counts[k] : cap - 1) + 1);
+    }
+    for (int64_t i = 0; i < n; i++) counts[AT(i)] = next[i];
+    return -1;
+#undef AT
+}
+
 static PyObject *bump_uint8(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *o_counts, *o_idx;
     int cap;
@@ -463,28 +477,19 @@ static PyObject *bump_uint8(PyObject *Py_UNUSED(self), PyObject *args) {
         return NULL;
     }
     PyObject *result = NULL;
-    const int64_t n = x.itemsize ? x.len / x.itemsize : 0, len = c.len;
+    const int64_t n = x.itemsize ? x.len / x.itemsize : 0;
     uint8_t *next = n ? malloc((size_t)n) : NULL;
     if (c.itemsize != 1 || (x.itemsize != 4 && x.itemsize != 8) || cap < 1 || cap > 255) {
         PyErr_SetString(PyExc_TypeError, "bump_uint8(counts uint8, index int32 or int64, cap in 1..255)");
     } else if (n && next == NULL) {
         PyErr_NoMemory();
     } else {
-        uint8_t *counts = c.buf;
-        int64_t bad = -1;
+        int64_t bad;
         Py_BEGIN_ALLOW_THREADS
-        for (int64_t i = 0; i < n && bad == -1; i++) {  /* read every count first */
-            const int64_t k = x.itemsize == 8 ? ((int64_t *)x.buf)[i] : ((int32_t *)x.buf)[i];
-            if (k < 0 || k >= len)
-                bad = k;
-            else
-                next[i] = (uint8_t)((counts[k] < cap - 1 ? counts[k] : cap - 1) + 1);
-        }
-        for (int64_t i = 0; i < n && bad == -1; i++)
-            counts[x.itemsize == 8 ? ((int64_t *)x.buf)[i] : ((int32_t *)x.buf)[i]] = next[i];
+        bad = bump_counts(c.buf, c.len, x.buf, (int)x.itemsize, n, cap, next);
         Py_END_ALLOW_THREADS
         if (bad != -1)
-            PyErr_Format(PyExc_IndexError, "bump_uint8: index %lld is outside [0, %lld)", (long long)bad, (long long)len);
+            PyErr_Format(PyExc_IndexError, "bump_uint8: index %lld is outside [0, %lld)", (long long)bad, (long long)c.len);
         else
             result = Py_NewRef(Py_None);
     }
@@ -495,8 +500,9 @@ static PyObject *bump_uint8(PyObject *Py_UNUSED(self), PyObject *args) {
 }
 
 static engram_gather_api c_api = {.gather = gather_rows, .prime = prime_pool, .gather_split = gather_split_rows,
-                                  .take_int32 = take_i32, .guard_type = &EpochGuardType, .guard_lock = guard_lock,
-                                  .guard_unlock = guard_unlock, .guard_enter = guard_enter, .guard_leave = guard_leave};
+                                  .take_int32 = take_i32, .bump_counts = bump_counts,
+                                  .guard_type = &EpochGuardType, .guard_lock = guard_lock, .guard_unlock = guard_unlock,
+                                  .guard_enter = guard_enter, .guard_leave = guard_leave};
 
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS, "gather(src, row_bytes, index, out, threads=1) -> None"},
