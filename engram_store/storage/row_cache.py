@@ -187,7 +187,7 @@ class RowCache:
         raise ``counts`` of the slots read to at most ``count_cap`` and enter; copy the slots after
         releasing it; then leave. It must drop the views before :meth:`close`."""
         hits = self.policy.hit_counts()
-        if _NATIVE is None or hits is None or not isinstance(self.lock, _NATIVE.EpochGuard):
+        if _NATIVE is None or hits is None:  # with _NATIVE, self.lock is its EpochGuard
             return None
         counts, cap = hits
         return {"maps": {layer: self.maps[i] for layer, i in self.layer_index.items()}, "slots": self.slots,
