@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -95,6 +96,17 @@ def ensure_tables(args: argparse.Namespace, name: str) -> Path:
         print(f"synthesizing {spec.name} at scale {args.scale:g} into {out} ...", file=sys.stderr)
         write_synthetic(out, spec, seed=1, overwrite=True)
     return out
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM ``proc`` (a daemon the bench started) and wait up to ``timeout`` seconds, then SIGKILL."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def run_in_workdir(run: Callable[[argparse.Namespace], int], args: argparse.Namespace, name: str) -> int:

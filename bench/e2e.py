@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from _common import JsonReport, add_report_args  # noqa: E402
+from _common import JsonReport, add_report_args, stop_process  # noqa: E402
 
 from engram_store import get_spec  # noqa: E402
 from engram_store.tools.synth import write_synthetic  # noqa: E402
@@ -90,13 +90,7 @@ class Daemon:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 30)
         self.log.close()
 
 

@@ -50,8 +50,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import JsonReport, add_report_args  # noqa: E402
-from _engine_step_report import SLACK_LAYERS, pct, print_report, sizing, spread, summarize  # noqa: E402
+from _common import JsonReport, add_report_args, stop_process  # noqa: E402
+from _engine_step_report import pct, print_report, sizing, spread, summarize  # noqa: E402
 from _store_profile import profile_store  # noqa: E402
 from sparse_tables import disk_bytes, remove_sparse, write_sparse  # noqa: E402
 
@@ -130,13 +130,7 @@ class Daemon:
         self.unix = f"unix://{sock}"
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 60)
         self.log.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
