@@ -451,14 +451,15 @@ static PyObject *take_int32(PyObject *Py_UNUSED(self), PyObject *args) {
 
 /* counts[index[i]] = min(counts[index[i]], cap - 1) + 1 for i < n, uint8 counts, index int64 (index_bytes 8) or
    int32 (4), with numpy's fancy-assignment semantics (every count read before any is written, so an index listed
-   twice counts once): S3-FIFO's hit counts. `next` is n bytes of scratch. Returns -1, or the first index outside
-   [0, len) (nothing written then). */
+   twice counts once): S3-FIFO's hit counts. `next` is n bytes of scratch. Returns -1 when every index is in
+   [0, len), else the position i (>= 0) of the first index outside it (nothing written then): a position, never an
+   index value, so that a bad index of -1 cannot read as success. */
 static int64_t bump_counts(uint8_t *counts, int64_t len, const void *index, int index_bytes, int64_t n, int cap,
                            uint8_t *next) {
 #define AT(i) (index_bytes == 8 ? ((const int64_t *)index)[i] : (int64_t)((const int32_t *)index)[i])
     for (int64_t i = 0; i < n; i++) {
         const int64_t k = AT(i);
-        if (k < 0 || k >= len) return k;
+        if (k < 0 || k >= len) return i;
         next[i] = (uint8_t)((counts[k] < cap - 1 ? counts[k] : cap - 1) + 1);
     }
     for (int64_t i = 0; i < n; i++) counts[AT(i)] = next[i];
@@ -488,8 +489,12 @@ static PyObject *bump_uint8(PyObject *Py_UNUSED(self), PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         bad = bump_counts(c.buf, c.len, x.buf, (int)x.itemsize, n, cap, next);
         Py_END_ALLOW_THREADS
-        if (bad != -1)
-            PyErr_Format(PyExc_IndexError, "bump_uint8: index %lld is outside [0, %lld)", (long long)bad, (long long)c.len);
+        if (bad >= 0) {
+            const long long value = x.itemsize == 8 ? (long long)((const int64_t *)x.buf)[bad]
+                                                    : (long long)((const int32_t *)x.buf)[bad];
+            PyErr_Format(PyExc_IndexError, "bump_uint8: index %lld (position %lld) is outside [0, %lld)", value,
+                         (long long)bad, (long long)c.len);
+        }
         else
             result = Py_NewRef(Py_None);
     }

@@ -30,7 +30,7 @@ typedef struct {
     int64_t (*take_int32)(const int32_t *table, int64_t len, const int64_t *idx, int64_t n, int32_t *out);
     /* counts[idx[i]] = min(counts[idx[i]], cap - 1) + 1, numpy's semantics for repeated indices (S3-FIFO's
        hit counts); idx int64 (idx_bytes 8) or int32 (4); `next` is n bytes of scratch. Returns -1, or the
-       first index outside [0, len). */
+       first i whose index is outside [0, len) (nothing written then). */
     int64_t (*bump_counts)(uint8_t *counts, int64_t len, const void *idx, int idx_bytes, int64_t n, int cap,
                            uint8_t *next);
     /* The row cache's lock and reader epochs (epoch_guard.h); `guard` is an instance of guard_type. */
