@@ -225,7 +225,8 @@ def register(sub) -> None:
                         "must give the model's compressed vocabulary: DeepSeek-V4's for deepseek-v4.1-flash); "
                         "then hash --tables DIR takes --raw and --text")
     p.add_argument("--force", action="store_true", help="replace the table set at --out (nothing but a table set "
-                   "is ever replaced: a directory holding anything else is refused)")
+                   "is ever replaced: a directory holding anything else is refused; a striped set needs its "
+                   "--stripe-dir directories)")
     p.add_argument("--group", default=None, help=_GROUP_HELP)
     p.add_argument("--progress", action="store_true", default=None, help="show progress even when not on a terminal")
     p.add_argument("--stripe-dir", action="append", default=None, metavar="DIR", help=_STRIPE_HELP)
@@ -240,7 +241,8 @@ def register(sub) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json whose compressed token map is stored with the tables (default: CKPT/tokenizer.json)")
     p.add_argument("--force", action="store_true", help="replace the table set at --out (nothing but a table set "
-                   "is ever replaced: a directory holding anything else is refused)")
+                   "is ever replaced: a directory holding anything else is refused; a striped set needs its "
+                   "--stripe-dir directories)")
     p.add_argument("--group", default=None, help=_GROUP_HELP)
     p.add_argument("--progress", action="store_true", default=None, help="show progress even when not on a terminal")
     p.add_argument("--stripe-dir", action="append", default=None, metavar="DIR", help=_STRIPE_HELP)

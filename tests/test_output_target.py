@@ -13,7 +13,7 @@ from test_import import make_checkpoint
 
 from engram_store import TableSet, get_spec
 from engram_store.errors import TableFormatError
-from engram_store.format import target, writer
+from engram_store.format import owned, target, writer
 from engram_store.tools.synth import synth_rows, write_synthetic
 
 TINY = get_spec("tiny")
@@ -106,10 +106,12 @@ def test_a_live_writers_temp_directory_is_left_alone(tmp_path):
     dead = tmp_path / f"{target.temp_prefix(out)}998-dead"
     for d in (live, dead):
         d.mkdir()
+        owned.Mark.create(d, out)  # as the writer marks the temp directory it makes
         (d / "layer_001.bin").write_bytes(b"\0" * 4096)
+    mark_bytes = (dead / owned.MARK).stat().st_size
     fd = target.lock(live)
     try:
-        assert target.remove_stale(out) == 4096
+        assert target.remove_stale(out) == 4096 + mark_bytes
     finally:
         os.close(fd)
     assert live.exists() and not dead.exists()

@@ -11,14 +11,22 @@ beside ``out`` (``.NAME.tmp-PID-XXXX``) and publishes it by rename. ``out`` may 
   directory inside it): refused, with or without ``--force``, naming what is there.
   Nothing but a table set is ever deleted.
 
+Replacing removes only regular files the writer wrote (:mod:`.owned`): the set's own files
+by their names, and its stripe files only inside the ``--stripe-dir`` directories of the
+run, by their names, and only those its writer's marker lists. A manifest naming anything
+else (an absolute or ``../`` path, a directory, a stripe of another set, as a ``cp -r``
+copy does) is refused before anything is touched.
+
 The replace is atomic: the new directory and the old one swap places in one
 ``renameat2(RENAME_EXCHANGE)`` (two renames where the filesystem lacks it), then the
-old set is removed. Until the swap, the old set is untouched.
+old set's files are removed. Until the swap, the old set is untouched.
 
 A writer holds an exclusive ``flock`` on its temp directory for as long as it
-writes. A temp directory nobody holds is the leftover of a killed writer: the next
-writer of the same name removes it before it checks free space, so a killed
-run's bytes never count against the next one (:func:`remove_stale`).
+writes. A temp directory nobody holds, that holds the writer's marker naming it, is the
+leftover of a killed writer: the next writer of the same name removes it before it
+checks free space, so a killed run's bytes never count against the next one
+(:func:`remove_stale`). A directory of a similar name without that marker is a user's and
+is left alone.
 """
 
 from __future__ import annotations
@@ -30,16 +38,17 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 from ..errors import TableFormatError
+from . import owned
 from .manifest import FORMAT_NAME, MANIFEST
 
 log = logging.getLogger(__name__)
 
-_RENAME_EXCHANGE = 2  # linux/fs.h
+_RENAME_NOREPLACE = 1  # linux/fs.h
+_RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 _SHOWN = 5  # entries named in a refusal
 
@@ -52,18 +61,20 @@ def old_prefix(out: Path) -> str:
     return f".{out.name}.old-"
 
 
-def _table_set_files(raw: dict) -> set[str] | None:
-    """The names a manifest's directory may hold, or None when ``raw`` is not our manifest."""
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+def _manifest(out: Path) -> dict | None:
+    """``out``'s manifest as JSON when it is an engram-store manifest, else None."""
+    try:
+        raw = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
         return None
-    names = {MANIFEST}
-    for entry in raw.get("layers") or ():
-        if isinstance(entry, dict):
-            names |= {str(entry.get(key)) for key in ("file", "crc_file") if entry.get(key)}
-    token_map = raw.get("token_map")
-    if isinstance(token_map, dict):
-        names |= {str(token_map[key]) for key in ("file", "tokenizer") if token_map.get(key)}
-    return names
+    return raw if isinstance(raw, dict) and raw.get("format") == FORMAT_NAME else None
+
+
+def _table_set_files(raw: dict | None) -> set[str] | None:
+    """The names a manifest's directory may hold, or None when ``raw`` is not our manifest."""
+    if raw is None:
+        return None
+    return {MANIFEST, owned.MARK} | owned.manifest_names(raw)[0]
 
 
 def describe_target(out: Path) -> str | None:
@@ -76,12 +87,7 @@ def describe_target(out: Path) -> str | None:
     entries = sorted(p.name for p in out.iterdir())
     if not entries:
         return None
-    allowed = None
-    if MANIFEST in entries:
-        try:
-            allowed = _table_set_files(json.loads((out / MANIFEST).read_text()))
-        except (OSError, ValueError):
-            allowed = None
+    allowed = _table_set_files(_manifest(out)) if MANIFEST in entries else None
     if allowed is None:
         shown = ", ".join(entries[:_SHOWN]) + (f" and {len(entries) - _SHOWN} more" if len(entries) > _SHOWN else "")
         return f"{out} is not a table set (no engram-store {MANIFEST}); it holds {shown}"
@@ -92,8 +98,11 @@ def describe_target(out: Path) -> str | None:
     return "table set"
 
 
-def check_target(out: Path, overwrite: bool, inputs: Iterable[str | os.PathLike] = ()) -> None:
-    """Raise TableFormatError unless a table set may be written to ``out`` (see the module doc)."""
+def check_target(out: Path, overwrite: bool, inputs: Iterable[str | os.PathLike] = (),
+                 stripe_dirs: Sequence[Path] = ()) -> owned.Removal | None:
+    """Raise TableFormatError unless a table set may be written to ``out`` (see the module doc).
+    Replacing a table set: returns what the replace will remove (its files, checked now; its
+    stripes must lie in ``stripe_dirs``, the resolved ``--stripe-dir`` directories of the run)."""
     resolved = out.resolve()
     for source in inputs:
         src = Path(source).resolve()
@@ -102,13 +111,14 @@ def check_target(out: Path, overwrite: bool, inputs: Iterable[str | os.PathLike]
                                    f" ({src}); write the table set to a directory of its own")
     what = describe_target(out)
     if what is None:
-        return
+        return None
     if what != "table set":
         raise TableFormatError(f"{what}: engram-store writes a table set only to a new or empty directory or over "
                                "another table set (--force), and never deletes anything else; choose another --out")
     if not overwrite:
         raise TableFormatError(f"{out} already holds a table set; pass --force to replace it (the old set stays "
                                "intact until the new one is complete)")
+    return owned.plan_replace(out, _manifest(out) or {}, stripe_dirs)
 
 
 def lock(path: Path, *, wait: bool = False) -> int:
@@ -144,25 +154,22 @@ def _unheld(path: Path) -> bool:
     return True
 
 
-def _size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
-
-
 def remove_stale(out: Path, stripe_dirs: Iterable[Path] = ()) -> int:
-    """Remove what killed writers of ``out`` left (temp directories beside it, temp stripe files in
-    ``stripe_dirs``) and old sets a killed swap left while ``out`` exists; returns the bytes freed.
+    """Remove what killed writers of ``out`` left (temp directories beside it and the temp stripe
+    files their markers list in ``stripe_dirs``) and old sets a killed swap left while ``out``
+    exists; returns the bytes freed. A directory counts only when it holds the writer's marker
+    naming it (:class:`.owned.Mark`); only the writer's own files in it are removed.
     Call it holding :func:`locked` on ``out.parent``."""
     freed = 0
-    candidates = [(p, "temp") for p in out.parent.iterdir() if p.name.startswith(temp_prefix(out)) and p.is_dir()]
-    candidates += [(p, "old") for p in out.parent.iterdir() if p.name.startswith(old_prefix(out)) and p.is_dir()]
-    for d in stripe_dirs:
-        if d.is_dir():
-            candidates += [(p, "stripe") for p in d.iterdir() if p.is_file() and p.name.startswith(f".{out.name}.layer_")
-                           and ".tmp-" in p.name]
-    for path, kind in candidates:
-        if path.is_symlink():
+    stripe_dirs = list(stripe_dirs)
+    for path in sorted(out.parent.iterdir()):
+        kind = "temp" if path.name.startswith(temp_prefix(out)) else "old" if path.name.startswith(old_prefix(out)) \
+            else ""
+        if not kind or path.is_symlink() or not path.is_dir():
+            continue
+        mark = owned.Mark.read(path)
+        if mark is None:
+            log.info("left %s alone: no engram-store writer's marker in it (a user's directory)", path)
             continue
         if kind == "old" and not out.exists():
             log.warning("%s: a previous table set moved aside by an interrupted replace, and %s is missing; "
@@ -170,41 +177,52 @@ def remove_stale(out: Path, stripe_dirs: Iterable[Path] = ()) -> int:
             continue
         if not _unheld(path):
             continue
-        size = _size(path)
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-        if not path.exists():
-            freed += size
-            log.warning("removed %s (%d bytes), left by a writer that was killed", path, size)
+        size = owned.remove_leftover(path, mark, out.name, stripe_dirs)
+        freed += size
+        log.warning("removed %s (%d bytes), left by a writer that was killed", path, size)
     return freed
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (renameat2 RENAME_EXCHANGE); False where unsupported."""
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
+    """renameat2(a, b, flags); False where the call or the flag is unsupported."""
     libc = ctypes.CDLL(None, use_errno=True)
     fn = getattr(libc, "renameat2", None)
     if fn is None:
         return False
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
-    raise OSError(err, os.strerror(err), str(a))
+    raise OSError(err, os.strerror(err), str(b))
 
 
-def publish(tmp: Path, out: Path) -> None:
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (renameat2 RENAME_EXCHANGE); False where unsupported."""
+    return _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+def rename_new(a: Path, b: Path) -> None:
+    """Rename ``a`` to ``b``, which must not exist (FileExistsError: nothing is ever renamed over a file)."""
+    if _renameat2(a, b, _RENAME_NOREPLACE):
+        return
+    if os.path.lexists(b):
+        raise FileExistsError(errno.EEXIST, "a file is already there", str(b))
+    os.rename(a, b)
+
+
+def publish(tmp: Path, out: Path, removal: owned.Removal | None) -> None:
     """Put the complete directory ``tmp`` at ``out``, replacing what is there (a table set or an
-    empty directory, checked by :func:`check_target`) in one atomic step where the filesystem can."""
+    empty directory, checked by :func:`check_target`, which gave ``removal``) in one atomic step
+    where the filesystem can; then remove what ``removal`` lists of the replaced set."""
     if not out.exists():
         os.replace(tmp, out)
         return
+    removal = removal or owned.Removal(out)
     if _exchange(tmp, out):  # out is the new set, tmp the old one
-        shutil.rmtree(tmp, ignore_errors=True)
+        owned.remove_replaced(tmp, removal)
         return
     old = out.with_name(f"{old_prefix(out)}{os.getpid()}")
-    os.replace(out, old)
+    rename_new(out, old)  # never over a user's directory of that name
     os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    owned.remove_replaced(old, removal)

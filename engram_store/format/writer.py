@@ -26,6 +26,11 @@ there, never a name a manifest points to). A new set never takes the name of a
 stripe the set it replaces still uses, so the old set stays whole until the swap;
 its stripes are removed after it.
 
+The temp directory holds the writer's marker (:class:`~engram_store.format.owned.Mark`,
+written the moment the directory is made, listing every stripe file as it is created); it
+is published with the set. It is how a later writer tells its own leftovers and stripes
+from a user's files (see :mod:`engram_store.format.owned`).
+
 Where ``out`` may be, the atomic replace and the removal of a killed writer's
 leftovers are :mod:`engram_store.format.target`'s.
 """
@@ -47,7 +52,7 @@ import numpy as np
 
 from ..errors import InsufficientSpace, TableFormatError
 from ..spec import ModelSpec
-from . import target
+from . import owned, target
 from .checksums import page_crcs
 from .layout import PAGE_BYTES, PageLayout
 from .manifest import (
@@ -129,13 +134,14 @@ class TableSetWriter:
         self.gid = -1 if group is None else _group_id(group)
         self.entries: list[LayerEntry] = []
         self.tmp: Path | None = None
+        self.mark: owned.Mark | None = None  # the writer's marker in self.tmp
         self.token_map: dict | None = None  # manifest entry of files written by add_file (engram_store.tokens)
         self.needed = space_needed(spec)
         if self.stripe_dirs:  # the directory holds only checksum files and the manifest
             self.needed -= sum(PageLayout(spec.rows(layer), spec.row_bytes).file_bytes for layer in spec.layers)
 
     def __enter__(self) -> "TableSetWriter":
-        target.check_target(self.out, self.overwrite, self.inputs)
+        target.check_target(self.out, self.overwrite, self.inputs, self.stripe_dirs)
         with self._space(self.out.parent):
             self.out.parent.mkdir(parents=True, exist_ok=True)
         with target.locked(self.out.parent):
@@ -148,6 +154,7 @@ class TableSetWriter:
             with self._space(self.out.parent):
                 self.tmp = Path(tempfile.mkdtemp(prefix=f"{target.temp_prefix(self.out)}{os.getpid()}-",
                                                  dir=self.out.parent))
+                self.mark = owned.Mark.create(self.tmp, self.out)  # what tells it from a user's directory
             self._locks.append(target.lock(self.tmp))  # held while writing: not a leftover
         return self
 
@@ -192,7 +199,7 @@ class TableSetWriter:
     def _stripe_file(self, layer: int, k: int) -> tuple[Path, Path]:
         d = self.stripe_dirs[k]
         final = d / f"{self.out.name}.layer_{layer:03d}.s{k}.bin"
-        if final.exists():  # the set being replaced owns that name: keep it intact until the swap
+        if os.path.lexists(final):  # the set being replaced (or a user) owns that name: keep it intact
             final = d / f"{self.out.name}.layer_{layer:03d}.s{k}.{self.tmp.name.rpartition('-')[2]}.bin"
         tmp = d / f".{final.name}.tmp-{os.getpid()}"
         self._stripe_tmp.append((tmp, final))
@@ -215,9 +222,11 @@ class TableSetWriter:
         t0 = time.perf_counter()
         with self._space(paths[0].parent), contextlib.ExitStack() as files, \
                 open(self.tmp / crc_name, "wb") as crc_f:
-            data_files = [files.enter_context(open(p, "wb", buffering=0)) for p in paths]
-            if k_total:  # held while writing: not a leftover
+            data_files = [files.enter_context(open(p, "xb" if k_total else "wb", buffering=0)) for p in paths]
+            if k_total:  # held while writing: not a leftover; listed in the marker: the writer's own
                 self._locks += [target.lock(p) for p in paths]
+                for (tmp, final), f in zip(stripe_files, data_files, strict=True):
+                    self.mark.add_stripe(tmp, final, os.fstat(f.fileno()))
             crc_f.write(PageCrcHeader(layer, layout.pages).pack())
             for block in blocks:
                 parts = [block] if isinstance(block, np.ndarray) else list(block)
@@ -277,7 +286,7 @@ class TableSetWriter:
         published = []
         try:
             for tmp, final in self._stripe_tmp:  # complete and fsynced: give them their final names
-                os.replace(tmp, final)
+                target.rename_new(tmp, final)
                 published.append(final)
             for d in self.stripe_dirs:
                 fsync_dir(d)
@@ -291,21 +300,10 @@ class TableSetWriter:
 
     def _publish_dir(self) -> None:
         assert self.tmp is not None
-        target.check_target(self.out, self.overwrite)  # what is there now (it may have changed while we wrote)
-        old = _old_stripes(self.out)
-        target.publish(self.tmp, self.out)
+        # what is there now (it may have changed while we wrote), and what replacing it removes
+        removal = target.check_target(self.out, self.overwrite, stripe_dirs=self.stripe_dirs)
+        target.publish(self.tmp, self.out, removal)
         fsync_dir(self.out.parent)
-        for path in old - {final for _, final in self._stripe_tmp}:  # the replaced set's stripes we did not overwrite
-            path.unlink(missing_ok=True)
-
-
-def _old_stripes(out: Path) -> set[Path]:
-    """Stripe files of the table set at ``out`` (none when it is not a striped set)."""
-    try:
-        manifest = Manifest.load(out)
-    except TableFormatError:
-        return set()
-    return {p for e in manifest.layers for p in e.stripe_paths(out)}
 
 
 def _group_id(group: str) -> int:
