@@ -9,8 +9,9 @@ own naming pattern, inside the target or the stripe directories the run declares
 The writer's marker, :data:`MARK`, is how a directory it created is told from a user's
 that merely has a similar name: a small JSON file written into the temp directory the
 moment it is made, holding that directory's own identity (device, inode) and every stripe
-file the writer creates elsewhere (path and identity). The marker travels with the set when
-it is published (a rename keeps the inode), so:
+file the writer creates elsewhere (path and identity; once written, also its size and
+modification time, so that a user's file given a freed inode number is not taken for it).
+The marker travels with the set when it is published (a rename keeps the inode), so:
 
 * a temp or old directory beside ``out`` (``.NAME.tmp-*``, ``.NAME.old-*``) is a writer's
   leftover only when it holds a marker naming the directory itself: a user's directory of that
@@ -76,7 +77,9 @@ class Mark:
     identity: tuple[int, int]  # (st_dev, st_ino) of the directory it was written in
     out: str = ""  # the table set's path the writer was writing
     pid: int = 0
-    stripes: list[tuple[str, int, int]] = field(default_factory=list)  # (path, st_dev, st_ino), temp and final
+    # (path, st_dev, st_ino, st_size, st_mtime_ns) of each stripe, temp and final name; size and
+    # time -1 until the file is complete (seal)
+    stripes: list[tuple[str, int, int, int, int]] = field(default_factory=list)
 
     @classmethod
     def create(cls, directory: Path, out: Path) -> "Mark":
@@ -86,12 +89,28 @@ class Mark:
 
     def add_stripe(self, temp: Path, final: Path, st: os.stat_result) -> None:
         """Record a stripe file just created at ``temp`` (renamed to ``final`` at commit: same inode)."""
-        self.stripes += [(str(temp), *_identity(st)), (str(final), *_identity(st))]
+        self.stripes += [(str(temp), *_identity(st), -1, -1), (str(final), *_identity(st), -1, -1)]
+        self.write()
+
+    def seal(self) -> None:
+        """Record each stripe's size and modification time, its writing done (before it is renamed:
+        a rename changes neither)."""
+        sealed = {}
+        for path, dev, ino, _, _ in self.stripes:
+            st = _lstat(path)
+            if st is not None and _identity(st) == (dev, ino):
+                sealed[(dev, ino)] = (st.st_size, st.st_mtime_ns)
+        self.stripes = [(p, dev, ino, *sealed.get((dev, ino), (-1, -1))) for p, dev, ino, _, _ in self.stripes]
         self.write()
 
     def names(self, path: str | os.PathLike, st: os.stat_result) -> bool:
-        """Whether the marker lists ``path`` with the identity ``st`` has."""
-        return (str(path), *_identity(st)) in {tuple(s) for s in self.stripes}
+        """Whether the marker lists ``path`` as the file ``st`` describes (identity, and size and time
+        where recorded)."""
+        for p, dev, ino, size, mtime in self.stripes:
+            if p == str(path) and (dev, ino) == _identity(st) and (size < 0 or (size, mtime) ==
+                                                                   (st.st_size, st.st_mtime_ns)):
+                return True
+        return False
 
     def write(self) -> None:
         doc = {"kind": MARK_KIND, "directory": list(self.identity), "out": self.out, "pid": self.pid,
@@ -115,7 +134,8 @@ class Mark:
                 return None
             doc = json.loads((directory / MARK).read_text())
             identity = tuple(int(x) for x in doc["directory"])
-            stripes = [(str(p), int(dev), int(ino)) for p, dev, ino in doc.get("stripes") or ()]
+            stripes = [(str(p), int(dev), int(ino), int(size), int(mtime))
+                       for p, dev, ino, size, mtime in doc.get("stripes") or ()]
             if doc.get("kind") != MARK_KIND or identity != _identity(dir_st):
                 return None
             return cls(directory, identity, str(doc.get("out", "")), int(doc.get("pid", 0)), stripes)
@@ -245,11 +265,12 @@ def remove_leftover(directory: Path, mark: Mark, out_name: str, stripe_dirs: Ite
     freed = 0
     declared = set(stripe_dirs)
     pattern = stripe_file(out_name)
-    for path, dev, ino in mark.stripes:
+    for path, dev, ino, _, _ in mark.stripes:
         p = Path(path)
-        if p.parent in declared and pattern.match(p.name):
-            freed += _unlink(p, (dev, ino)) if _lstat(p) is not None else 0
-        elif _lstat(p) is not None:
+        st = _lstat(p)
+        if st is not None and p.parent in declared and pattern.match(p.name):
+            freed += _unlink(p, (dev, ino)) if mark.names(p, st) else 0
+        elif st is not None:
             log.warning("left %s (a stripe written by a killed writer of %s): it is outside the --stripe-dir "
                         "directories given", p, out_name)
     for entry in sorted(os.listdir(directory)):

@@ -279,6 +279,8 @@ class TableSetWriter:
                             token_map=self.token_map)
         with self._space(self.tmp / MANIFEST):
             write_file_atomic(self.tmp / MANIFEST, manifest.to_json().encode())
+            if self._stripe_tmp:
+                self.mark.seal()  # the stripes are complete: their size and time join the marker
         for path in (*self.tmp.iterdir(), self.tmp, *(tmp for tmp, _ in self._stripe_tmp)):  # group-readable
             os.chown(path, -1, self.gid)
             os.chmod(path, DIR_MODE if path.is_dir() else FILE_MODE)
