@@ -11,24 +11,43 @@ when the daemon passes the fd; LocalClient has its own).
   (``numpy.take`` where it is not built; single threaded and without the GIL, so it overlaps the model's compute on another
   thread; torch's multi-threaded ``index_select`` collapses when it competes
   with the model for the cores);
-* CUDA: the mapping is registered with ``cudaHostRegister`` (read-only, mapped)
-  and rows are gathered by a GPU kernel reading host memory over UVA, straight
-  into device memory.
+* GPU (CUDA or ROCm): the mapping is registered with the runtime (read-only where
+  supported, see below) and rows are gathered by a GPU kernel reading host memory
+  over UVA, straight into device memory.
 
-Also home of the small CUDA helpers the prefetcher shares: a cached CUDA probe
-and host-memory registration.
+Also home of the host-registration helpers the prefetcher and the engine tables share, through the
+GPU-runtime seam (:mod:`engram_store.native.gpu_runtime`: CUDA or HIP, whichever torch runs on), and
+this process's record of what it registered (AMD's runtime cannot say "already registered").
+
+Read-only registration (:func:`register_read_only`). The arena is a sealed memfd mapped ``PROT_READ``.
+On CUDA it is registered with ``cudaHostRegisterReadOnly`` where the device reports
+``cudaDevAttrHostRegisterReadOnlySupported = 1``. Where it reports 0 (some x86 B300 hosts), the flag
+fails with ``cudaErrorNotSupported``, and a registration without it asks the driver to pin the pages
+for device writes: NVIDIA documents the flag as required to register memory mapped read-only unless
+the GPU reads pageable memory through the host's page tables
+(``cudaDevAttrPageableMemoryAccessUsesHostPageTables = 1``, e.g. Grace with ATS), and elsewhere the
+driver refuses a read-only mapping without it (``cudaErrorInvalidValue``). So the arena is then
+registered without the flag (logged once), which works on hosts using the host page tables, and where
+the driver refuses that too the arena is refused with both attributes' values in the message: a
+writable (copy-on-write) mapping is no way out, since pinning it for writes copies every page into a
+private copy of the tables per process. The staging of fetch jobs is writable memory of the process
+and is registered on its own, so cached layers are served either way. On ROCm there is no read-only
+registration AMD GPUs honour: everything is registered Portable | Mapped.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
+import threading
 import warnings
+import weakref
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from engram_store.errors import InvalidRequest, StorageError
 from engram_store.format.arena_layout import ArenaInfo, ArenaView
+from engram_store.native.gpu_runtime import runtime
 from engram_store.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -36,16 +55,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# cudaHostRegister flags (cuda_runtime_api.h)
-HOST_REGISTER_PORTABLE = 0x01
-HOST_REGISTER_MAPPED = 0x02
-HOST_REGISTER_READ_ONLY = 0x08
-HOST_MEMORY_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+_pinned: dict[int, int] = {}  # address -> bytes of every host range registered here (and not unregistered)
+_pinned_lock = threading.Lock()
 
 
 @functools.cache
 def cuda_available() -> bool:
-    """True when torch can use a CUDA device (probed once; imports torch lazily)."""
+    """True when torch can use a GPU (CUDA, or ROCm through torch.cuda); probed once; imports torch lazily."""
     try:
         import torch
     except ImportError:
@@ -53,49 +69,126 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def clear_last_cuda_error() -> None:
-    """Reset the CUDA runtime's last error after a failed (non-sticky) call we handled ourselves.
+@dataclass(frozen=True)
+class Registration:
+    """What registering host memory for the GPU gave: truthy when ``what`` is registered (now, or
+    already in this process); ``how`` says with which flags; ``message`` says why not (the runtime's
+    error, the attributes read, what to do)."""
 
-    torch exposes no ``cudaGetLastError``, and torch checks the last error after
-    every kernel launch, so a refused ``cudaHostRegister`` would otherwise surface
-    later as an unrelated launch failure. Calls it in the libcudart torch loaded.
-    """
-    try:
-        with open("/proc/self/maps") as maps:
-            libs = {line.split()[-1] for line in maps if "libcudart.so" in line}
-        for lib in libs:
-            ctypes.CDLL(lib).cudaGetLastError()
-    except OSError as exc:
-        log.debug("could not reset the CUDA last error: %s", exc)
+    what: str
+    ok: bool
+    how: str = ""
+    message: str = ""
+    code: int = 0  # the runtime's error code of the refusal (0: none)
+    owned: bool = False  # registered by this call: the caller's to unregister (or its owner's, when collected)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @staticmethod
+    def combine(what: str, parts: "list[Registration]") -> "Registration":
+        """One outcome for several ranges: registered when every part is; the refusals' messages."""
+        refused = [p for p in parts if not p.ok]
+        return Registration(what, not refused, ", ".join(sorted({p.how for p in parts if p.ok and p.how})),
+                            "; ".join(p.message for p in refused), refused[0].code if refused else 0)
+
+
+def _register(ptr: int, size: int, what: str, read_only: bool, owner: Any = None) -> Registration:
+    rt = runtime()
+    with _pinned_lock:
+        if ptr in _pinned:
+            return Registration(what, True, "already registered here")
+        code = rt.register(ptr, size, read_only=read_only)
+        if code == 0:
+            _pinned[ptr] = size
+            if owner is not None:  # its memory may be unmapped and the address reused: unregister with it
+                weakref.finalize(owner, _forget, rt, ptr)
+            how = "read-only" if read_only and rt.flags.read_only else "writable" if not read_only else \
+                f"Portable | Mapped ({rt.side.label} has no read-only flag)"
+            return Registration(what, True, how, owned=True)
+    rt.clear_last_error()
+    if rt.already_registered(code):  # by someone else in this process: usable, not ours to unregister
+        return Registration(what, True, "registered by another owner in this process")
+    name = rt.error_name(code)
+    return Registration(what, False, message=f"{rt.side.prefix}HostRegister refused {what} ({size} bytes at "
+                        f"{ptr:#x}{', read-only' if read_only and rt.flags.read_only else ''}): {name}", code=code)
 
 
 def register_host_memory(ptr: int, size: int, *, read_only: bool = False) -> bool | None:
-    """Page-lock ``size`` bytes at ``ptr`` for the GPU.
+    """Page-lock ``size`` bytes at ``ptr`` for the GPU (Portable | Mapped, plus the read-only flag where the
+    runtime has one and ``read_only``).
 
-    True: registered here (the caller unregisters); None: already registered in this
-    process (usable, not the caller's to unregister); False (logged): the driver refused.
+    True: registered here (the caller unregisters); None: already registered in this process (usable, not
+    the caller's to unregister); False (logged): the runtime refused.
     """
-    import torch
-
-    flags = HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED | (HOST_REGISTER_READ_ONLY if read_only else 0)
-    err = int(torch.cuda.cudart().cudaHostRegister(ptr, size, flags))
-    if err != 0:
-        clear_last_cuda_error()
-    if err == HOST_MEMORY_ALREADY_REGISTERED:
-        return None
-    if err != 0:
-        log.warning("cudaHostRegister(%#x, %d bytes) failed with cudaError %d; using pinned copies", ptr, size, err)
+    reg = _register(ptr, size, "host memory", read_only)
+    if not reg:
+        log.warning("%s; using pinned copies", reg.message)
         return False
-    return True
+    return True if reg.owned else None
+
+
+def _forget(rt: Any, ptr: int) -> None:
+    with _pinned_lock:
+        if _pinned.pop(ptr, None) is None:
+            return
+        code = rt.unregister(ptr)
+    if code != 0:
+        rt.clear_last_error()
+
+
+def register_writable(ptr: int, size: int, what: str, owner: Any = None) -> Registration:
+    """Register memory the host writes and the GPU reads (a fetch job's staging). With ``owner`` (the
+    object holding the memory), the registration ends when it is collected."""
+    reg = _register(ptr, size, what, False, owner)
+    return reg if reg else Registration(what, False, message=reg.message + "; check the memlock limit (ulimit -l)",
+                                        code=reg.code)
+
+
+def register_read_only(ptr: int, size: int, what: str, owner: Any = None) -> Registration:
+    """Register memory the GPU only reads and that may be mapped ``PROT_READ`` (the arena): read-only where
+    supported, else without the flag (logged once), else refused naming the attributes (module docstring).
+    ``owner``: as for :func:`register_writable`."""
+    rt = runtime()
+    support = rt.read_only_support()
+    if support.supported is not False:  # supported, or no such flag (HIP), or unknown: the runtime decides
+        reg = _register(ptr, size, what, True, owner)
+        unknown_and_unsupported = (support.supported is None and bool(rt.flags.read_only)
+                                   and reg.code == rt.side.not_supported)
+        if not unknown_and_unsupported:
+            return reg if reg else replace(reg, message=f"{reg.message} ({support.detail})")
+    _without_flag_once(support.detail)
+    reg = _register(ptr, size, what, False, owner)
+    if reg:
+        return replace(reg, how="without the read-only flag") if reg.owned else reg
+    return Registration(what, False, code=reg.code, message=(
+        f"{what} cannot be registered with the GPU: read-only registration is unsupported here ({support.detail}) "
+        f"and {rt.side.prefix}HostRegister refused it without the flag ({rt.error_name(reg.code)}): the driver pins "
+        "memory for device writes and this memory is mapped read-only. Resident layers cannot be read in place by "
+        "this GPU; cached layers are not affected. Place those layers cached, or use a driver and GPU reporting "
+        "the attribute as 1"))
+
+
+@functools.cache
+def _without_flag_once(detail: str) -> None:
+    log.warning("read-only host registration is unsupported here (%s): registering the read-only arena without the "
+                "flag", detail)
 
 
 def unregister_host_memory(ptr: int) -> None:
-    import torch
+    rt = runtime()
+    with _pinned_lock:
+        _pinned.pop(ptr, None)
+        code = rt.unregister(ptr)
+    if code != 0:
+        rt.clear_last_error()
+        log.warning("%sHostUnregister(%#x) failed: %s", rt.side.prefix, ptr, rt.error_name(code))
 
-    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
-    if err != 0:
-        clear_last_cuda_error()
-        log.warning("cudaHostUnregister(%#x) failed with cudaError %d", ptr, err)
+
+def registered_here(ptr: int) -> bool:
+    """Whether ``ptr`` starts a host range registered through this module and not unregistered."""
+    with _pinned_lock:
+        return ptr in _pinned
 
 
 class _DeviceView:
@@ -185,10 +278,11 @@ class ArenaGather:
         self._blocks: dict[int, tuple[Any, Any]] = {}  # per layer (weights, scales): CUDA tensors (UVA) or ndarrays
         if self.device.type == "cuda":
             whole = readonly_tensor(view.array)
-            registered = register_host_memory(whole.data_ptr(), whole.numel(), read_only=True)
-            if registered is False:
-                raise StorageError("cudaHostRegister refused the arena; the UVA gather is unavailable")
-            self._registered, self._owns_registration = True, bool(registered)
+            registration = register_read_only(whole.data_ptr(), whole.numel(), "the resident arena")
+            if not registration:
+                raise StorageError(f"{registration.message}; the UVA gather is unavailable")
+            self._registered = True
+            self._owns_registration = registration.owned
             self._base_ptr = whole.data_ptr()
             for layer in sorted(self.layers):
                 a = by_layer[layer]

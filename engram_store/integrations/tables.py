@@ -49,6 +49,8 @@ from ..spec import ModelSpec
 if TYPE_CHECKING:
     import torch
 
+    from gpu_client.resident import Registration
+
 log = logging.getLogger(__name__)
 
 HELLO_REGION_BYTES = 1 << 16  # the smallest shared region a daemon hands out: this client sends no lookups
@@ -70,7 +72,8 @@ class EngramStoreTables:
         self.placement = _placement(info)
         self.huge_pages = str((info.get("arena") or {}).get("huge_pages", "none"))
         self._whole: "torch.Tensor | None" = None
-        self._registered: bool | None = None
+        self._registered: bool | None = None  # True once register_cuda ran: fetch_job registers new jobs
+        self._arena_registration = None  # register_cuda's outcome for the arena
         self._lock = threading.RLock()
         self._jobs: list[FetchJob] = []  # every fetch job made here, for check_fetches
         self._staged: dict[int, FetchJob] = {}  # staged()'s job per layer
@@ -295,21 +298,39 @@ class EngramStoreTables:
                             stats["steps"], 1e3 * stats["total_seconds"] / max(1, stats["steps"]),
                             1e3 * stats["max_seconds"], stats["direct_steps"], first[0].layer)
 
-    def register_cuda(self) -> bool:
-        """Page-lock the whole arena for the GPU, read-only, and every fetch job's staging (the jobs
-        write it), once per process (idempotent), so that UVA views of :meth:`views` and the staging
-        are zero-copy. True when they now report ``is_pinned()``; False (logged) when the driver refused."""
-        from gpu_client.resident import register_host_memory
+    def register_cuda(self, layer: int | None = None) -> "Registration":
+        """Page-lock for the GPU what its kernels read over UVA, once per process, through the GPU runtime
+        torch runs on (CUDA or ROCm): the arena, read-only where the runtime supports it (else without the
+        flag, else refused naming the attribute read: :func:`gpu_client.resident.register_read_only`), and
+        the staging of every fetch job (writable: the jobs write it), each on its own, so a refused arena
+        leaves cached layers served and a refused staging names its layer. Jobs made afterwards are
+        registered by :meth:`fetch_job`. Idempotent.
+
+        Returns the outcome for ``layer``: the arena for a resident layer, its fetch jobs' staging for a
+        cached one; without ``layer``, for everything. Truthy when registered (and, where torch has a GPU,
+        reported by ``is_pinned()``); falsy with ``.message`` saying what was refused and why."""
+        from gpu_client.resident import Registration, register_read_only
 
         with self._lock:
-            if self._registered is None:
-                ok = True
-                if self.view is not None:
-                    whole = self._whole_tensor()
-                    ok = register_host_memory(whole.data_ptr(), whole.numel(), read_only=True) is not False \
-                        and bool(whole.is_pinned())
-                self._registered = ok and all(_register_staging(job) for job in self._jobs)
-            return self._registered
+            if self.view is not None and self._arena_registration is None:
+                whole = self._whole_tensor()
+                what = f"the arena of {self.address} (mapped read-only)"
+                reg = register_read_only(whole.data_ptr(), whole.numel(), what, self.view)
+                if reg and _torch_has_gpu() and not whole.is_pinned():
+                    reg = Registration(what, False, message=f"{what} is registered ({reg.how}) but torch does not "
+                                       "report it pinned: engines would copy it")
+                if not reg:
+                    log.error("engram-store: %s", reg.message)
+                self._arena_registration = reg
+            self._registered = True  # fetch_job registers the staging of jobs made from now on
+            staging = {id(job): _register_staging(job) for job in self._jobs}
+            arena = [self._arena_registration] if self.view is not None else []
+            if layer is None:
+                return Registration.combine("the arena and every fetch job's staging", arena + list(staging.values()))
+            if self.is_resident(layer):
+                return arena[0]
+            mine = [staging[id(job)] for job in self._jobs if job.layer == layer]
+            return Registration.combine(f"the staging of layer {layer}'s fetch jobs", mine)
 
     # --- checks -----------------------------------------------------------------------
     def check_model(self, *, layer_ids: Sequence[int], rows: Sequence[int], head_sizes: Sequence[Sequence[int]],
@@ -360,11 +381,21 @@ def _placement(info: dict[str, Any]) -> dict[int, str]:
     return placement
 
 
-def _register_staging(job: FetchJob) -> bool:
-    """Page-lock a fetch job's staging for the GPU (writable: the job writes rows there)."""
-    from gpu_client.resident import register_host_memory
+def _register_staging(job: FetchJob) -> "Registration":
+    """Page-lock a fetch job's staging for the GPU (writable: the job writes rows there). Idempotent (a
+    staging registered before answers "already registered here" without asking the runtime again)."""
+    from gpu_client.resident import register_writable
 
     import numpy as np
 
     base = np.frombuffer(job.staging, dtype=np.uint8)
-    return register_host_memory(base.ctypes.data, base.nbytes) is not False
+    reg = register_writable(base.ctypes.data, base.nbytes, f"the staging of layer {job.layer}'s fetch job", job.staging)
+    if not reg:
+        log.error("engram-store: %s", reg.message)
+    return reg
+
+
+def _torch_has_gpu() -> bool:
+    from gpu_client.resident import cuda_available
+
+    return cuda_available()

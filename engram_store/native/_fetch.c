@@ -29,8 +29,8 @@
  *   One run at a time (a mutex); the status of each run is kept (stats(), error()).
  *
  * Python: run(n) (the GIL released), run_in_native_thread(n) (a pthread of its own: proof that no
- * GIL is needed), launch_host(stream, n) (cuLaunchHostFunc through the driver's libcuda.so.1, looked
- * up at first use: the job needs no CUDA at build time), run_address / call_address(n), attach(fd,
+ * GIL is needed), launch_host(stream, n) (cuLaunchHostFunc or hipLaunchHostFunc, whichever GPU runtime
+ * torch runs on: gpu_runtime.h; the job needs neither at build time), run_address / call_address(n), attach(fd,
  * region, ids_offset, out_offset), detach(), probe(), connected, stats(), error(), clear_error().
  */
 #define PY_SSIZE_T_CLEAN
@@ -57,6 +57,7 @@
 #include "batch.h"   /* batch_args_t, batch_complete (the page check and row copy) */
 #include "aio.h"     /* batch_t, read_aio, read_sync */
 #include "frame.h"   /* frame_t, MAGIC, VERSION, OP_*, DTYPE_INT64, frame_fields() */
+#include "gpu_runtime.h"  /* gpu_launcher_get: the host-function launch of the GPU runtime torch runs on */
 
 #define MAX_STRIPES 64
 #define MSG_BYTES 1024
@@ -560,25 +561,16 @@ static PyObject *job_run_in_native_thread(Job *j, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-typedef int (*cu_launch_host_func_t)(void *stream, void (*fn)(void *), void *data);
-
 static PyObject *job_launch_host(Job *j, PyObject *args) {
-    static cu_launch_host_func_t launch;
     unsigned long long stream;
     long long n;
     if (!ready(j) || !PyArg_ParseTuple(args, "KL", &stream, &n)) return NULL;
     fetch_call *c = call_for(j, n);
     if (!c) return NULL;
-    if (launch == NULL) {
-        void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-        launch = lib ? (cu_launch_host_func_t)dlsym(lib, "cuLaunchHostFunc") : NULL;
-        if (launch == NULL) {
-            PyErr_Format(PyExc_RuntimeError, "cuLaunchHostFunc is not available: %s", lib ? dlerror() : "no libcuda.so.1");
-            return NULL;
-        }
-    }
-    int rc = launch((void *)(uintptr_t)stream, engram_fetch_host_fn, c);
-    if (rc != 0) return PyErr_Format(PyExc_RuntimeError, "cuLaunchHostFunc failed: CUresult %d", rc);
+    gpu_launcher gpu;  /* cuLaunchHostFunc or hipLaunchHostFunc, as gpu_runtime.py chose at first use */
+    if (gpu_launcher_get(&gpu) < 0) return NULL;
+    int rc = gpu.launch((void *)(uintptr_t)stream, engram_fetch_host_fn, c);
+    if (rc != 0) return PyErr_Format(PyExc_RuntimeError, "%s failed: %s %d", gpu.name, gpu.result_type, rc);
     Py_RETURN_NONE;
 }
 
@@ -716,7 +708,8 @@ static PyMethodDef job_methods[] = {
     {"run_in_native_thread", (PyCFunction)job_run_in_native_thread, METH_VARARGS,
      "run_in_native_thread(n): the same, called from a pthread that never held the GIL, joined"},
     {"launch_host", (PyCFunction)job_launch_host, METH_VARARGS,
-     "launch_host(stream, n): cuLaunchHostFunc(stream, run function, call_address(n)); captured by CUDA graphs"},
+     "launch_host(stream, n): cuLaunchHostFunc / hipLaunchHostFunc(stream, run function, call_address(n)); captured "
+     "by CUDA and HIP graphs"},
     {"call_address", (PyCFunction)job_call_address, METH_VARARGS,
      "call_address(n) -> the run function's argument for n rows (stable for the job's life)"},
     {"attach", (PyCFunction)job_attach, METH_VARARGS,
