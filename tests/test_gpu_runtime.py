@@ -308,3 +308,44 @@ def test_hip_refuses_a_runtime_torch_did_not_load(tmp_path):
     if gpu_runtime.loaded_library("libamdhip64.so") is None:
         with pytest.raises(errors.EngineUnsupported, match="libamdhip64 is not loaded"):
             GpuRuntime.load("hip")
+
+
+# --- what operators see: status (how rows are read) and doctor (the GPU runtime) ----------------------------
+def test_status_says_rows_reach_engines_without_gpudirect_storage(daemon):
+    from engram_store.client.client import EngramClient
+    from engram_store.client.status import collect, render
+
+    doc = collect(daemon.unix, lambda: EngramClient.connect(daemon.unix))
+    assert doc["reads"]["arena_fill"] == "posix"  # no kvikio here: the daemon filled its arena with O_DIRECT reads
+    line = next(x for x in render(doc).splitlines() if x.startswith("reads"))
+    assert "arena filled by O_DIRECT reads (no GPUDirect Storage)" in line
+    assert "pinned staging" in line and "the same on CUDA and ROCm" in line
+
+
+def test_doctor_names_the_gpu_vendor_runtime_and_read_only_registration(tables):
+    from engram_store.ops.doctor import PASS, SKIP, WARN, check_gpu_runtime
+    from engram_store.ops.probes import GpuRuntimeFacts
+
+    rocm = GpuRuntimeFacts("2.5.1+rocm6.2", "ROCm", "AMD", "6.2.41134", "6.2.41134", ("AMD Instinct MI300X",) * 8,
+                           None, "no read-only host registration")
+    c = check_gpu_runtime(rocm)
+    assert c.status == PASS and c.found.startswith("AMD, ROCm 6.2.41134 (driver 6.2.41134), torch 2.5.1+rocm6.2; 8 "
+                                                   "device(s): AMD Instinct MI300X") and "no GPUDirect" in c.found
+    b300 = GpuRuntimeFacts("2.5.1+cu124", "CUDA", "NVIDIA", "12.4", "12.8", ("NVIDIA B300",), False,
+                           "cudaDevAttrHostRegisterReadOnlySupported = 0 on device 0")
+
+    class Arena:  # the plan of a config with a resident layer
+        arena_bytes = 1 << 30
+
+        @staticmethod
+        def layers(where):
+            return [FIRST]
+
+    warn = check_gpu_runtime(b300, Arena())
+    assert warn.status == WARN and "ReadOnlySupported = 0" in warn.found and f"[{FIRST}]" in warn.fix
+    assert check_gpu_runtime(b300).status == PASS  # no arena planned: nothing to register read-only
+    assert check_gpu_runtime(GpuRuntimeFacts("2.13.0+cpu", "", "", "")).status == SKIP
+    import torch
+
+    if not (torch.version.cuda or getattr(torch.version, "hip", None)):  # this machine's torch, probed for real
+        assert check_gpu_runtime().found == f"torch {torch.__version__} is a CPU build: no GPU runtime"

@@ -2,8 +2,10 @@
 
 Reads the daemon's Info and Stats over ``unix://`` or ``grpc[s]://``, or its metrics page over
 ``http://HOST:PORT`` (the Prometheus names throughout: :mod:`engram_store.wire.metric_names`),
-and says: version, uptime, mode, each layer's placement, rows and bytes, huge pages, bad pages,
-unavailable layers, clients, hit rate, and whether vLLM / SGLang can use the daemon as it stands
+and says: version, uptime, mode, each layer's placement, rows and bytes, huge pages, how rows are read
+(the arena's fill; cached layers into the engines' pinned staging, O_DIRECT where the daemon is away: no
+GPUDirect Storage on that path, so the same on CUDA and ROCm), bad pages, unavailable layers, clients,
+hit rate, and whether vLLM / SGLang can use the daemon as it stands
 (:func:`~engram_store.client.engine_fit.engine_fit`). ``collect`` returns a plain dict (the
 ``--json`` output); ``render`` the human table.
 """
@@ -20,6 +22,10 @@ from ..wire.metric_names import PREFIX, prometheus_samples
 from .engine_fit import ENGINES, engine_fit
 
 METRICS_TIMEOUT = 10.0
+BULK_READERS = {"posix": "O_DIRECT reads (no GPUDirect Storage)", "kvikio-cufile": "kvikio with cuFile (GPUDirect "
+                "Storage)", "kvikio-compat": "kvikio in compatibility mode (POSIX reads, no GPUDirect Storage)"}
+CACHED_PATH = ("the engines' fetch jobs, into pinned staging: daemon lookups, or their own O_DIRECT page reads while "
+               "the daemon is away (no GPUDirect Storage on this path: the same on CUDA and ROCm)")
 
 
 def metrics_url(address: str) -> str:
@@ -117,6 +123,8 @@ def collect(address: str, connect: Callable[[], Any]) -> dict[str, Any]:
         "address": address, "transport": transport, "version": info.get("version", ""), "pid": info.get("pid"),
         "uptime_seconds": info.get("uptime_seconds"), "mode": info.get("mode", ""), "layers": layers,
         "arena_bytes": int(arena_bytes), "huge_pages": huge,
+        "reads": {"arena_fill": info.get("bulk_reader") if arena_bytes else None,  # absent on the metrics page
+                  "cached_layers": CACHED_PATH if any(e["placement"] != "resident" for e in layers) else None},
         "cache_bytes": int(samples.get(PREFIX + "cache_bytes", 0)),
         "cache_slots_used_ratio": samples.get(PREFIX + "cache_slots_used", 0.0) / slots if slots else None,
         "bad_pages": bad, "layers_unavailable": {str(k): v for k, v in (info.get("layers_unavailable") or {}).items()},
@@ -172,6 +180,11 @@ def render(doc: dict[str, Any]) -> str:
             f"cache {format_bytes(doc['cache_bytes'])} ({ratio:.0%} of slots used)" if ratio is not None else ""]
     lines.append(f"{'DRAM':<12}{', '.join(x for x in dram if x) or '-'}")
     lines.append(f"{'huge pages':<12}{doc['huge_pages'] or '- (no resident arena)'}")
+    reads = doc.get("reads") or {}
+    fill = reads.get("arena_fill")
+    parts = ([f"arena filled by {BULK_READERS.get(fill, fill or '- (not on the metrics page)')}"] if doc["arena_bytes"]
+             else []) + ([f"cached layers through {reads['cached_layers']}"] if reads.get("cached_layers") else [])
+    lines.append(f"{'reads':<12}{'; '.join(parts) or '-'}")
     bad = "; ".join(f"layer {layer}: {e['pages']} page(s)" + (" " + ", ".join(f"[{a}, {b})" for a, b in e["ranges"][:4])
                     + (" ..." if len(e["ranges"]) > 4 else "") if e["ranges"] else "")
                     for layer, e in sorted(doc["bad_pages"].items()))

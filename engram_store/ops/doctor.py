@@ -254,6 +254,34 @@ def check_gpu(gpu: probes.Gpu | None = None) -> Check:
     return Check("CUDA", PASS, found)
 
 
+def check_gpu_runtime(facts: probes.GpuRuntimeFacts | None = None, plan: Plan | None = None) -> Check:
+    """GPU vendor and runtime (CUDA or ROCm) with their versions, and whether the GPU can register the
+    read-only arena (the engines' resident layers) as it is."""
+    facts = probes.gpu_runtime() if facts is None else facts
+    name = "GPU runtime"
+    if not facts.torch_version:
+        return Check(name, SKIP, facts.error or "torch is not installed here (run doctor where the engines run)")
+    if not facts.runtime:
+        return Check(name, SKIP, f"torch {facts.torch_version} is a CPU build: no GPU runtime")
+    found = (f"{facts.vendor}, {facts.runtime} {facts.runtime_version}" + (f" (driver {facts.driver_version})"
+             if facts.driver_version else "") + f", torch {facts.torch_version}")
+    if facts.error or not facts.devices:
+        return Check(name, WARN, found + f"; {facts.error or 'no device visible'}",
+                     f"check the {facts.vendor} driver and the devices visible to this process")
+    found += f"; {len(facts.devices)} device(s): {', '.join(sorted(set(facts.devices)))}"
+    if facts.runtime == "ROCm":
+        return Check(name, PASS, found + "; host memory registered Portable | Mapped (no read-only flag on AMD); "
+                     "no GPUDirect Storage on ROCm: table reads are O_DIRECT (the daemon's, and the fetch jobs' into "
+                     "pinned staging)")
+    found += f"; read-only host registration: {facts.read_only or 'unknown'}"
+    if facts.read_only_supported is False and plan is not None and plan.arena_bytes:
+        return Check(name, WARN, found, "the arena is mapped read-only: engines register it without the flag, which "
+                     "works only where the GPU uses the host's page tables (...UsesHostPageTables = 1); elsewhere "
+                     "they refuse the resident layers " + str(plan.layers(RESIDENT)) + " (cached layers are served): "
+                     "place them cached, or use a driver and GPU that support read-only registration")
+    return Check(name, PASS, found)
+
+
 def run(config_file: str | None = None, engine_user: str | None = None,
         environ: Mapping[str, str] | None = None) -> list[Check]:
     """Every check, in order; a config or table set that cannot be read stops the checks that need it."""
@@ -308,6 +336,7 @@ def run(config_file: str | None = None, engine_user: str | None = None,
         checks.append(Check("daemon", PASS, f"a daemon already serves {config.socket} (pid {running or '?'}): "
                             "`engram-store status unix://" + os.path.abspath(config.socket) + "` shows it"))
     checks.append(check_gpu())
+    checks.append(check_gpu_runtime(plan=plan))
     return checks
 
 

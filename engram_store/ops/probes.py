@@ -1,5 +1,6 @@
 """Host facts ``doctor`` weighs, each read on its own and never fatal: huge pages, THP, memlock,
-free disk, the NVMe reader and O_DIRECT on the tables' file system, CUDA and kvikio.
+free disk, the NVMe reader and O_DIRECT on the tables' file system, CUDA and kvikio, and the GPU runtime
+(vendor, CUDA or ROCm, versions, read-only host registration).
 
 Memory (``MemAvailable`` and cgroup limits) comes from :func:`engram_store.daemon.host.memory_limits`,
 the daemon's own preflight helper. Every reader takes the paths it reads, so tests point it at
@@ -137,3 +138,47 @@ def gpu() -> Gpu:
         except Exception as exc:
             error = (error + "; " if error else "") + f"kvikio: {exc}"
     return Gpu(has_torch, cuda, devices, has_kvikio, mode, error)
+
+
+@dataclass(frozen=True)
+class GpuRuntimeFacts:
+    """The GPU runtime torch runs on, with the versions torch and the runtime tell."""
+
+    torch_version: str  # "" without torch
+    runtime: str  # "CUDA", "ROCm" or "" (no torch, or a CPU build)
+    vendor: str  # "NVIDIA", "AMD" or ""
+    runtime_version: str  # torch.version.cuda / torch.version.hip
+    driver_version: str = ""  # as the runtime reports it
+    devices: tuple[str, ...] = ()
+    read_only_supported: bool | None = None  # read-only host registration (None: no such thing, or unknown)
+    read_only: str = ""  # the attributes read (or why there is no read-only registration)
+    error: str = ""
+
+
+def gpu_runtime() -> GpuRuntimeFacts:
+    """Vendor, runtime and versions from torch (``torch.version.cuda`` / ``.hip``), the driver's version and
+    read-only registration from the runtime itself (:mod:`engram_store.native.gpu_runtime`); never raises."""
+    if importlib.util.find_spec("torch") is None:
+        return GpuRuntimeFacts("", "", "", "")
+    try:
+        import torch
+    except Exception as exc:  # a broken install: reported, not raised
+        return GpuRuntimeFacts("", "", "", "", error=f"import torch: {exc}")
+    hip, cuda = getattr(torch.version, "hip", None), getattr(torch.version, "cuda", None)
+    runtime, vendor, version = ("ROCm", "AMD", str(hip)) if hip else ("CUDA", "NVIDIA", str(cuda)) if cuda else ("", "", "")
+    facts = GpuRuntimeFacts(str(torch.__version__), runtime, vendor, version)
+    if not runtime:
+        return facts
+    try:
+        if not torch.cuda.is_available():
+            return facts
+        devices = tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        torch.cuda.init()
+        from ..native.gpu_runtime import runtime as gpu
+
+        rt = gpu()
+        support = rt.read_only_support()
+        return GpuRuntimeFacts(facts.torch_version, runtime, vendor, version, rt.versions().get("driver", ""),
+                               devices, support.supported, support.detail)
+    except Exception as exc:  # a driver that cannot be reached: reported, not raised
+        return GpuRuntimeFacts(facts.torch_version, runtime, vendor, version, error=str(exc))

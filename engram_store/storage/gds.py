@@ -43,6 +43,8 @@ def probe_kvikio() -> GdsProbe:
     try:
         import torch
 
+        if getattr(torch.version, "hip", None):  # torch.cuda answers on ROCm too; cuFile does not exist there
+            return GdsProbe(False, False, "ROCm: no GPUDirect Storage (kvikio/cuFile are CUDA only)")
         if not torch.cuda.is_available():
             return GdsProbe(False, False, "kvikio present but no CUDA device")
     except Exception as exc:
