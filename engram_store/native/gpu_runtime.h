@@ -19,13 +19,19 @@ typedef struct {
     char result_type[32];  /* "CUresult" / "hipError_t" */
 } gpu_launcher;
 
-/* Fills *out from the seam; 0, or -1 with a Python exception set (no GPU runtime: the seam says why).
-   Call with the GIL held. */
+static PyObject *gpu_host_launcher;  /* engram_store.native.gpu_runtime.host_launcher, looked up once */
+
+/* Fills *out from the seam (asked at every launch: tests switch runtimes; about half a microsecond);
+   0, or -1 with a Python exception set (no GPU runtime: the seam says why). Call with the GIL held. */
 static int gpu_launcher_get(gpu_launcher *out) {
-    PyObject *mod = PyImport_ImportModule("engram_store.native.gpu_runtime");
-    if (mod == NULL) return -1;
-    PyObject *r = PyObject_CallMethod(mod, "host_launcher", NULL);
-    Py_DECREF(mod);
+    if (gpu_host_launcher == NULL) {
+        PyObject *mod = PyImport_ImportModule("engram_store.native.gpu_runtime");
+        if (mod == NULL) return -1;
+        gpu_host_launcher = PyObject_GetAttrString(mod, "host_launcher");
+        Py_DECREF(mod);
+        if (gpu_host_launcher == NULL) return -1;
+    }
+    PyObject *r = PyObject_CallNoArgs(gpu_host_launcher);
     if (r == NULL) return -1;
     unsigned long long address = 0;
     const char *name = NULL, *result_type = NULL;

@@ -271,6 +271,10 @@ def torch_runtime() -> tuple[str, str]:
 @functools.cache
 def _default() -> GpuRuntime:
     kind, version = torch_runtime()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.init()  # torch's context first, as torch.cuda.cudart() would: the calls here then share it
     rt = GpuRuntime.load(kind)
     log.info("GPU runtime: %s (torch built for %s)", rt.describe(), version)
     return rt
