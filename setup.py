@@ -66,6 +66,9 @@ setup(
                            "engram_store/daemon/cached_hits.h"], optional=True),
         Extension("engram_store.native._fetch", ["engram_store/native/_fetch.c"],
                   depends=["engram_store/native/crc32c.h", "engram_store/native/batch.h", "engram_store/native/aio.h",
-                           "engram_store/native/frame.h"], libraries=["dl"], optional=True),
+                           "engram_store/native/frame.h", "engram_store/native/fetch_core.h",
+                           "engram_store/native/fetch_reader.h", "engram_store/native/fetch_daemon.h",
+                           "engram_store/native/fetch_run.h"],
+                  libraries=["dl"], optional=True),
     ]),
 )

@@ -129,3 +129,42 @@ def test_an_arena_with_corrupt_pages_is_not_read_in_place(tmp_path):
             assert ArenaGather.for_client(client, ts.spec, torch.device("cpu")) is None
             with pytest.raises(errors.StorageError, match="page 3"):
                 client.lookup(layer, np.array([3 * (4096 // ts.row_bytes)]))
+
+
+def test_an_engine_made_on_one_table_set_never_serves_another_after_a_restart(tables, tmp_path, caplog):
+    """Connect on table set A, restart the daemon on B (same spec, other rows) at the same socket: the
+    staged job (grown) and a new fetch job keep A's rows (their own files, read directly), refusing B
+    naming both; a client made on B gets B's rows."""
+    other = make_tables(tmp_path / "B", seed=99)
+    ids = np.random.default_rng(5).integers(0, tables.rows(3), 300)
+    more = np.random.default_rng(6).integers(0, tables.rows(3), 5000)  # more than the staged job holds: it grows
+    assert not np.array_equal(other.read_rows(3, more), tables.read_rows(3, more))  # B's rows differ from A's
+
+    def exact(weight, scales, want_ids, ts=tables):
+        got = np.concatenate([weight.view(torch.uint8).numpy(), scales.numpy()], 1)
+        np.testing.assert_array_equal(got, ts.read_rows(3, want_ids))
+
+    d = DaemonProcess(tables.directory, tmp_path, dram_bytes="256KiB")
+    try:
+        d.start()
+        t = EngramStoreTables.connect(d.unix)
+        exact(*t.staged(3, ids), ids)
+        d.stop()
+        d.tables = other.directory  # same workdir, same socket
+        d.start()
+        caplog.set_level("ERROR", logger="engram_store.client.fetch")
+        exact(*t.staged(3, more), more)  # a grown job: A's rows, not B's
+        job = t.fetch_job(3, 2048)
+        job.ids[:2000] = more[:2000]
+        job.run(2000)
+        t.check_fetches()
+        np.testing.assert_array_equal(np.concatenate([job.weight[:2000], job.scales[:2000]], 1),
+                                      tables.read_rows(3, more[:2000]))
+        assert not job.connected and job.stats()["daemon_steps"] == 0 and job.stats()["direct_steps"] == 1
+        refusal = " ".join(r.getMessage() for r in caplog.records)
+        assert f"{tables.directory}/layer_003" in refusal and f"{other.directory}/layer_003" in refusal, refusal
+        t2 = EngramStoreTables.connect(d.unix)  # an engine started after the restart: B, from the daemon
+        exact(*t2.staged(3, more), more, other)
+        assert t2._staged[3].connected and t2._staged[3].stats()["daemon_steps"] == 1
+    finally:
+        d.stop()

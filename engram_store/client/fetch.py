@@ -15,15 +15,29 @@ it stays valid): the ids, then the payload block ``[max_rows, dim]`` and the sca
 ``weight_scale_inv``) with positional ids. :attr:`FetchJob.staging` is what an engine registers
 with ``cudaHostRegister``.
 
+A job is made from one table-set identity (:class:`~engram_store.client.table_files.TableIdentity`:
+the spec and, per layer, the files the daemon reads and the crc32 of their page checksums), the one
+its engine captured when it connected, or the daemon's at the job's own handshake. It opens those
+files itself and refuses a daemon that later answers with another identity (restarted on another
+table set), naming both; it then reads its own files.
+
 A step asks the daemon over a connection of its own (one LOOKUP, rows into its shared region,
-copied into the blocks). A daemon that is gone, stopped or past the deadline (``deadline``,
-default :data:`DEFAULT_DEADLINE_SECONDS`, or ``ENGRAM_STORE_FETCH_DEADLINE_SECONDS``) never stops
-the engine: the job reads the rows' pages from the table files itself (O_DIRECT, each 4 KiB page
-checked against the crc32c the daemon checks against, as the daemon names them in its Info
-``layer_files``), and a thread of this process reconnects in the background; once the daemon
-answers again, steps go back to it. Only a page that fails its checksum (no good copy anywhere)
-fails a step: its rows are zero and :meth:`FetchJob.raise_if_failed` raises ``CorruptRows`` naming
-the layer, rows and pages.
+copied into the blocks). A daemon that is slow is not waited on for long: once it has not answered
+within the *hedge budget* (2 ms plus twice the p99 of its last 128 answers, at most 100 ms or a
+quarter of the deadline; ``hedge_seconds`` fixes it), the job also reads the rows' pages from the
+table files itself (O_DIRECT, each 4 KiB page checked against the crc32c the daemon checks
+against), and the first complete source wins. A daemon still busy with a request a step gave up on
+is skipped until its late answer is read and dropped; one that misses its budget three times in a row
+is skipped for 50 ms, doubling up to 2 s while it keeps missing. A daemon that is gone is dropped
+and a thread of this process reconnects in the background.
+
+Every step ends within ``deadline`` (default :data:`DEFAULT_DEADLINE_SECONDS`, or
+``ENGRAM_STORE_FETCH_DEADLINE_SECONDS``): direct reads run in a reader thread the step waits for, so
+a stuck device fails the step at the deadline (its rows zero, :meth:`FetchJob.raise_if_failed`
+raises ``StorageError`` naming layer and deadline) and later direct reads fail at once until it
+ends. A page that fails its checksum (no good copy anywhere) fails a step too: its rows are zero and
+``raise_if_failed`` raises ``CorruptRows`` naming the layer, rows and pages; so does a table file
+changed, replaced or removed since the job opened it (``StorageError`` naming layer and file).
 """
 
 from __future__ import annotations
@@ -33,21 +47,20 @@ import mmap
 import os
 import threading
 import time
-import zlib
 from typing import Any
 
 import numpy as np
 
 from .. import errors
-from ..format.manifest import PageCrcHeader
-from ..native import load, shm, syscalls
+from ..native import load, shm
 from ..spec import ModelSpec
 from ..wire import frames as wire
+from .table_files import TableFiles, TableIdentity
 from .unix_transport import UnixTransport
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DEADLINE_SECONDS = 2.0  # the longest a step waits for the daemon before reading the pages itself
+DEFAULT_DEADLINE_SECONDS = 2.0  # the longest a step takes: past it, its rows are zero and the failure raised
 DEADLINE_ENV = "ENGRAM_STORE_FETCH_DEADLINE_SECONDS"
 RECONNECT_SECONDS = 0.25  # how often a job without its daemon tries to get it back
 RECONNECT_TIMEOUT_SECONDS = 2.0  # one attempt's connect + handshake (a stopped daemon answers nothing)
@@ -83,94 +96,42 @@ def deadline_seconds(value: float | None = None) -> float:
     return float(value)
 
 
-class TableFiles:
-    """A layer's data files (O_DIRECT) and page checksums (the ``.crc`` file, mapped read-only), opened
-    as the daemon's Info describes them and checked to be the very files it reads."""
-
-    def __init__(self, layer: int, described: dict[str, Any], layer_rows: int) -> None:
-        self.layer = layer
-        self.identity = [tuple(f[1:]) for f in described["files"]]
-        self.fds: list[int] = []
-        try:
-            for path, dev, ino, size in described["files"]:
-                fd = _open_direct(path)
-                self.fds.append(fd)
-                st = os.fstat(fd)
-                if (st.st_dev, st.st_ino, st.st_size) != (dev, ino, size):
-                    raise errors.StorageError(
-                        f"layer {layer}: {path} is not the file the daemon reads (device, inode or size differ: "
-                        "the table set was replaced since the daemon started); restart the daemon")
-            with open(described["crc_file"], "rb") as f:
-                self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-            header = PageCrcHeader.unpack(self._map[:PageCrcHeader.STRUCT.size], described["crc_file"])
-            pages = int(described["pages"])
-            if header.layer != layer or header.pages != pages or len(self._map) < header.file_bytes:
-                raise errors.StorageError(f"layer {layer}: {described['crc_file']} holds {header.pages} page checksums "
-                                          f"of layer {header.layer}, the daemon reads {pages} of layer {layer}")
-            self.crcs = np.frombuffer(self._map, dtype="<u4", count=pages, offset=PageCrcHeader.STRUCT.size)
-            if zlib.crc32(self.crcs) != described["crc32"]:
-                raise errors.StorageError(f"layer {layer}: {described['crc_file']} is not the checksum file the daemon "
-                                          "loaded (the table set was replaced since it started); restart the daemon")
-            self.rows_per_page = int(described["rows_per_page"])
-        except BaseException:
-            self.close()
-            raise
-
-    def take_fds(self) -> tuple[int, ...]:
-        """The descriptors, now the native job's to close."""
-        fds, self.fds = tuple(self.fds), []
-        return fds
-
-    def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
-
-
-def _open_direct(path: str) -> int:
-    try:
-        return os.open(path, os.O_RDONLY | syscalls.O_DIRECT | os.O_CLOEXEC)
-    except OSError as exc:
-        if not syscalls.O_DIRECT or exc.errno != 22:  # EINVAL: a filesystem without O_DIRECT (tmpfs)
-            raise errors.StorageError(f"cannot open the table file {path}: {exc.strerror}") from None
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-
-
 class FetchJob:
     """One cached layer's fetch job in this process (see the module docstring). Thread-safe; its
     runs are serialized (an engine issues them in stream order)."""
 
     def __init__(self, address: str, layer: int, max_rows: int, *, deadline: float | None = None,
-                 queue_depth: int = QUEUE_DEPTH, connect_timeout: float = 10.0) -> None:
+                 queue_depth: int = QUEUE_DEPTH, connect_timeout: float = 10.0, identity: TableIdentity | None = None,
+                 hedge_seconds: float | None = None) -> None:
         native = native_fetch()
         self.address, self.path, self.layer = address, socket_path(address), int(layer)
         self.deadline = deadline_seconds(deadline)
-        transport = UnixTransport(self.path, MIN_REGION_BYTES, connect_timeout)  # the handshake only: its Info
+        if hedge_seconds is not None and not 0 < hedge_seconds <= self.deadline:
+            raise errors.ConfigError(f"hedge_seconds {hedge_seconds!r}: expected seconds in (0, deadline]")
+        if identity is None:  # the daemon's tables now: its Info at a handshake of our own
+            transport = UnixTransport(self.path, MIN_REGION_BYTES, connect_timeout)
+            try:
+                identity = TableIdentity.from_info(transport.info_cached, address)
+            finally:
+                transport.close()
+        self.identity = identity
+        described = identity.described(self.layer)
+        self.spec = ModelSpec.from_dict(identity.spec)
+        if self.layer not in self.spec.layers:
+            raise errors.UnknownLayer(f"layer {self.layer} is not an Engram layer of spec {self.spec.name!r}")
+        fmt = self.spec.row_format
+        self.layer_rows = identity.rows[str(self.layer)]
+        self.row_bytes, self.dim, self.scale_bytes = fmt.row_bytes, fmt.dim, fmt.row_bytes - fmt.dim
+        files = TableFiles(self.layer, described, native)
         try:
-            info = transport.info_cached
-            self.spec = ModelSpec.from_dict(info["spec"])
-            self.info = info
-            fmt = self.spec.row_format
-            if self.layer not in self.spec.layers or str(self.layer) not in info["rows"]:
-                raise errors.UnknownLayer(f"layer {self.layer}: the daemon at {address} serves layers "
-                                          f"{sorted(int(k) for k in info['rows'])}")
-            described = (info.get("layer_files") or {}).get(str(self.layer))
-            if not described:
-                raise errors.StorageError(f"the daemon at {address} does not describe layer {self.layer}'s table files "
-                                          "(a daemon of another version, or the layer is unavailable): a fetch job "
-                                          "needs them to read pages itself while the daemon is gone")
-            self.layer_rows = int(info["rows"][str(self.layer)])
-            self.row_bytes, self.dim, self.scale_bytes = fmt.row_bytes, fmt.dim, fmt.row_bytes - fmt.dim
-            files = TableFiles(self.layer, described, self.layer_rows)
-            transport.close()  # the handshake told what to allocate; the job's own connection is sized for it
-        except BaseException:
-            transport.close()
-            raise
-        self._files = files
-        nbytes = native.staging_bytes(max_rows, self.dim, self.scale_bytes)
-        self.staging = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            nbytes = native.staging_bytes(max_rows, self.dim, self.scale_bytes)
+            self.staging = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            watched = files.take()
+        finally:
+            files.close()
         self.native = native.Job(self.layer, self.layer_rows, self.row_bytes, self.dim, files.rows_per_page,
-                                 self.staging, files.crcs, files.take_fds(), queue_depth, self.deadline)
+                                 self.staging, files.checksums, watched, queue_depth, self.deadline,
+                                 hedge_seconds or 0.0)
         self.max_rows = int(self.native.max_rows)
         ids_at, weight_at, scales_at = self.native.offsets
         whole = np.frombuffer(self.staging, dtype=np.uint8)
@@ -181,7 +142,7 @@ class FetchJob:
         self._region = None
         self._lock = threading.Lock()
         self._closed = False
-        self._refused = ""  # why the last daemon reached was not taken back (another table set)
+        self._refused = ""  # why the last daemon reached was not taken (another table set)
         self.reconnects = 0
         try:
             self.connect(connect_timeout)
@@ -192,17 +153,15 @@ class FetchJob:
 
     # --- the daemon connection ---------------------------------------------------------
     def connect(self, timeout: float) -> None:
-        """Make (or remake) the job's connection; refuses a daemon serving other table files."""
+        """Make (or remake) the job's connection; refuses a daemon serving other tables than the job's
+        identity (``ModelMismatch`` naming both; logged once per change)."""
         transport = UnixTransport(self.path, _region_bytes(self.max_rows, self.row_bytes), timeout)
         try:
-            info = transport.info_cached
-            described = (info.get("layer_files") or {}).get(str(self.layer)) or {}
-            same = (info.get("spec") == self.info["spec"] and described.get("crc32") == self._files_crc32()
-                    and [tuple(f[1:]) for f in described.get("files", ())] == self._files.identity)
-            if not same:
-                why = (f"the daemon at {self.address} now serves other table files for layer {self.layer} than this "
-                       "engine started with; this job keeps reading its own files directly (restart the engine to "
-                       "use the new tables)")
+            other = self.identity.mismatch(transport.info_cached, self.layer)
+            if other:
+                why = (f"the daemon at {self.address} serves other tables for layer {self.layer} than this engine "
+                       f"started with ({other}); this job keeps reading its own files directly (restart the engine "
+                       "to use the new tables)")
                 if why != self._refused:
                     log.error("engram-store fetch job: %s", why)
                     self._refused = why
@@ -219,9 +178,6 @@ class FetchJob:
             self.native.attach(fd, region, 0, ids_bytes)  # the job releases the previous region's buffer
             old, self._region = self._region, region
         shm.release(old)
-
-    def _files_crc32(self) -> int:
-        return int(self.info["layer_files"][str(self.layer)]["crc32"])
 
     @property
     def connected(self) -> bool:
@@ -258,6 +214,7 @@ class FetchJob:
             self._closed = True
         _supervisor().forget(self)
         self.native.detach()
+        self.native.close()  # a run in progress ends first (within its deadline); none runs after
         region, self._region = self._region, None
         shm.release(region)
 

@@ -30,6 +30,11 @@ delivered the arena is closed right away, so a daemon restart does not touch
 a running engine: its memfd and mapping stay valid, with the rows they had;
 an engine started after the restart maps the daemon's new arena. Fetch jobs
 outlive a daemon restart too (they read the table files themselves meanwhile).
+The tables' identity (spec, each layer's files and page checksums, from the
+daemon's Info) is taken at :meth:`EngramStoreTables.connect`; every fetch job
+made here, now or later, reads those tables: a daemon restarted on another
+table set at the same address is refused (naming both) and the job reads its
+own files, so one engine never mixes two table sets.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..client.fetch import FetchJob
+from ..client.table_files import TableIdentity
 from ..errors import ConfigError, ModelMismatch, StorageError, UnknownLayer
 from ..format.arena_layout import ArenaView
 from ..spec import ModelSpec
@@ -68,6 +74,7 @@ class EngramStoreTables:
         self.address = address
         self.view = view  # None when every layer is cached
         self.info = info
+        self.identity = TableIdentity.from_info(info, address)  # every fetch job made here reads these tables
         self.spec = ModelSpec.from_dict(info["spec"])
         self.placement = _placement(info)
         self.huge_pages = str((info.get("arena") or {}).get("huge_pages", "none"))
@@ -232,10 +239,12 @@ class EngramStoreTables:
     # --- cached layers ------------------------------------------------------------------
     def fetch_job(self, layer: int, max_rows: int) -> FetchJob:
         """A new fetch job for cached ``layer``, sized for ``max_rows`` rows a step (its own staging
-        and connection; see :mod:`engram_store.client.fetch`). Kept for :meth:`check_fetches`."""
+        and connection; see :mod:`engram_store.client.fetch`), built from the tables this object
+        connected to (:attr:`identity`): it reads those files and refuses a daemon serving others,
+        even after a restart. Kept for :meth:`check_fetches`."""
         if self.is_resident(layer):
             raise StorageError(f"layer {layer} is resident: read it in place (views), no fetch job needed")
-        job = FetchJob(self.address, layer, max_rows)
+        job = FetchJob(self.address, layer, max_rows, identity=self.identity)
         with self._lock:
             self._jobs.append(job)
             if self._registered and not _register_staging(job):

@@ -7,7 +7,10 @@
  *   int64_t got = read_aio(&b, qd);   bytes read, or -1 where the kernel offers no AIO
  *   if (got < 0) got = read_sync(&b); one pread at a time
  *   b.err / b.err_off / b.short_read  the first failure (0: none)
- * Both run without the GIL and call batch_complete() as each extent arrives.
+ * Both run without the GIL and call batch_complete() as each extent arrives. A caller that may
+ * give up on a batch sets b.cancel to a flag it raises from another thread (__atomic stores):
+ * once raised, no further extent is submitted, the reads in flight are drained and b.cancelled
+ * is 1 (the extents' rows are then incomplete).
  *
  * Drained contexts are pooled (io_setup/io_destroy are slow). A context belongs to the process
  * that set it up: fork() does not copy its ring, so a module registers reset_pool_in_child with
@@ -95,7 +98,15 @@ typedef struct {
     int err;                         /* errno of the first failure, 0 if none */
     int64_t err_off;                 /* file offset of the first failure */
     int short_read;                  /* the failure was a short read */
+    const int *cancel;               /* NULL, or a flag another thread raises to stop submitting */
+    int cancelled;                   /* the batch stopped early because *cancel was raised */
 } batch_t;
+
+static int cancelled(batch_t *b) {
+    if (b->cancel == NULL || !__atomic_load_n(b->cancel, __ATOMIC_RELAXED)) return 0;
+    b->cancelled = 1;
+    return 1;
+}
 
 static void fail(batch_t *b, int err, int64_t off, int is_short) {
     if (!b->err) { b->err = err; b->err_off = off; b->short_read = is_short; }
@@ -103,7 +114,7 @@ static void fail(batch_t *b, int err, int64_t off, int is_short) {
 
 static int64_t read_sync(batch_t *b) {
     int64_t total = 0;
-    for (Py_ssize_t i = 0; i < b->a.n && !b->err; i++) {
+    for (Py_ssize_t i = 0; i < b->a.n && !b->err && !cancelled(b); i++) {
         char *dst = batch_target(&b->a, i, 0);
         int64_t done = 0;
         while (done < b->a.len[i]) {
@@ -132,9 +143,9 @@ static int64_t read_aio(batch_t *b, int qd) {
     Py_ssize_t next = 0;
     long inflight = 0;
     int64_t total = 0;
-    while ((next < b->a.n && !b->err) || inflight > 0) {
+    while ((next < b->a.n && !b->err && !cancelled(b)) || inflight > 0) {
         long batch = 0;
-        while (next < b->a.n && nfree > 0 && !b->err) {
+        while (next < b->a.n && nfree > 0 && !b->err && !cancelled(b)) {
             int slot = free_idx[--nfree];
             struct iocb *cb = &cbs[slot];
             memset(cb, 0, sizeof(*cb));

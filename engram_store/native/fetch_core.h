@@ -1,0 +1,143 @@
+/* The fetch job's native state (native/_fetch.c), shared by its parts: the reader thread
+ * (fetch_reader.h), the daemon exchange (fetch_daemon.h) and the run function (_fetch.c).
+ * Include after Python.h, aio.h and frame.h.
+ *
+ * Lifetime. A core lives on the heap, apart from the Python Job object: a captured CUDA graph
+ * bakes a call record's address (fetch_call: core and row count) into its host node, and the
+ * driver may run a queued host function after the engine dropped the job. So:
+ *   - refs counts the Job object and the reader thread; the core's buffers and files go with the
+ *     last of them (core_release);
+ *   - closed (under lock) says the Job object is closed: a run finding it set returns at once,
+ *     touching nothing else (the staging may be gone);
+ *   - the shell (lock, closed, call records) of a core whose call records were handed out
+ *     (call_address, launch_host: exposed) is never freed, so a late host function always finds
+ *     a valid lock and the closed flag. It is a few KiB a job.
+ * One run at a time (lock). The reader works on copies (its own ids, buffers, files) and never
+ * touches the staging: only the run copies a result in, and only its own.
+ */
+#ifndef ENGRAM_STORE_FETCH_CORE_H
+#define ENGRAM_STORE_FETCH_CORE_H
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <time.h>
+
+#define MAX_STRIPES 64
+#define MSG_BYTES 1024
+#define SHOWN 6      /* rows and pages named in an error */
+#define LAT_RING 128 /* daemon answers the hedge budget is measured over */
+enum { ERR_NONE = 0, ERR_CORRUPT = 1, ERR_IO = 2 };
+
+typedef struct core core_t;
+typedef struct { core_t *core; int64_t rows; } fetch_call;
+
+/* A layer's page checksums in private memory (never a mapping of the .crc file: a file truncated
+   under a mapping raises SIGBUS), shared by the jobs of one checksum file in a process. */
+typedef struct {
+    _Atomic int64_t refs;
+    int64_t n;
+    uint32_t crc[];
+} crc_blob;
+
+/* A file the direct reads use, as the job opened it: re-checked before and after each direct
+   step (fstat of fd: size, mtime, ctime; stat of path: device and inode). */
+typedef struct {
+    int fd;
+    char *path;
+    int64_t dev, ino, size, mtime_ns, ctime_ns;
+} watched_t;
+
+enum { R_IDLE = 0, R_BUSY = 1, R_DONE = 2 };
+
+typedef struct {
+    pthread_mutex_t mu;     /* state, gen, stuck, quit; the result is the run's once state is R_DONE */
+    pthread_cond_t cv;
+    int efd;                /* eventfd: one count per request done (the run polls it with the socket) */
+    int started, quit, state, stuck;
+    pid_t pid;              /* the process the thread runs in (a forked child starts its own) */
+    int cancel;             /* raised (__atomic) when the run gave up on the request: stop submitting */
+    uint64_t gen;           /* request number */
+    int64_t since;          /* when the current request was handed over (ns) */
+    /* files */
+    int nstripes, nwatch, qd;
+    watched_t watch[MAX_STRIPES + 1];  /* the data file or its stripes, then the checksum file */
+    crc_blob *crcs;
+    /* the request, the reader's own copies */
+    int64_t m;
+    int64_t *rid;                      /* [max_rows] ids of the taken rows, in the run's order k */
+    uint64_t *order;                   /* [max_rows] (stripe, stripe page, k) sort keys */
+    int64_t *ext_off, *ext_len, *first_row, *row_off, *bad;
+    uint8_t *packed;                   /* [max_rows, row_bytes] rows read, in sorted order */
+    uint8_t *scratch;                  /* qd pages, 4 KiB aligned */
+    /* the result */
+    int64_t nbad, pages, err_off, err_stripe;
+    int err, short_read, cancelled;
+    char changed[MSG_BYTES];           /* a file changed since it was opened ("" none) */
+} reader_t;
+
+struct core {
+    pthread_mutex_t lock;  /* one run at a time; attach/detach/close between runs */
+    int closed, exposed;
+    _Atomic int refs;
+    /* geometry */
+    int32_t layer;
+    int64_t layer_rows, row_bytes, dim, scale_bytes, rows_per_page, max_rows, deadline_ns;
+    /* the staging (valid while !closed): ids, payload block, scale block */
+    int64_t *ids;
+    uint8_t *weight, *scales;
+    int64_t *pos;                      /* [max_rows] staging index of each taken row */
+    /* the daemon (fetch_daemon.h) */
+    int sock;                          /* -1: not connected */
+    uint8_t *region;
+    int64_t region_len, ids_off, out_off;
+    uint64_t request_id, pending_id;   /* pending_id: a request a step gave up on, its answer not read yet */
+    int64_t pending_since;
+    int64_t hedge_fixed_ns;            /* > 0: a fixed hedge budget instead of the measured one */
+    int64_t lat[LAT_RING];
+    int nlat, lat_next, streak;
+    int64_t backoff_ns, backoff_until;
+    /* direct reads (fetch_reader.h) */
+    reader_t rd;
+    /* status: counters are atomics, the messages sit under msg_lock (read by Python while a run goes on) */
+    pthread_mutex_t msg_lock;
+    char error[MSG_BYTES];             /* the first unreported failure ("" none) */
+    int error_kind;
+    int64_t error_pages[SHOWN];
+    int error_npages;
+    char note[MSG_BYTES];              /* the last fallback's reason */
+    _Atomic int64_t steps, rows, daemon_steps, direct_steps, direct_pages, daemon_errors, drops, failed_steps,
+        bad_pages, hedged_steps, busy_steps, backoff_steps, late_answers, timeouts, stuck_steps, last_ns, max_ns,
+        total_ns, hedge_ns;
+    fetch_call **calls;                /* one per distinct row count */
+    int ncalls, cap_calls;
+};
+
+static _Atomic int64_t live_cores, late_calls;  /* cores not yet freed; runs that found their core closed */
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void set_text(core_t *c, char *dst, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void set_text(core_t *c, char *dst, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    pthread_mutex_lock(&c->msg_lock);
+    if (dst != c->error || !dst[0]) vsnprintf(dst, MSG_BYTES, fmt, ap);  /* the first error stands until reported */
+    pthread_mutex_unlock(&c->msg_lock);
+    va_end(ap);
+}
+
+/* An I/O-kind failure of this step (the first unreported one stands). */
+static void set_io_error(core_t *c) {
+    pthread_mutex_lock(&c->msg_lock);
+    if (!c->error[0]) c->error_kind = ERR_IO, c->error_npages = 0;
+    pthread_mutex_unlock(&c->msg_lock);
+}
+
+#endif

@@ -1,0 +1,259 @@
+/* The fetch job's run function (native/_fetch.c): one step of a cached layer's rows, within its
+ * deadline, from the daemon (fetch_daemon.h) hedged by the reader thread's direct reads
+ * (fetch_reader.h); the module docstring of _fetch.c gives the steps. Include after both.
+ *
+ *   engram_fetch_host_fn(call)   what cuLaunchHostFunc / hipLaunchHostFunc runs: no GIL, no GPU call
+ *   job_run(core, n)             the same for n rows: returns at once when the core is closed
+ */
+#ifndef ENGRAM_STORE_FETCH_RUN_H
+#define ENGRAM_STORE_FETCH_RUN_H
+
+enum { D_NONE, D_WANT, D_RUNNING, D_HELD, D_UNAVAILABLE };  /* this step's direct read */
+
+static void zero_rows(core_t *c, int64_t m) {
+    for (int64_t k = 0; k < m; k++) {
+        memset(c->weight + c->pos[k] * c->dim, 0, (size_t)c->dim);
+        memset(c->scales + c->pos[k] * c->scale_bytes, 0, (size_t)c->scale_bytes);
+    }
+}
+
+/* Row k of the daemon's packed rows at src goes to staging row pos[k]: its payload into the payload
+   block, its scales into the scale block. DeepSeek-V4.1's 256 + 8 bytes get copies of constant size
+   (inlined vector moves); other row formats the general loop. */
+static void split_rows(core_t *c, const uint8_t *src, int64_t m) {
+    const int64_t rb = c->row_bytes, dim = c->dim, sb = c->scale_bytes;
+    const int64_t *pos = c->pos;
+    if (dim == 256 && sb == 8) {
+        for (int64_t k = 0; k < m; k++) {
+            const uint8_t *row = src + k * 264;
+            memcpy(c->weight + pos[k] * 256, row, 256);
+            memcpy(c->scales + pos[k] * 8, row + 256, 8);
+        }
+        return;
+    }
+    for (int64_t k = 0; k < m; k++) {
+        memcpy(c->weight + pos[k] * dim, src + k * rb, (size_t)dim);
+        memcpy(c->scales + pos[k] * sb, src + k * rb + dim, (size_t)sb);
+    }
+}
+
+static int reader_ok(core_t *c) {
+    const reader_t *r = &c->rd;
+    return !r->err && !r->nbad && !r->changed[0] && !r->cancelled;
+}
+
+/* The reader's result of this step into the staging: 0, or -1 when it failed (recorded, rows zero). */
+static int take_direct(core_t *c, int64_t m) {
+    reader_t *r = &c->rd;
+    const int64_t rpp = c->rows_per_page, rb = c->row_bytes, dim = c->dim, sb = c->scale_bytes;
+    atomic_fetch_add(&c->direct_pages, r->pages);
+    if (r->changed[0] || r->err || r->cancelled) {
+        zero_rows(c, m);
+        set_io_error(c);
+        if (r->changed[0])
+            set_text(c, c->error, "%s; no row is read from a changed file: the %lld rows of this step are zero; "
+                     "restart the daemon and the engine on one table set", r->changed, (long long)m);
+        else if (r->err)
+            set_text(c, c->error, "layer %d: reading page at byte %lld of stripe %lld of its table file failed: %s; "
+                     "%lld rows of this step are zero", c->layer, (long long)r->err_off, (long long)r->err_stripe,
+                     r->short_read ? "short read (file truncated?)" : strerror(r->err), (long long)m);
+        else
+            set_text(c, c->error, "layer %d: the job closed during a direct read; %lld rows are zero", c->layer,
+                     (long long)m);
+        return -1;
+    }
+    if (r->nbad) {
+        char pages[512];
+        size_t used = (size_t)snprintf(pages, sizeof pages, "pages");
+        for (int64_t b = 0; b < r->nbad && b < SHOWN && used < sizeof pages; b++)
+            used += (size_t)snprintf(pages + used, sizeof pages - used, "%s%lld", b ? ", " : " ", (long long)r->bad[b]);
+        if (r->nbad > SHOWN && used < sizeof pages)
+            snprintf(pages + used, sizeof pages - used, " and %lld more", (long long)(r->nbad - SHOWN));
+        char rows[512];
+        used = (size_t)snprintf(rows, sizeof rows, "rows");
+        int shown = 0;
+        for (int64_t k = 0; k < m && shown < SHOWN && used < sizeof rows; k++) {
+            for (int64_t b = 0; b < r->nbad; b++) {
+                if (r->bad[b] == r->rid[k] / rpp) {
+                    used += (size_t)snprintf(rows + used, sizeof rows - used, "%s%lld", shown ? ", " : " ",
+                                             (long long)r->rid[k]);
+                    shown++;
+                    break;
+                }
+            }
+        }
+        atomic_fetch_add(&c->bad_pages, r->nbad);
+        pthread_mutex_lock(&c->msg_lock);
+        if (!c->error[0]) {
+            c->error_kind = ERR_CORRUPT;
+            c->error_npages = (int)(r->nbad < SHOWN ? r->nbad : SHOWN);
+            memcpy(c->error_pages, r->bad, (size_t)c->error_npages * 8);
+        }
+        pthread_mutex_unlock(&c->msg_lock);
+        set_text(c, c->error, "layer %d: %lld page(s) of its table file failed their crc32c check (%s; %s): no good "
+                 "copy of those rows exists (the daemon refused them or was not there); their rows are zero in this "
+                 "step; repair the table set (engram-store verify names every bad page) and restart the daemon",
+                 c->layer, (long long)r->nbad, pages, rows);
+    }
+    for (int64_t s = 0; s < m; s++) {  /* sorted position s holds row k */
+        const int64_t i = c->pos[KEY_K(r->order[s])];
+        memcpy(c->weight + i * dim, r->packed + s * rb, (size_t)dim);
+        memcpy(c->scales + i * sb, r->packed + s * rb + dim, (size_t)sb);
+    }
+    return r->nbad ? -1 : 0;
+}
+
+/* Nothing complete within the deadline, or no source at all: rows zero, the failure recorded. */
+static void fail_step(core_t *c, int64_t m, int asked_daemon, int direct) {
+    zero_rows(c, m);
+    set_io_error(c);
+    const double stuck = reader_stuck_seconds(c);
+    char why[256];
+    if (direct == D_UNAVAILABLE && stuck > 0)
+        snprintf(why, sizeof why, "direct reads are stuck (a read of its table files has not completed for %.1f s)%s",
+                 stuck, asked_daemon ? " and the daemon did not answer" : " and the daemon is not connected");
+    else if (direct == D_UNAVAILABLE)
+        snprintf(why, sizeof why, "no reader thread could be started%s",
+                 asked_daemon ? " and the daemon did not answer" : " and the daemon is not connected");
+    else if (direct == D_NONE)
+        snprintf(why, sizeof why, "the daemon did not answer");
+    else
+        snprintf(why, sizeof why, "%sthe direct read of its table files did not complete (a stuck device?)",
+                 asked_daemon ? "the daemon did not answer and " : "");
+    const int at_once = direct == D_UNAVAILABLE && !asked_daemon;  /* nothing to wait for: failed at once */
+    char when[64];
+    if (at_once) snprintf(when, sizeof when, "no rows for this step");
+    else snprintf(when, sizeof when, "no rows within the fetch deadline (%.3g s)", c->deadline_ns / 1e9);
+    set_text(c, c->error, "layer %d: %s: %s; the %lld rows of this step are zero", c->layer, when, why, (long long)m);
+    atomic_fetch_add(at_once ? &c->stuck_steps : &c->timeouts, 1);
+}
+
+/* One step's taken rows: the daemon, hedged by a direct read, within the deadline. 0, or -1 failed. */
+static int fetch_step(core_t *c, int64_t m, int64_t t0) {
+    const int64_t deadline = t0 + c->deadline_ns;
+    int daemon = 0, asked = 0, direct = D_NONE, hedged = 0, from_daemon = 0, from_files = 0;
+    uint64_t gen = 0;
+    int64_t sent = 0, hedge_at = 0;
+    if (daemon_usable(c, t0) && send_request(c, m) == 0) {
+        daemon = asked = 1;
+        sent = now_ns();
+        const int64_t budget = hedge_budget(c);
+        atomic_store(&c->hedge_ns, budget);
+        hedge_at = sent + budget;
+    } else {
+        direct = D_WANT;
+    }
+    for (;;) {
+        if (direct == D_WANT) {
+            const int s = reader_submit(c, m, &gen);
+            direct = s > 0 ? D_RUNNING : s < 0 ? D_UNAVAILABLE : D_WANT;
+        }
+        if (direct == D_HELD && !daemon) {
+            from_files = 1;
+            break;
+        }
+        if (!daemon && direct != D_WANT && direct != D_RUNNING) break;
+        const int64_t now = now_ns();
+        if (now >= deadline) break;
+        const int64_t until = daemon && direct == D_NONE && hedge_at < deadline ? hedge_at : deadline;
+        struct pollfd p[2];
+        int np = 0, ps = -1, pe = -1;
+        if (daemon) p[ps = np++] = (struct pollfd){.fd = c->sock, .events = POLLIN};
+        if (direct == D_WANT || direct == D_RUNNING) p[pe = np++] = (struct pollfd){.fd = c->rd.efd, .events = POLLIN};
+        const int64_t wait = until > now ? until - now : 0;
+        const struct timespec ts = {.tv_sec = wait / 1000000000, .tv_nsec = wait % 1000000000};
+        const int rc = ppoll(p, (nfds_t)np, &ts, NULL);
+        if (rc < 0 && errno != EINTR) break;
+        if (rc <= 0) {
+            if (daemon && direct == D_NONE && now_ns() >= hedge_at) {  /* the budget is spent: read directly too */
+                direct = D_WANT;
+                hedged = 1;
+                atomic_fetch_add(&c->hedged_steps, 1);
+            }
+            continue;
+        }
+        if (ps >= 0 && p[ps].revents) {
+            const int a = read_answer(c, deadline);
+            daemon = 0;
+            if (a > 0) {
+                from_daemon = 1;
+                break;
+            }
+            if (direct == D_NONE) direct = D_WANT;  /* an error answer or a failed transport: the files */
+            continue;
+        }
+        if (pe >= 0 && p[pe].revents && reader_poll(c, gen) && direct == D_RUNNING) {
+            if (!daemon || reader_ok(c)) {
+                from_files = 1;
+                break;
+            }
+            direct = D_HELD;  /* a failed direct read waits for the daemon's answer */
+        }
+    }
+    const int64_t end = now_ns();
+    if (!from_daemon && !from_files && direct == D_HELD) from_files = 1;  /* the failed read stands */
+    if (from_daemon) {
+        if (direct == D_RUNNING) reader_abandon(c, 0);
+        split_rows(c, c->region + c->out_off, m);
+        daemon_answered(c, end - sent, !hedged);
+        if (hedged) daemon_slow(c, end);
+        atomic_fetch_add(&c->daemon_steps, 1);
+        return 0;
+    }
+    if (daemon) {  /* still unanswered: its answer is read and dropped before the next request */
+        c->pending_id = c->request_id;
+        c->pending_since = sent;
+        if (!from_files) drop(c, "no answer within the deadline");
+        else daemon_slow(c, end);
+    }
+    if (from_files) {
+        atomic_fetch_add(&c->direct_steps, 1);
+        return take_direct(c, m);
+    }
+    if (direct == D_RUNNING || direct == D_WANT) reader_abandon(c, 1);
+    fail_step(c, m, asked, direct);
+    return -1;
+}
+
+static void job_run(core_t *c, int64_t n) {
+    const int64_t t0 = now_ns();
+    pthread_mutex_lock(&c->lock);
+    if (c->closed) {  /* a host function queued (or a graph replayed) after the job was closed */
+        pthread_mutex_unlock(&c->lock);
+        atomic_fetch_add(&late_calls, 1);
+        return;
+    }
+    if (n > c->max_rows) n = c->max_rows;
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t id = c->ids[i];
+        if (id >= 0 && id < c->layer_rows) {
+            c->pos[m++] = i;
+        } else {  /* padding: zeros, as the engines' kernels read for ids they do not own */
+            memset(c->weight + i * c->dim, 0, (size_t)c->dim);
+            memset(c->scales + i * c->scale_bytes, 0, (size_t)c->scale_bytes);
+        }
+    }
+    if (m && fetch_step(c, m, t0) < 0) atomic_fetch_add(&c->failed_steps, 1);
+    const int64_t dt = now_ns() - t0;
+    atomic_fetch_add(&c->steps, 1);
+    atomic_fetch_add(&c->rows, m);
+    atomic_store(&c->last_ns, dt);
+    atomic_fetch_add(&c->total_ns, dt);
+    for (int64_t mx = atomic_load(&c->max_ns); dt > mx && !atomic_compare_exchange_weak(&c->max_ns, &mx, dt);) {
+    }
+    pthread_mutex_unlock(&c->lock);
+}
+
+/* What cudaLaunchHostFunc runs (and the CPU path calls): no GIL, no CUDA, no Python. */
+void engram_fetch_host_fn(void *call) {
+    fetch_call *c = call;
+    job_run(c->core, c->rows);
+}
+
+static void *thread_main(void *call) {
+    engram_fetch_host_fn(call);
+    return NULL;
+}
+
+#endif
