@@ -1,8 +1,8 @@
 """Page checksums: the crc32c (Castagnoli) of every 4 KiB page of a layer file.
 
-One implementation does the work: ``_pread.c`` (SSE4.2's crc32 instruction,
-four pages interleaved, or slicing-by-8 tables; probed once, the GIL
-released), which also checks pages inside the NVMe reader as their reads
+One implementation does the work: ``_pread.c`` (the CPU's crc32c instruction:
+SSE4.2 on x86-64, the ARMv8 CRC32 extension on aarch64; four pages interleaved,
+or slicing-by-8 tables; probed once, the GIL released), which also checks pages inside the NVMe reader as their reads
 complete. :func:`page_crcs_numpy` is the reference it is tested against, and
 the fallback when the extension is not built (correct, about 100x slower).
 
@@ -30,7 +30,8 @@ def _native():
 
 
 def implementation() -> str:
-    """How page checksums are computed here: ``sse4.2``, ``software`` (C tables) or ``numpy``."""
+    """How page checksums are computed here: ``sse4.2`` (x86-64), ``armv8-crc32`` (aarch64), ``software``
+    (C tables: no such instruction) or ``numpy`` (the native module is not built)."""
     native = _native()
     return native.CRC32C if native is not None else "numpy"
 

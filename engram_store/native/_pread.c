@@ -168,7 +168,7 @@ PyMODINIT_FUNC PyInit__pread(void) {
     pthread_atfork(NULL, NULL, reset_pool_in_child);
     crc_init();
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddStringConstant(m, "CRC32C", crc_hw ? "sse4.2" : "software") < 0) {
+    if (m != NULL && PyModule_AddStringConstant(m, "CRC32C", crc32c_implementation()) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -653,7 +653,7 @@ PyMODINIT_FUNC PyInit__uring(void) {
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "Ring", (PyObject *)&RingType) < 0 ||
         PyModule_AddIntConstant(m, "MAX_QUEUE_DEPTH", MAX_QD) < 0 ||
-        PyModule_AddStringConstant(m, "CRC32C", crc_hw ? "sse4.2" : "software") < 0) {
+        PyModule_AddStringConstant(m, "CRC32C", crc32c_implementation()) < 0) {
         Py_DECREF(m);
         return NULL;
     }

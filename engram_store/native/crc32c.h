@@ -1,7 +1,8 @@
 /* crc32c (Castagnoli) for the native readers' page checks; one copy, included by
- * _pread.c and _uring.c (static functions: each module gets its own instance).
+ * _pread.c, _uring.c and _fetch.c (static functions: each module gets its own instance).
  *
- * crc_init() once, at module init: builds the tables and probes SSE4.2.
+ * crc_init() once, at module init: builds the tables and probes the CPU's crc32c instruction.
+ * crc32c_implementation()              "sse4.2", "armv8-crc32" or "software": what page checks use here
  * crc32c_any(crc, p, n, hw)            crc32c of n bytes, chained like zlib.crc32
  * crc32c_pages_any(p, npages, out, hw) out[i] = crc32c of 4 KiB page i
  * crc32c_check_pages(p, first, npages, expected, bad, &nbad)
@@ -9,11 +10,15 @@
  *     appends the page number of each failure to bad and returns a mask of them
  *     (bit k: page k of p), so a caller copies rows only out of pages that passed.
  *
- * With SSE4.2 (hw) pages go four at a time, four independent crc32 chains hiding the
- * instruction's latency; a page left over (the common case of a one-page read) is cut
- * into four 1 KiB chains instead, joined by advancing each partial register over the
- * 1 KiB that follows it (a linear map on 32 bits: four 256-entry tables). Without
- * SSE4.2 (or hw=0, for tests) slicing-by-8 tables; every path gives the same value.
+ * The hardware path runs on x86-64 with SSE4.2 (crc32q) and on aarch64 with the ARMv8 CRC32
+ * extension (crc32cx; getauxval(AT_HWCAP) & HWCAP_CRC32, present on every Grace / Neoverse
+ * core). Both are probed at run time and compiled with a per-function target attribute, so a
+ * generic x86-64 or armv8-a build still loads on a CPU without them. Pages go four at a time,
+ * four independent crc chains hiding the instruction's latency; a page left over (the common
+ * case of a one-page read) is cut into four 1 KiB chains instead, joined by advancing each
+ * partial register over the 1 KiB that follows it (a linear map on 32 bits: four 256-entry
+ * tables). Without the instruction (or hw=0, for tests) slicing-by-8 tables; every path gives
+ * the same value.
  */
 #ifndef ENGRAM_STORE_CRC32C_H
 #define ENGRAM_STORE_CRC32C_H
@@ -29,7 +34,41 @@
 
 static uint32_t crc_table[8][256];
 static uint32_t crc_skip[4][256];  /* crc_skip_chunk(x) by bytes of x: x advanced over CRC_CHUNK zero bytes */
-static int crc_hw = 0;             /* SSE4.2 crc32 instruction available */
+static int crc_hw = 0;             /* the CPU's crc32c instruction is available (HAVE_CRC_HW) */
+
+/* The one instruction the hardware path needs, per architecture: crc_hw_word (8 bytes) and
+   crc_hw_byte on the raw register (crc_reg_t: the instruction's own register width, so a chain
+   needs no zero-extension between steps), compiled for CRC_HW_TARGET only; crc_hw_probe says
+   whether this CPU has it. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_CRC_HW 1
+#define CRC_HW_NAME "sse4.2"
+#define CRC_HW_TARGET __attribute__((target("sse4.2")))
+typedef uint64_t crc_reg_t;
+CRC_HW_TARGET static inline crc_reg_t crc_hw_word(crc_reg_t c, uint64_t w) { return __builtin_ia32_crc32di(c, w); }
+CRC_HW_TARGET static inline uint32_t crc_hw_byte(uint32_t c, uint8_t b) { return __builtin_ia32_crc32qi(c, b); }
+static int crc_hw_probe(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("sse4.2");
+}
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#include <arm_acle.h>
+#include <sys/auxv.h>
+#ifndef HWCAP_CRC32
+#define HWCAP_CRC32 (1 << 7)  /* linux/arch/arm64/include/uapi/asm/hwcap.h */
+#endif
+#define HAVE_CRC_HW 1
+#define CRC_HW_NAME "armv8-crc32"
+#if defined(__clang__)
+#define CRC_HW_TARGET __attribute__((target("crc")))
+#else
+#define CRC_HW_TARGET __attribute__((target("+crc")))
+#endif
+typedef uint32_t crc_reg_t;
+CRC_HW_TARGET static inline crc_reg_t crc_hw_word(crc_reg_t c, uint64_t w) { return __crc32cd(c, w); }
+CRC_HW_TARGET static inline uint32_t crc_hw_byte(uint32_t c, uint8_t b) { return __crc32cb(c, b); }
+static int crc_hw_probe(void) { return (getauxval(AT_HWCAP) & HWCAP_CRC32) != 0; }
+#endif
 
 /* Raw (not inverted) crc register over n bytes, slicing by 8. */
 CRC32C_API uint32_t crc_sw(uint32_t c, const uint8_t *p, size_t n) {
@@ -66,9 +105,8 @@ CRC32C_API void crc_init(void) {
                 if (v >> b & 1) x ^= bit[8 * j + b];
             crc_skip[j][v] = x;
         }
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    __builtin_cpu_init();
-    crc_hw = __builtin_cpu_supports("sse4.2");
+#ifdef HAVE_CRC_HW
+    crc_hw = crc_hw_probe();
 #endif
 }
 
@@ -76,59 +114,66 @@ CRC32C_API uint32_t crc_skip_chunk(uint32_t x) {
     return crc_skip[0][x & 0xFF] ^ crc_skip[1][(x >> 8) & 0xFF] ^ crc_skip[2][(x >> 16) & 0xFF] ^ crc_skip[3][x >> 24];
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define HAVE_CRC_HW 1
-__attribute__((target("sse4.2"))) static uint32_t crc_hw_run(uint32_t c, const uint8_t *p, size_t n) {
-    uint64_t c64 = c;
+#ifdef HAVE_CRC_HW
+CRC_HW_TARGET static uint32_t crc_hw_run(uint32_t c, const uint8_t *p, size_t n) {
+    crc_reg_t r = c;
     while (n >= 8) {
         uint64_t w;
         memcpy(&w, p, 8);
-        c64 = __builtin_ia32_crc32di(c64, w);
+        r = crc_hw_word(r, w);
         p += 8;
         n -= 8;
     }
-    c = (uint32_t)c64;
-    while (n--) c = __builtin_ia32_crc32qi(c, *p++);
+    c = (uint32_t)r;
+    while (n--) c = crc_hw_byte(c, *p++);
     return c;
 }
 
 /* Four pages at once: four independent dependency chains keep the crc32 unit busy. */
-__attribute__((target("sse4.2"))) static void crc_hw_pages4(const uint8_t *p, uint32_t *out) {
-    uint64_t a = 0xFFFFFFFFu, b = a, c = a, d = a;
+CRC_HW_TARGET static void crc_hw_pages4(const uint8_t *p, uint32_t *out) {
+    crc_reg_t a = 0xFFFFFFFFu, b = a, c = a, d = a;
     for (size_t k = 0; k < PAGE; k += 8) {
         uint64_t wa, wb, wc, wd;
         memcpy(&wa, p + k, 8);
         memcpy(&wb, p + PAGE + k, 8);
         memcpy(&wc, p + 2 * PAGE + k, 8);
         memcpy(&wd, p + 3 * PAGE + k, 8);
-        a = __builtin_ia32_crc32di(a, wa);
-        b = __builtin_ia32_crc32di(b, wb);
-        c = __builtin_ia32_crc32di(c, wc);
-        d = __builtin_ia32_crc32di(d, wd);
+        a = crc_hw_word(a, wa);
+        b = crc_hw_word(b, wb);
+        c = crc_hw_word(c, wc);
+        d = crc_hw_word(d, wd);
     }
     out[0] = ~(uint32_t)a; out[1] = ~(uint32_t)b; out[2] = ~(uint32_t)c; out[3] = ~(uint32_t)d;
 }
 
 /* One page as four 1 KiB chains: the first from the initial register, the others from 0, joined
    by crc(A B) = skip(crc(A)) ^ crc_from_0(B). */
-__attribute__((target("sse4.2"))) static uint32_t crc_hw_page(const uint8_t *p) {
-    uint64_t a = 0xFFFFFFFFu, b = 0, c = 0, d = 0;
+CRC_HW_TARGET static uint32_t crc_hw_page(const uint8_t *p) {
+    crc_reg_t a = 0xFFFFFFFFu, b = 0, c = 0, d = 0;
     for (size_t k = 0; k < CRC_CHUNK; k += 8) {
         uint64_t wa, wb, wc, wd;
         memcpy(&wa, p + k, 8);
         memcpy(&wb, p + CRC_CHUNK + k, 8);
         memcpy(&wc, p + 2 * CRC_CHUNK + k, 8);
         memcpy(&wd, p + 3 * CRC_CHUNK + k, 8);
-        a = __builtin_ia32_crc32di(a, wa);
-        b = __builtin_ia32_crc32di(b, wb);
-        c = __builtin_ia32_crc32di(c, wc);
-        d = __builtin_ia32_crc32di(d, wd);
+        a = crc_hw_word(a, wa);
+        b = crc_hw_word(b, wb);
+        c = crc_hw_word(c, wc);
+        d = crc_hw_word(d, wd);
     }
     uint32_t x = crc_skip_chunk((uint32_t)a) ^ (uint32_t)b;
     x = crc_skip_chunk(x) ^ (uint32_t)c;
     return ~(crc_skip_chunk(x) ^ (uint32_t)d);
 }
 #endif
+
+/* What crc32c_check_pages uses on this CPU: "sse4.2", "armv8-crc32" or "software" (tables). */
+CRC32C_API const char *crc32c_implementation(void) {
+#ifdef HAVE_CRC_HW
+    if (crc_hw) return CRC_HW_NAME;
+#endif
+    return "software";
+}
 
 CRC32C_API uint32_t crc32c_any(uint32_t crc, const uint8_t *p, size_t n, int hw) {
 #ifdef HAVE_CRC_HW
@@ -138,7 +183,7 @@ CRC32C_API uint32_t crc32c_any(uint32_t crc, const uint8_t *p, size_t n, int hw)
     return ~crc_sw(~crc, p, n);
 }
 
-/* out[i] = crc32c of page i of p (npages whole pages); hw: may use SSE4.2 (else tables). */
+/* out[i] = crc32c of page i of p (npages whole pages); hw: may use the crc32c instruction (else tables). */
 CRC32C_API void crc32c_pages_any(const uint8_t *p, int64_t npages, uint32_t *out, int hw) {
     int64_t i = 0;
 #ifdef HAVE_CRC_HW
