@@ -44,17 +44,17 @@ WEIGHT_BYTES, SCALE_BYTES = 256, 8  # DeepSeek-V4.1 rows: 256 FP8 values, 8 E8M0
 
 def build(layer_rows: list[int], seed: int) -> dict:
     """Random tables in every layout: the split arena, interleaved in a memfd and in numpy."""
-    from engram_store.format.arena_layout import ArenaLayout
-    from engram_store.native.syscalls import HUGE_PAGE, as_array, create_memfd, map_fd, round_up
+    from engram_store.format.arena_layout import BLOCK_ALIGN, ArenaLayout
+    from engram_store.native.syscalls import as_array, create_memfd, map_fd, round_up
 
     rng = np.random.default_rng(seed)
     layout = ArenaLayout.plan(list(enumerate(layer_rows)), WEIGHT_BYTES, SCALE_BYTES)
     row_bytes = WEIGHT_BYTES + SCALE_BYTES
     split_fd = create_memfd("gather-micro-split", layout.size)
-    inter_size = sum(round_up(n * row_bytes, HUGE_PAGE) for n in layer_rows)
+    inter_size = sum(round_up(n * row_bytes, BLOCK_ALIGN) for n in layer_rows)
     inter_fd = create_memfd("gather-micro-interleaved", inter_size)
-    split_mm = map_fd(split_fd.fd, layout.size, writable=True)
-    inter_mm = map_fd(inter_fd.fd, inter_size, writable=True)
+    split_mm = map_fd(split_fd.fd, split_fd.size, writable=True)  # sizes: whole pages of what backs them
+    inter_mm = map_fd(inter_fd.fd, inter_fd.size, writable=True)
     split_arr, inter_arr = as_array(split_mm), as_array(inter_mm)
     layers, offset = [], 0
     for a in layout.layers:
@@ -64,7 +64,7 @@ def build(layer_rows: list[int], seed: int) -> dict:
         weights[:], scales[:] = table[:, :WEIGHT_BYTES], table[:, WEIGHT_BYTES:]
         inter = inter_arr[offset: offset + a.rows * row_bytes].reshape(a.rows, row_bytes)
         inter[:] = table
-        offset += round_up(a.rows * row_bytes, HUGE_PAGE)
+        offset += round_up(a.rows * row_bytes, BLOCK_ALIGN)
         layers.append({"weights": weights, "scales": scales, "interleaved": inter, "numpy": table})
     return {"layers": layers, "keep": (split_fd, inter_fd, split_mm, inter_mm)}
 

@@ -15,9 +15,10 @@ from daemon_helpers import make_tables
 from engram_store.daemon.config import load_config
 from engram_store.daemon.host import MemoryLimit
 from engram_store.format.manifest import Manifest
+from engram_store.native.pagesizes import HugePagePool, PageSizes
 from engram_store.ops import doctor
 from engram_store.ops.access import User, blocked_at
-from engram_store.ops.probes import HugePages, huge_pages
+from engram_store.ops.probes import page_sizes
 from engram_store.spec import get_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,19 +100,23 @@ def test_memory_against_the_tightest_limit(tables):
 def test_huge_pages_against_the_arena(tables, tmp_path):
     plan = plan_of(tables, dram_bytes="64MiB")
     need = -(-plan.arena_bytes // (2 << 20))
-    hp = lambda free, shmem: HugePages(free, free, 2 << 20, "madvise", shmem)  # noqa: E731
+    hp = lambda free, shmem: PageSizes(4096, (HugePagePool(2 << 20, free, free),), 2 << 20, 2 << 20, "madvise",  # noqa: E731
+                                       shmem)
     assert doctor.check_huge_pages(plan, hp(need, "never")).status == doctor.PASS
     assert doctor.check_huge_pages(plan, hp(0, "advise")).status == doctor.PASS
     small = doctor.check_huge_pages(plan, hp(need - 1, "never"))
-    assert small.status == doctor.WARN and "vm.nr_hugepages" in small.fix
+    assert small.status == doctor.WARN and "vm.nr_hugepages" in small.fix and f"reserve {need} pages of 2 MiB" in small.fix
     cached = plan_of(tables, dram_bytes="64MiB", store_mode="cached")
     assert doctor.check_huge_pages(cached, hp(0, "never")).status == doctor.SKIP
     (tmp_path / "thp").mkdir()
     (tmp_path / "thp" / "shmem_enabled").write_text("always within_size [advise] never deny force\n")
     (tmp_path / "thp" / "enabled").write_text("always [madvise] never\n")
+    (tmp_path / "thp" / "hpage_pmd_size").write_text("2097152\n")
     (tmp_path / "meminfo").write_text("HugePages_Total:     512\nHugePages_Free:      500\nHugepagesize:    2048 kB\n")
-    read = huge_pages(tmp_path / "meminfo", tmp_path / "thp")
-    assert read == HugePages(512, 500, 2 << 20, "madvise", "advise") and read.shmem_thp
+    read = page_sizes(page_bytes=4096, hugepages_dir=tmp_path / "none", meminfo=tmp_path / "meminfo",
+                      thp_dir=tmp_path / "thp")
+    assert read == PageSizes(4096, (HugePagePool(2 << 20, 512, 500),), 2 << 20, 2 << 20, "madvise", "advise")
+    assert read.shmem_thp
 
 
 @pytest.fixture

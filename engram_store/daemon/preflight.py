@@ -30,10 +30,9 @@ import numpy as np
 
 from ..errors import ConfigError, EngramStoreError
 from ..format.manifest import Manifest
-from ..native.syscalls import HUGE_PAGE, hugetlb_pages_free
 from ..storage.placement import CACHED, RESIDENT, cache_slots, format_placement, parse_placement, plan_store, slot_bytes
 from ..storage.profile import open_profile
-from ..storage.resident import resident_layout
+from ..storage.resident import arena_backings, resident_layout
 from ..tokens import read_token_map
 from . import host
 from .config import DaemonConfig, parse_hostport, read_token
@@ -154,9 +153,9 @@ def dram_allocation(config: DaemonConfig, manifest: Manifest, plan: dict[int, st
     page checksums."""
     rows = {e.layer: e.rows for e in manifest.layers}
     resident = [(layer, rows[layer]) for layer, where in sorted(plan.items()) if where == RESIDENT]
-    arena = resident_layout(resident, manifest.spec.row_format).size if resident else 0
-    hugetlb = arena if config.huge_pages and arena and arena % HUGE_PAGE == 0 and \
-        hugetlb_pages_free() >= arena // HUGE_PAGE else 0
+    backing = arena_backings(resident, manifest.spec.row_format, huge=config.huge_pages)[0] if resident else None
+    arena = backing.nbytes if backing else 0
+    hugetlb = arena if backing and backing.kind == "hugetlb" else 0
     per_slot = slot_bytes(manifest.spec.row_bytes, config.cache_policy)
     slots = cache_slots(plan, rows, config.dram_bytes, arena, per_slot) if CACHED in plan.values() else 0
     return {"arena": arena, "hugetlb": hugetlb, "cache": slots * per_slot,

@@ -149,7 +149,8 @@ class Daemon:
             "version": __version__,
             "protocol_version": wire.VERSION, "pid": os.getpid(),
             "token_map": self._token_map_info(),
-            "arena": None if arena is None else arena.layout.to_dict() | {"huge_pages": arena.huge_pages},
+            "arena": None if arena is None else arena.layout.to_dict() | {"huge_pages": arena.huge_pages,
+                                                                          "huge_page_bytes": arena.page_bytes},
             "bulk_reader": getattr(store, "bulk_reader", "none"),  # what filled the arena: posix, kvikio-*, none
             "bad_pages": self.bad_pages(),
             # what a same-host engine's fetch job reads itself while the daemon is gone (paths of this host)

@@ -3,7 +3,9 @@
 The resident arena holds every layer in the *engines' layout*: one block of all
 the layer's payloads (``[rows, dim]`` bytes, FP8 values) followed by one block
 of all its scales (``[rows, dim // scale_block]`` bytes, E8M0), each block
-2 MiB aligned. Any row range of weights and of scales is then a contiguous
+2 MiB aligned (whatever the kernel's page: 4, 16 and 64 KiB all divide it), the
+whole a number of the huge pages backing it (512 MiB pages on a 64 KiB-page
+aarch64 kernel round only its end up). Any row range of weights and of scales is then a contiguous
 slice, which is exactly what vLLM's and SGLang's kernels address (they take two
 tensors, ``weight [rows, 256]`` and ``weight_scale_inv [rows, 8]``, and ignore
 strides). Lookups still return rows as they are stored on disk, payload then
@@ -78,15 +80,20 @@ class ArenaLayout:
                 raise InvalidRequest(f"arena layer {a.layer} ends at byte {a.end}, past the arena's {self.size}")
 
     @classmethod
-    def plan(cls, layer_rows: Iterable[tuple[int, int]], weight_bytes: int, scale_bytes: int) -> "ArenaLayout":
-        """Blocks for ``(layer, rows)`` in order: each layer's weights then its scales."""
+    def plan(cls, layer_rows: Iterable[tuple[int, int]], weight_bytes: int, scale_bytes: int, *,
+             page_bytes: int = BLOCK_ALIGN) -> "ArenaLayout":
+        """Blocks for ``(layer, rows)`` in order: each layer's weights then its scales, each on a
+        BLOCK_ALIGN boundary; the size a whole number of ``page_bytes`` (the page backing the
+        arena: a memory page, which BLOCK_ALIGN holds whole, or a huge page of any size)."""
+        if page_bytes <= 0 or page_bytes & (page_bytes - 1):
+            raise InvalidRequest(f"arena page size {page_bytes}: a page size is a power of two")
         offset, layers = 0, []
         for layer, rows in layer_rows:
             w_off = offset
             s_off = _round_up(w_off + rows * weight_bytes, BLOCK_ALIGN)
             offset = _round_up(s_off + rows * scale_bytes, BLOCK_ALIGN)
             layers.append(ArenaLayer(int(layer), int(rows), w_off, weight_bytes, s_off, scale_bytes))
-        return cls(max(offset, BLOCK_ALIGN), tuple(layers))
+        return cls(_round_up(max(offset, BLOCK_ALIGN), max(BLOCK_ALIGN, page_bytes)), tuple(layers))
 
     def layer(self, layer: int) -> ArenaLayer:
         for a in self.layers:
@@ -114,13 +121,15 @@ class ArenaInfo:
     receives it can map it ``PROT_READ`` only. ``layout`` says where each layer's
     weights and scales sit (the engines' layout, :class:`ArenaLayout`).
     ``huge_pages`` says what backs it: ``"hugetlb"`` (reserved huge pages),
-    ``"thp"`` (transparent huge pages for shmem) or ``"none"`` (4 KiB pages).
+    ``"thp"`` (transparent huge pages for shmem) or ``"none"`` (the kernel's pages);
+    ``page_bytes`` their size (0: not known).
     The store owns the fd; callers that pass it on (SCM_RIGHTS) must not close it.
     """
 
     fd: int
     layout: ArenaLayout
     huge_pages: str = "none"
+    page_bytes: int = 0
 
     @property
     def size(self) -> int:  # bytes to map

@@ -5,11 +5,17 @@
   ``POSIX_FADV_RANDOM`` and a warning says the page cache now plays a part.
 - :func:`create_memfd` / :func:`seal_read_only`: the shared-memory arena, an
   anonymous ``memfd`` that can be sealed so receivers can only map it read-only.
-  ``MFD_HUGETLB`` is used only when enough huge pages are reserved; otherwise
-  :func:`map_fd` asks for transparent huge pages with ``MADV_HUGEPAGE`` (silently
-  ignored where the host does not allow it).
-- :func:`aligned_buffer`: anonymous ``mmap`` memory, page (4 KiB) aligned, as
-  ``O_DIRECT`` needs.
+  It takes the first of :func:`.pagesizes.backings` the kernel grants: reserved
+  huge pages of the largest size whose pool holds it (``MFD_HUGETLB`` with that
+  size's ``MFD_HUGE_*`` flag, never the kernel's default size by accident), else
+  ordinary shared memory, where :func:`map_fd` asks for transparent huge pages with
+  ``MADV_HUGEPAGE`` (silently ignored where the host does not allow it).
+- :func:`aligned_buffer`: anonymous ``mmap`` memory, page aligned (at least the
+  table format's 4 KiB), as ``O_DIRECT`` needs.
+
+Page sizes come from the kernel (:mod:`.pagesizes`): 4 KiB, 16 KiB and 64 KiB kernels
+alike. ``PAGE`` is the table format's 4 KiB page (checksums, O_DIRECT reads), not the
+memory page.
 
 Nothing here runs at import time.
 """
@@ -18,7 +24,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import functools
 import logging
 import mmap
 import os
@@ -26,10 +31,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import pagesizes
+from .pagesizes import Backing, PageSizes
+
 log = logging.getLogger(__name__)
 
-PAGE = 4096
-HUGE_PAGE = 2 << 20
+PAGE = 4096  # the table format's page: O_DIRECT reads and page checksums
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 # fcntl sealing constants (linux/fcntl.h); Python exposes all but FUTURE_WRITE.
@@ -102,10 +109,11 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
 def zeroed_array(n: int, dtype, *, huge: bool = True) -> np.ndarray:
     """``n`` zeros of ``dtype`` in anonymous private memory (pages are given only when written), on
     transparent huge pages where the host allows (``madvise``): large tables read at random positions
-    (the cache's row-to-slot maps) then take a TLB miss per 2 MiB instead of per 4 KiB."""
+    (the cache's row-to-slot maps) then take a TLB miss per huge page (2 MiB on 4 KiB kernels, 512 MiB
+    on 64 KiB ones) instead of per page."""
     dtype = np.dtype(dtype)
     mm = aligned_buffer(max(1, n) * dtype.itemsize)
-    if huge and hasattr(mmap, "MADV_HUGEPAGE") and len(mm) >= HUGE_PAGE:
+    if huge and hasattr(mmap, "MADV_HUGEPAGE") and len(mm) >= pagesizes.current().huge_bytes:
         try:
             mm.madvise(mmap.MADV_HUGEPAGE)
         except OSError:
@@ -117,39 +125,24 @@ def round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
-@functools.cache
-def hugetlb_pages_free() -> int:
-    """Free reserved 2 MiB huge pages (``/proc/meminfo``), 0 when unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("HugePages_Free:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-@functools.cache
 def shmem_thp() -> bool:
     """Whether ``MADV_HUGEPAGE`` on a memfd mapping can give transparent huge pages:
     ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` is advise, always, within_size
     or force (probed once; False when unknown)."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
-            chosen = f.read().split("[", 1)[1].split("]", 1)[0]
-    except (OSError, IndexError):
-        return False
-    return chosen in ("always", "within_size", "advise", "force")
+    return pagesizes.current().shmem_thp
 
 
 @dataclass
 class Memfd:
-    """An anonymous shared-memory file and how it was made."""
+    """An anonymous shared-memory file and what backs it (``backing.nbytes == size``)."""
 
     fd: int
     size: int
-    hugetlb: bool
+    backing: Backing
+
+    @property
+    def hugetlb(self) -> bool:
+        return self.backing.kind == "hugetlb"
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -157,25 +150,45 @@ class Memfd:
             self.fd = -1
 
 
-def create_memfd(name: str, size: int, *, huge: bool = True) -> Memfd:
-    """A sealable memfd of ``size`` bytes; backed by reserved huge pages when ``huge``
-    and the host has enough of them, else by ordinary shared memory."""
+def create_memfd(name: str, size: int, *, huge: bool = True, sizes: PageSizes | None = None) -> Memfd:
+    """A sealable memfd of ``size`` bytes (rounded up to a whole huge page when it gets reserved
+    huge pages: ``Memfd.size``); the first of :func:`.pagesizes.backings` the kernel grants, for
+    the kernel's page sizes (``sizes``, read now by default)."""
+    sizes = pagesizes.read_page_sizes() if sizes is None else sizes
+    return create_memfd_as(name, pagesizes.backings(lambda page: round_up(size, page), sizes, huge=huge))
+
+
+def create_memfd_as(name: str, options: list[Backing]) -> Memfd:
+    """A sealable memfd backed by the first of ``options`` the kernel grants. A hugetlb option
+    is granted when the memfd of its size is made and a shared mapping of it reserves its pages
+    (the pages are then the file's until it is closed); a refusal is logged and the next option
+    tried. An ordinary memfd (the last option) that cannot be made raises OSError."""
     flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
-    if huge and size and size % HUGE_PAGE == 0 and hugetlb_pages_free() >= size // HUGE_PAGE:
+    for option in options:
+        if option.kind != "hugetlb":
+            fd = os.memfd_create(name, flags)
+            try:
+                os.ftruncate(fd, option.nbytes)
+            except OSError:
+                os.close(fd)
+                raise
+            return Memfd(fd, option.nbytes, option)
         try:
-            fd = os.memfd_create(name, flags | os.MFD_HUGETLB)
-            os.ftruncate(fd, size)
-            log.info("memfd %s: %d bytes on reserved huge pages", name, size)
-            return Memfd(fd, size, True)
+            fd = os.memfd_create(name, flags | option.memfd_flags)
         except OSError as exc:
-            log.debug("memfd %s: MFD_HUGETLB refused (%s); using ordinary pages", name, exc)
-    fd = os.memfd_create(name, flags)
-    try:
-        os.ftruncate(fd, size)
-    except OSError:
-        os.close(fd)
-        raise
-    return Memfd(fd, size, False)
+            log.info("memfd %s: %s refused by the kernel (%s); trying the next backing", name, option.describe(), exc)
+            continue
+        try:
+            os.ftruncate(fd, option.nbytes)
+            mmap.mmap(fd, option.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE).close()  # reserves
+        except OSError as exc:
+            os.close(fd)
+            log.info("memfd %s: %d bytes on %s refused (%s); trying the next backing", name, option.nbytes,
+                     option.describe(), exc)
+            continue
+        log.info("memfd %s: %d bytes on %s", name, option.nbytes, option.describe())
+        return Memfd(fd, option.nbytes, option)
+    raise ValueError("create_memfd_as: no backing given (pagesizes.backings always ends with ordinary pages)")
 
 
 def map_fd(fd: int, size: int, *, writable: bool, huge: bool = True, populate: bool = False) -> mmap.mmap:
@@ -184,7 +197,7 @@ def map_fd(fd: int, size: int, *, writable: bool, huge: bool = True, populate: b
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     mm = mmap.mmap(fd, size, flags=flags, prot=prot)
-    if huge and hasattr(mmap, "MADV_HUGEPAGE") and size >= HUGE_PAGE:
+    if huge and hasattr(mmap, "MADV_HUGEPAGE") and size >= pagesizes.current().huge_bytes:
         try:
             mm.madvise(mmap.MADV_HUGEPAGE)
         except OSError:

@@ -20,8 +20,9 @@ from ..daemon.config import DaemonConfig, load_config
 from ..daemon.host import memory_limits, probe_socket
 from ..errors import EngramStoreError
 from ..format.manifest import Manifest
+from ..native.pagesizes import PageSizes, format_page
 from ..storage.placement import CACHED, RESIDENT, cache_slots, parse_placement, plan_store, slot_bytes
-from ..storage.resident import resident_layout
+from ..storage.resident import arena_backings, resident_layout
 from . import probes
 from .access import User, blocked_at, describe
 
@@ -126,24 +127,58 @@ def check_memory(plan: Plan, limits: list | None = None, running: int | None = N
     return Check("memory", PASS, found)
 
 
-def check_huge_pages(plan: Plan, hp: probes.HugePages | None = None) -> Check:
-    hp = probes.huge_pages() if hp is None else hp
+def check_huge_pages(plan: Plan, sizes: PageSizes | None = None) -> Check:
+    """What backs the arena on this kernel's page sizes, as :meth:`ResidentArena.build` decides it."""
+    sizes = probes.page_sizes() if sizes is None else sizes
     if not plan.arena_bytes:
         return Check("huge pages", SKIP, "no resident layer: no arena to back")
-    need = -(-plan.arena_bytes // probes.HUGE_PAGE_BYTES)
-    found = (f"arena {gib(plan.arena_bytes)} = {need} pages of 2 MiB; hugetlb {hp.free} free of {hp.total} "
-             f"({hp.page_bytes >> 10} KiB each); THP enabled [{hp.thp_enabled or '?'}], shmem [{hp.thp_shmem or '?'}]")
-    fix = (f"reserve them before the daemon starts: `sysctl -w vm.nr_hugepages={hp.total - hp.free + need}` (persist "
-           "in /etc/sysctl.d/) or hugepagesz=2M hugepages=N on the kernel command line; or `echo advise > "
-           f"{probes.THP_DIR}/shmem_enabled`")
+    rows = {e.layer: e.rows for e in plan.manifest.layers}
+    resident = [(layer, rows[layer]) for layer in plan.layers(RESIDENT)]
+    fmt = plan.manifest.spec.row_format
+    pools = ", ".join(f"{format_page(p.page_bytes)} {p.available} free of {p.total}"
+                      + (" (default)" if p.page_bytes == sizes.default_huge_bytes else "") for p in sizes.pools)
+    found = (f"arena {gib(plan.arena_bytes)}; {format_page(sizes.page_bytes)} pages; hugetlb {pools or 'none'}; "
+             f"THP {format_page(sizes.thp_bytes) if sizes.thp_bytes else 'none'} enabled [{sizes.thp_enabled or '?'}], "
+             f"shmem [{sizes.thp_shmem or '?'}]")
     if not plan.config.huge_pages:
         return Check("huge pages", WARN, found + "; config huge_pages = false",
-                     "set huge_pages = true: GPU reads of the arena over 4 KiB pages are several times slower")
-    if hp.page_bytes == probes.HUGE_PAGE_BYTES and hp.free >= need:
-        return Check("huge pages", PASS, found + ": the arena takes reserved huge pages")
-    if hp.shmem_thp:
-        return Check("huge pages", PASS, found + ": the arena asks for transparent huge pages (madvise)")
-    return Check("huge pages", WARN, found + ": the arena would sit on 4 KiB pages (a TLB miss per row read)", fix)
+                     "set huge_pages = true: GPU reads of the arena over small pages are several times slower")
+    best = arena_backings(resident, fmt, huge=True, sizes=sizes)[0]
+    if best.kind == "hugetlb":
+        return Check("huge pages", PASS, found + f": the arena takes {best.nbytes // best.page_bytes} {best.describe()}")
+    if best.kind == "thp":
+        return Check("huge pages", PASS, found + f": the arena asks for {best.describe()} (madvise)")
+    default = sizes.default_huge_bytes
+    fix = f"or `echo advise > {probes.THP_DIR}/shmem_enabled`"
+    if default:
+        need = -(-resident_layout(resident, fmt, page_bytes=default).size // default)
+        pool = sizes.pool(default)
+        have = (pool.total - pool.available) if pool else 0
+        fix = (f"reserve {need} pages of {format_page(default)} (the default size) before the daemon starts: "
+               f"`sysctl -w vm.nr_hugepages={have + need}` (persist in /etc/sysctl.d/) or hugepagesz="
+               f"{format_page(default).replace(' ', '').replace('iB', '')} hugepages={have + need} on the kernel command "
+               f"line (another size: /sys/kernel/mm/hugepages/hugepages-<kB>kB/nr_hugepages); " + fix)
+    return Check("huge pages", WARN, found + f": the arena would sit on {format_page(sizes.page_bytes)} pages (a TLB "
+                 "miss per row read)", fix)
+
+
+def check_platform(facts: probes.Platform | None = None) -> Check:
+    """Architecture, page sizes, the crc32c implementation and the native modules this install runs."""
+    facts = probes.platform_facts() if facts is None else facts
+    sizes = facts.sizes
+    found = (f"{facts.machine}, kernel {facts.kernel}, {format_page(sizes.page_bytes)} pages, huge page sizes "
+             f"{', '.join(format_page(p.page_bytes) for p in sizes.pools) or 'none'} (default "
+             f"{format_page(sizes.default_huge_bytes) if sizes.default_huge_bytes else 'none'}), THP "
+             f"{format_page(sizes.thp_bytes) if sizes.thp_bytes else 'none'}; page checks: crc32c {facts.crc32c}")
+    if facts.missing_native:
+        return Check("platform", WARN, found + f"; native modules not built: {', '.join(facts.missing_native)}",
+                     "install the release wheel for this architecture (x86_64 or aarch64: `pip install engram-store`), "
+                     "or a C compiler and the Python headers before installing from source; without _fetch engines "
+                     "refuse cached layers")
+    if facts.crc32c == "software" and facts.cpu_crc32c:
+        return Check("platform", WARN, found + "; the CPU has a crc32c instruction the build does not use",
+                     "install a wheel built for this architecture (the instruction is probed at run time)")
+    return Check("platform", PASS, found)
 
 
 def check_disk(plan: Plan) -> Check:
@@ -332,6 +367,7 @@ def run(config_file: str | None = None, engine_user: str | None = None,
         checks.append(check_table_files(plan, user))
         checks.append(check_memlock(plan))
     checks.append(check_socket(config, user))
+    checks.append(check_platform())
     if running is not None:
         checks.append(Check("daemon", PASS, f"a daemon already serves {config.socket} (pid {running or '?'}): "
                             "`engram-store status unix://" + os.path.abspath(config.socket) + "` shows it"))

@@ -1,5 +1,5 @@
-"""Host facts ``doctor`` weighs, each read on its own and never fatal: huge pages, THP, memlock,
-free disk, the NVMe reader and O_DIRECT on the tables' file system, CUDA and kvikio, and the GPU runtime
+"""Host facts ``doctor`` weighs, each read on its own and never fatal: the platform (architecture,
+page and huge page sizes, THP, the crc32c implementation, the native modules), memlock, free disk, the NVMe reader and O_DIRECT on the tables' file system, CUDA and kvikio, and the GPU runtime
 (vendor, CUDA or ROCm, versions, read-only host registration).
 
 Memory (``MemAvailable`` and cgroup limits) comes from :func:`engram_store.daemon.host.memory_limits`,
@@ -9,55 +9,97 @@ fixture files.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import os
+import platform as _platform
 import resource
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-HUGE_PAGE_BYTES = 2 << 20
-THP_DIR = "/sys/kernel/mm/transparent_hugepage"
+from ..native import pagesizes
+from ..native.pagesizes import PageSizes
+
+THP_DIR = pagesizes.THP_DIR
+NATIVE_MODULES = ("engram_store.native._pread", "engram_store.native._uring", "engram_store.native._gather",
+                  "engram_store.native._fetch", "engram_store.daemon._unixfast")
+AT_HWCAP = 16  # linux/auxvec.h
+HWCAP_CRC32 = 1 << 7  # aarch64: linux/arch/arm64/include/uapi/asm/hwcap.h
+
+
+def page_sizes(**paths) -> PageSizes:
+    """The kernel's page sizes (:func:`engram_store.native.pagesizes.read_page_sizes`; paths for tests)."""
+    return pagesizes.read_page_sizes(**paths)
 
 
 @dataclass(frozen=True)
-class HugePages:
-    """Reserved (hugetlb) pages of the default size and the THP settings."""
+class Platform:
+    """What this host runs on: the facts a Grace (aarch64) or x86-64 deploy differs by."""
 
-    total: int  # HugePages_Total
-    free: int  # HugePages_Free
-    page_bytes: int  # Hugepagesize
-    thp_enabled: str  # THP_DIR/enabled: always, madvise, never ("" unknown)
-    thp_shmem: str  # THP_DIR/shmem_enabled: always, within_size, advise, never, deny, force ("" unknown)
+    machine: str  # platform.machine(): x86_64, aarch64
+    kernel: str  # platform.release()
+    sizes: PageSizes
+    crc32c: str  # what page checks use: sse4.2, armv8-crc32, software (C tables) or numpy (no native module)
+    cpu_crc32c: bool | None  # whether the CPU offers a crc32c instruction (None: not known here)
+    missing_native: tuple[str, ...]  # native modules that are not built (the wheel ships them all)
 
-    @property
-    def shmem_thp(self) -> bool:
-        """Whether a memfd mapping asking with MADV_HUGEPAGE gets transparent huge pages."""
-        return self.thp_shmem in ("always", "within_size", "advise", "force")
+    def to_dict(self) -> dict:
+        return {"machine": self.machine, "kernel": self.kernel, **self.sizes.to_dict(), "crc32c": self.crc32c,
+                "cpu_crc32c": self.cpu_crc32c, "missing_native": list(self.missing_native)}
 
 
-def _chosen(path: Path) -> str:
-    """The bracketed choice of a sysfs setting such as ``always [madvise] never``."""
+def hwcap(auxv: str | os.PathLike = "/proc/self/auxv") -> int | None:
+    """AT_HWCAP of this process (the kernel's, or qemu-user's for an emulated one), None when unreadable."""
     try:
-        text = path.read_text()
+        data = Path(auxv).read_bytes()
     except OSError:
-        return ""
-    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else text.strip()
+        return None
+    for i in range(0, len(data) - 15, 16):
+        key, value = struct.unpack_from("=QQ", data, i)
+        if key == AT_HWCAP:
+            return value
+        if key == 0:
+            break
+    return None
 
 
-def huge_pages(meminfo: str | os.PathLike = "/proc/meminfo", thp_dir: str | os.PathLike = THP_DIR) -> HugePages:
-    values = {}
-    try:
-        for line in Path(meminfo).read_text().splitlines():
-            key, _, rest = line.partition(":")
-            parts = rest.split()
-            if parts and parts[0].isdigit():
-                values[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    except OSError:
-        pass
-    return HugePages(values.get("HugePages_Total", 0), values.get("HugePages_Free", 0),
-                     values.get("Hugepagesize", HUGE_PAGE_BYTES), _chosen(Path(thp_dir) / "enabled"),
-                     _chosen(Path(thp_dir) / "shmem_enabled"))
+def cpu_crc32c(machine: str, cpuinfo: str | os.PathLike = "/proc/cpuinfo",
+               auxv: str | os.PathLike = "/proc/self/auxv") -> bool | None:
+    """Whether the CPU has a crc32c instruction: SSE4.2 (cpuinfo flags) on x86-64, the ARMv8
+    CRC32 extension (AT_HWCAP) on aarch64; None for another machine or when unreadable."""
+    if machine in ("aarch64", "arm64"):
+        cap = hwcap(auxv)
+        return None if cap is None else bool(cap & HWCAP_CRC32)
+    if machine in ("x86_64", "AMD64"):
+        try:
+            flags = next((line for line in Path(cpuinfo).read_text().splitlines() if line.startswith("flags")), "")
+        except OSError:
+            return None
+        return "sse4_2" in flags.split() if flags else None
+    return None
+
+
+def missing_native() -> tuple[str, ...]:
+    """Native modules of this install that do not import (each has a slower fallback, and without
+    ``_fetch`` engines refuse cached layers)."""
+    missing = []
+    for name in NATIVE_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name.rsplit(".", 1)[1])
+    return tuple(missing)
+
+
+def platform_facts(*, sizes: PageSizes | None = None) -> Platform:
+    """This host's :class:`Platform` (the GPU and its runtime: :func:`gpu_runtime`)."""
+    from ..format import checksums
+
+    machine = _platform.machine()
+    return Platform(machine, _platform.release(), page_sizes() if sizes is None else sizes,
+                    checksums.implementation(), cpu_crc32c(machine), missing_native())
 
 
 def memlock_limit() -> int | None:

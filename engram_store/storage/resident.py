@@ -2,7 +2,10 @@
 
 Every layer is loaded once at start, in the engines' layout
 (:mod:`engram_store.format.arena_layout`: a block of all payloads, then a block
-of all scales, each 2 MiB aligned), by large sequential reads whose 4 KiB pages
+of all scales, each 2 MiB aligned), on the best pages the kernel grants
+(:func:`arena_backings`: reserved huge pages of the largest size that holds it, with
+that size's ``MFD_HUGE_*`` flag, else transparent huge pages, else ordinary pages),
+by large sequential reads whose 4 KiB pages
 are checked against their crc32c (one native call per 64 MiB chunk) and split
 into the two blocks as they arrive. A chunk whose read fails is read again by
 halves until the pages that cannot be read are found. The rows of a page that
@@ -23,10 +26,12 @@ from typing import Callable
 import numpy as np
 
 from ..errors import StorageError
-from ..format.arena_layout import ArenaInfo, ArenaLayout
+from ..format.arena_layout import BLOCK_ALIGN, ArenaInfo, ArenaLayout
 from ..format.checksums import bad_pages as check_pages
 from ..format.layout import PAGE_BYTES
-from ..native.syscalls import aligned_buffer, as_array, create_memfd, map_fd, seal_read_only, shmem_thp
+from ..native import pagesizes
+from ..native.pagesizes import Backing, PageSizes
+from ..native.syscalls import aligned_buffer, as_array, create_memfd_as, map_fd, seal_read_only
 from ..spec import RowFormat
 from .integrity import failing_items
 from .layer_file import LayerFile
@@ -42,19 +47,32 @@ BulkRead = Callable[[LayerFile, int, int, object], None]  # (layer file, file of
 OnBadPages = Callable[[int, np.ndarray, str], None]  # (layer, page numbers, who found them)
 
 
-def resident_layout(layer_rows: list[tuple[int, int]], row_format: RowFormat) -> ArenaLayout:
-    """Where each ``(layer, rows)`` goes in the resident arena (the engines' layout)."""
-    return ArenaLayout.plan(layer_rows, row_format.dim, row_format.scale_count)
+def resident_layout(layer_rows: list[tuple[int, int]], row_format: RowFormat, *,
+                    page_bytes: int = BLOCK_ALIGN) -> ArenaLayout:
+    """Where each ``(layer, rows)`` goes in the resident arena (the engines' layout), its size a
+    whole number of ``page_bytes`` (the pages backing it; 2 MiB blocks hold any smaller page)."""
+    return ArenaLayout.plan(layer_rows, row_format.dim, row_format.scale_count, page_bytes=page_bytes)
+
+
+def arena_backings(layer_rows: list[tuple[int, int]], row_format: RowFormat, *, huge: bool = True,
+                   sizes: PageSizes | None = None) -> list[Backing]:
+    """The pages that may back the arena of ``layer_rows``, best first (:func:`.pagesizes.backings`
+    on the kernel's page sizes, read now unless ``sizes`` are given): the first is what the arena
+    gets unless the kernel refuses it when it is made. ``Backing.nbytes`` is the arena's size on it."""
+    sizes = pagesizes.read_page_sizes() if sizes is None else sizes
+    return pagesizes.backings(lambda page: resident_layout(layer_rows, row_format, page_bytes=page).size, sizes,
+                              huge=huge)
 
 
 class ResidentArena:
     """The whole table set in a sealed memfd, in the engines' layout. Read-only after :meth:`build`."""
 
-    def __init__(self, memfd, mm, layout: ArenaLayout, huge_pages: str) -> None:
+    def __init__(self, memfd, mm, layout: ArenaLayout, huge_pages: str, page_bytes: int = 0) -> None:
         self.memfd = memfd
         self._mm = mm
         self.layout = layout
-        self.huge_pages = huge_pages
+        self.huge_pages = huge_pages  # "hugetlb", "thp" or "none"
+        self.page_bytes = page_bytes  # their size
         data = as_array(mm)
         self.blocks = {a.layer: (data[a.weight_offset: a.weight_offset + a.rows * a.weight_bytes].reshape(a.rows, a.weight_bytes),
                                  data[a.scale_offset: a.scale_offset + a.rows * a.scale_bytes].reshape(a.rows, a.scale_bytes))
@@ -62,12 +80,19 @@ class ResidentArena:
 
     @classmethod
     def build(cls, files: list[LayerFile], row_format: RowFormat, bulk_read: BulkRead, *, huge: bool = True,
-              chunk_bytes: int = FILL_CHUNK_BYTES, on_bad: OnBadPages | None = None) -> "ResidentArena":
-        """Allocate, fill from ``files`` (healthy layers only), seal, map read-only. Pages
-        that fail their crc32c are reported to ``on_bad`` (their rows stay zero)."""
-        layout = resident_layout([(lf.layer, lf.layout.rows) for lf in files], row_format)
+              chunk_bytes: int = FILL_CHUNK_BYTES, on_bad: OnBadPages | None = None,
+              sizes: PageSizes | None = None) -> "ResidentArena":
+        """Allocate (on the first of :func:`arena_backings` the kernel grants; ``sizes``: the
+        kernel's page sizes, read now by default), fill from ``files`` (healthy layers only),
+        seal, map read-only. Pages that fail their crc32c are reported to ``on_bad`` (their rows
+        stay zero)."""
+        layer_rows = [(lf.layer, lf.layout.rows) for lf in files]
+        memfd = create_memfd_as("engram-arena", arena_backings(layer_rows, row_format, huge=huge, sizes=sizes))
+        backing = memfd.backing
+        layout = resident_layout(layer_rows, row_format,
+                                 page_bytes=backing.page_bytes if backing.kind == "hugetlb" else BLOCK_ALIGN)
         size = layout.size
-        memfd = create_memfd("engram-arena", size, huge=huge)
+        assert size == memfd.size, (size, memfd.size)  # arena_backings sized it with this same layout
         t0 = time.perf_counter()
         mm = map_fd(memfd.fd, size, writable=True, huge=huge)
         try:
@@ -86,15 +111,15 @@ class ResidentArena:
         mm.close()  # sealing against writes needs every writable mapping gone
         seal_read_only(memfd.fd)
         seconds = time.perf_counter() - t0
-        huge_pages = "hugetlb" if memfd.hugetlb else ("thp" if huge and shmem_thp() else "none")
         log.info("resident arena: %d layers in the engines' layout, %.1f MiB filled in %.2fs (%.0f MB/s), "
-                 "huge pages: %s%s", len(files), size / 2**20, seconds, size / max(seconds, 1e-9) / 1e6, huge_pages,
-                 "" if huge_pages != "none" else " (reserve huge pages or set shmem THP to advise: GPU lookups "
-                 "over 4 KiB pages are much slower; see docs/sizing.md)")
-        return cls(memfd, map_fd(memfd.fd, size, writable=False, huge=huge, populate=True), layout, huge_pages)
+                 "on %s%s", len(files), size / 2**20, seconds, size / max(seconds, 1e-9) / 1e6, backing.describe(),
+                 "" if backing.kind != "none" else " (reserve huge pages or set shmem THP to advise: GPU lookups "
+                 "over small pages are much slower; see docs/sizing.md)")
+        return cls(memfd, map_fd(memfd.fd, size, writable=False, huge=huge, populate=True), layout, backing.kind,
+                   backing.page_bytes)
 
     def info(self) -> ArenaInfo:
-        return ArenaInfo(self.memfd.fd, self.layout, self.huge_pages)
+        return ArenaInfo(self.memfd.fd, self.layout, self.huge_pages, self.page_bytes)
 
     @property
     def nbytes(self) -> int:

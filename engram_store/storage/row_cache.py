@@ -23,7 +23,7 @@ import threading
 import numpy as np
 
 from ..native import load
-from ..native.syscalls import HUGE_PAGE, as_array, create_memfd, map_fd, round_up, zeroed_array
+from ..native.syscalls import as_array, create_memfd, map_fd, zeroed_array
 from .policies import make_policy
 
 log = logging.getLogger(__name__)
@@ -88,9 +88,8 @@ class RowCache:
         self.n_slots = n_slots
         self.layer_index = {layer: i for i, layer in enumerate(sorted(layer_rows))}
         self.maps = [zeroed_array(layer_rows[layer], np.int32, huge=huge) for layer in sorted(layer_rows)]
-        size = round_up(n_slots * row_bytes, HUGE_PAGE)
-        self.memfd = create_memfd("engram-cache", size, huge=huge)
-        self._mm = map_fd(self.memfd.fd, size, writable=True, huge=huge)
+        self.memfd = create_memfd("engram-cache", n_slots * row_bytes, huge=huge)  # size: whole pages of its backing
+        self._mm = map_fd(self.memfd.fd, self.memfd.size, writable=True, huge=huge)
         self.slots = as_array(self._mm, n_slots * row_bytes).reshape(n_slots, row_bytes)
         self.slot_key = np.full(n_slots, -1, dtype=np.int64)
         self.free = np.arange(n_slots - 1, -1, -1, dtype=np.int32)  # a stack: free[:free_top]
