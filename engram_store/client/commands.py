@@ -3,8 +3,9 @@
 ``register(subparsers)`` adds them to an argparse parser (the main ``engram-store`` CLI).
 Every address form works for ``status`` and ``stats``: ``unix:///path.sock``,
 ``grpc[s]://host:port`` and ``http://host:port`` (the metrics page); the counters carry their
-Prometheus names on each (:mod:`engram_store.wire.metric_names`). An unreachable daemon is
-one line on stderr and exit 2.
+Prometheus names on each (:mod:`engram_store.wire.metric_names`). An unreachable daemon, or one
+that does not answer within ``--timeout`` (the whole metrics page, however slowly it comes; at
+most 16 MiB of it), is one line on stderr and exit 2.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import json
 from .. import errors
 
 _ADDRESS_HELP = "unix:///path.sock, grpc[s]://host:port or http://host:port (the metrics address)"
+_TIMEOUT_HELP = ("seconds the daemon has to answer (http://: the whole page, at most 16 MiB; unix/grpc: each call); "
+                 "past it, exit 2 (default %(default)g)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,6 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "layer whole; 1: serving, with bad pages or unavailable layers; 2: not reachable.")
     status.add_argument("address", help=_ADDRESS_HELP)
     status.add_argument("--json", action="store_true", help="print one JSON document")
+    status.add_argument("--timeout", type=_seconds, default=_default_timeout(), metavar="SECONDS", help=_TIMEOUT_HELP)
     _add_client_auth(status)
     status.set_defaults(func=cmd_status)
 
@@ -32,6 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                   "the transport (the metrics page adds latency buckets and process metrics).")
     stats.add_argument("address", help=_ADDRESS_HELP)
     stats.add_argument("--json", action="store_true", help="print one JSON object {name: value}")
+    stats.add_argument("--timeout", type=_seconds, default=_default_timeout(), metavar="SECONDS", help=_TIMEOUT_HELP)
     _add_client_auth(stats)
     stats.set_defaults(func=cmd_stats)
 
@@ -53,17 +58,35 @@ def _add_client_auth(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-key", metavar="PEM", default=None, help="private key of --tls-cert")
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"expected seconds in (0, 3600], got {text!r}")
+    return value
+
+
+def _default_timeout() -> float:
+    from .status import METRICS_TIMEOUT  # the same default for every transport
+
+    return METRICS_TIMEOUT
+
+
 def _connect(args: argparse.Namespace):
     from .client import EngramClient
 
+    timeout = getattr(args, "timeout", None)
+    bounds = {} if timeout is None else {"timeout": timeout, "connect_timeout": min(5.0, timeout)}
     return EngramClient.connect(args.address, reconnect_timeout=0, token_file=args.token_file, tls_ca=args.tls_ca,
-                                tls_cert=args.tls_cert, tls_key=args.tls_key)
+                                tls_cert=args.tls_cert, tls_key=args.tls_key, **bounds)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from .status import collect, healthy, render
 
-    doc = collect(args.address, lambda: _connect(args))
+    doc = collect(args.address, lambda: _connect(args), args.timeout)
     print(json.dumps(doc, indent=1) if args.json else render(doc))
     return 0 if healthy(doc) else 1
 
@@ -71,7 +94,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     from .status import read_stats
 
-    values = read_stats(args.address, lambda: _connect(args))
+    values = read_stats(args.address, lambda: _connect(args), args.timeout)
     if args.json:
         print(json.dumps(dict(sorted(values.items())), indent=1))
         return 0

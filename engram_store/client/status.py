@@ -13,15 +13,15 @@ hit rate, and whether vLLM / SGLang can use the daemon as it stands
 from __future__ import annotations
 
 import time
-import urllib.error
-import urllib.request
 from typing import Any, Callable
 
 from .. import errors
 from ..wire.metric_names import PREFIX, prometheus_samples
 from .engine_fit import ENGINES, engine_fit
+from .http_get import get
 
-METRICS_TIMEOUT = 10.0
+METRICS_TIMEOUT = 10.0  # seconds for the whole metrics page (connect, headers, body), however it trickles
+METRICS_MAX_BYTES = 16 << 20  # largest metrics page read (a daemon's is tens of KiB)
 BULK_READERS = {"posix": "O_DIRECT reads (no GPUDirect Storage)", "kvikio-cufile": "kvikio with cuFile (GPUDirect "
                 "Storage)", "kvikio-compat": "kvikio in compatibility mode (POSIX reads, no GPUDirect Storage)"}
 CACHED_PATH = ("the engines' fetch jobs, into pinned staging: daemon lookups, or their own O_DIRECT page reads while "
@@ -33,21 +33,17 @@ def metrics_url(address: str) -> str:
     return url if url.endswith("/metrics") else url + "/metrics"
 
 
-def read_metrics(address: str, timeout: float = METRICS_TIMEOUT) -> dict[str, float]:
-    """Every sample of the metrics page at ``address`` (``http://H:P[/metrics]``), ``name{labels}`` -> value.
-    Unreachable or not a metrics page: :class:`~engram_store.errors.Unavailable` in one line."""
+def read_metrics(address: str, timeout: float = METRICS_TIMEOUT, max_bytes: int = METRICS_MAX_BYTES) -> dict[str, float]:
+    """Every sample of the metrics page at ``address`` (``http://H:P[/metrics]``), ``name{labels}`` -> value,
+    read within ``timeout`` seconds in all and ``max_bytes`` at most. Unreachable, too slow, too large or
+    not a metrics page: :class:`~engram_store.errors.Unavailable` (DeadlineExceeded) in one line."""
     from prometheus_client.parser import text_string_to_metric_families
 
     url = metrics_url(address)
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            text = resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        raise errors.Unavailable(f"{url}: HTTP {exc.code} {exc.reason} (is this the daemon's metrics address?)") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise errors.Unavailable(f"cannot reach {url}: {getattr(reason, 'strerror', None) or reason} "
-                                 "(is the daemon running with metrics on that address?)") from None
+    resp = get(url, timeout, max_bytes)
+    if resp.status != 200:
+        raise errors.Unavailable(f"{url}: HTTP {resp.status} {resp.reason} (is this the daemon's metrics address?)")
+    text = resp.body.decode(errors="replace")
     values: dict[str, float] = {}
     try:
         for family in text_string_to_metric_families(text):
@@ -59,10 +55,10 @@ def read_metrics(address: str, timeout: float = METRICS_TIMEOUT) -> dict[str, fl
     return values
 
 
-def read_stats(address: str, connect: Callable[[], Any]) -> dict[str, float]:
+def read_stats(address: str, connect: Callable[[], Any], timeout: float = METRICS_TIMEOUT) -> dict[str, float]:
     """The daemon's counters under their Prometheus names, whatever the transport."""
     if address.startswith(("http://", "https://")):
-        return read_metrics(address)
+        return read_metrics(address, timeout)
     with connect() as client:
         return prometheus_samples(client.stats())
 
@@ -89,10 +85,10 @@ def _info_from_metrics(samples: dict[str, float]) -> dict[str, Any]:
             "uptime_seconds": time.time() - start if start else samples.get(PREFIX + "uptime_seconds")}
 
 
-def collect(address: str, connect: Callable[[], Any]) -> dict[str, Any]:
+def collect(address: str, connect: Callable[[], Any], timeout: float = METRICS_TIMEOUT) -> dict[str, Any]:
     """The status document of the daemon at ``address`` (``connect()`` opens a client for unix/grpc)."""
     if address.startswith(("http://", "https://")):
-        samples = read_metrics(address)
+        samples = read_metrics(address, timeout)
         info = _info_from_metrics(samples)
         transport = "metrics"
     else:

@@ -20,7 +20,9 @@ raises :class:`~engram_store.errors.DeadlineExceeded` and closes the
 connection (a late reply must not land in region space given to another
 call); the next call reconnects. Connecting retries with backoff, within
 ``connect_timeout``, while the daemon's backlog is full or its socket has no
-listener yet (a restart).
+listener yet (a restart); the handshake (HELLO, then the WELCOME and its
+payload of at most :data:`~engram_store.wire.frames.MAX_DAEMON_PAYLOAD` bytes)
+ends within the same ``connect_timeout``, however slowly a peer sends it.
 """
 
 from __future__ import annotations
@@ -124,20 +126,24 @@ class UnixTransport:
         self._region = None
         self.arena: ArenaView | None = None
         try:
-            deadline = time.monotonic() + connect_timeout
+            deadline = time.monotonic() + connect_timeout  # connecting and the handshake, together
             self._sock = _connect(self._sock, path, deadline)
             self._sock.settimeout(max(1e-3, deadline - time.monotonic()))
             try:
                 self._sock.sendall(Frame(Op.HELLO, count=shm_bytes).pack())
             except BrokenPipeError:  # refused at once (a limit): its reason is still there to read
                 pass
-            self._welcome()
+            self._welcome(deadline)
             self._sock.settimeout(None)
             # Sends (small frames) give up too when a stopped daemon leaves the socket full.
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                                   struct.pack("ll", int(timeout), int(timeout % 1 * 1e6)))
             self._readable = select.poll()
             self._readable.register(self._sock.fileno(), select.POLLIN)
+        except socket.timeout:  # Unavailable, as callers retrying a daemon that does not answer expect
+            self.close()
+            raise errors.Unavailable(f"engram-store at unix://{path} did not complete the handshake within "
+                                     f"{connect_timeout:g}s (connect_timeout)") from None
         except OSError as exc:
             self.close()
             raise errors.Unavailable(f"cannot connect to engram-store at unix://{path}: {exc}") from None
@@ -156,14 +162,15 @@ class UnixTransport:
         self._reserved: dict[int, int] = {}  # offset -> bytes of reserve() buffers
         self.planned = PlannedLookups(self)  # plan mode over this connection (:mod:`.plan`)
 
-    def _welcome(self) -> None:
+    def _welcome(self, deadline: float) -> None:
+        self._sock.settimeout(_left(deadline))
         data, fds = shm.recv_with_fds(self._sock, wire.FRAME.size, 2)
         try:
             if len(data) < wire.FRAME.size:
-                data += shm.recv_exact(self._sock, wire.FRAME.size - len(data))
+                data += _recv_by(self._sock, wire.FRAME.size - len(data), deadline)
             frame = Frame.unpack(data)
             wire.check_header(frame, wire.MAX_DAEMON_PAYLOAD)
-            payload = shm.recv_exact(self._sock, frame.payload_bytes) if frame.payload_bytes else b""
+            payload = _recv_by(self._sock, frame.payload_bytes, deadline) if frame.payload_bytes else b""
             if frame.op != Op.WELCOME or frame.status != Status.OK:
                 raise wire.error_of(frame.status, payload.decode(errors="replace") or f"unexpected op {frame.op}")
             if not fds:
@@ -437,6 +444,29 @@ class UnixTransport:
         self.region = None
         region, self._region = self._region, None
         shm.release(region)
+
+
+def _left(deadline: float) -> float:
+    """Seconds to ``deadline``; socket.timeout once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("deadline passed")
+    return left
+
+
+def _recv_by(sock: socket.socket, size: int, deadline: float) -> bytes:
+    """Exactly ``size`` bytes (a bound the caller checked), all of them by ``deadline``: each read
+    waits only for what is left of it, so a peer sending a byte at a time cannot stretch it.
+    socket.timeout at the deadline, ConnectionError on EOF."""
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:
+        sock.settimeout(_left(deadline))
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            raise ConnectionError(f"peer closed the connection after {got} of {size} bytes")
+        got += n
+    return bytes(buf)
 
 
 def _connect(sock: socket.socket, path: str, deadline: float) -> socket.socket:
