@@ -98,7 +98,11 @@ def deadline_seconds(value: float | None = None) -> float:
 
 class FetchJob:
     """One cached layer's fetch job in this process (see the module docstring). Thread-safe; its
-    runs are serialized (an engine issues them in stream order)."""
+    runs are serialized (an engine issues them in stream order).
+
+    ``identity``: the tables the job reads and accepts a daemon for (an engine's, taken when it
+    connected); None: the daemon's at ``address`` now. ``hedge_seconds``: a fixed hedge budget
+    instead of the measured one. ``deadline``: the longest a step takes (see the module docstring)."""
 
     def __init__(self, address: str, layer: int, max_rows: int, *, deadline: float | None = None,
                  queue_depth: int = QUEUE_DEPTH, connect_timeout: float = 10.0, identity: TableIdentity | None = None,
@@ -229,7 +233,9 @@ def _region_bytes(max_rows: int, row_bytes: int) -> int:
 class _Supervisor:
     """One thread per process that gives jobs without a daemon connection a new one. A connection the
     daemon closed while its job sat between steps (its ``client_idle_timeout_seconds``, a restart) is
-    noticed here (``probe``) and remade at once, so the next step still goes to the daemon."""
+    noticed here (``probe``) and remade at once, so the next step still goes to the daemon; the late
+    answer of a request a step gave up on is read and dropped there too (or the connection dropped
+    once it is a deadline late)."""
 
     def __init__(self) -> None:
         self._jobs: list[FetchJob] = []
@@ -254,9 +260,9 @@ class _Supervisor:
             with self._lock:
                 jobs = list(self._jobs)
             for job in jobs:
-                if job.connected and job.native.probe():
-                    log.info("engram-store fetch job, layer %d: the daemon closed its connection between steps; "
-                             "reconnecting", job.layer)
+                if job.connected and job.native.probe():  # (a late answer is read and dropped there too)
+                    log.info("engram-store fetch job, layer %d: %s; reconnecting", job.layer,
+                             job.native.stats()["note"])
             for job in jobs:
                 if job.connected:
                     continue

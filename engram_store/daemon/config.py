@@ -53,10 +53,12 @@ MIN_TOKEN_CHARS = 16
 CLIENT_ENV = frozenset({
     "ENGRAM_STORE_ADDR",  # engram_store.integrations (vLLM, SGLang): the daemon to use, e.g.
     # unix:///run/engram-store/engram-store.sock; unset, the plugins do nothing
-    "ENGRAM_STORE_FETCH_DEADLINE_SECONDS",  # engram_store.client.fetch: seconds a fetch job waits for the
-    # daemon's rows before it reads their pages itself (default 2)
+    "ENGRAM_STORE_FETCH_DEADLINE_SECONDS",  # engram_store.client.fetch: seconds a fetch job's step may take,
+    # the daemon hedged by direct page reads, before it fails with its rows zero (default 2)
     "ENGRAM_STORE_CONNECT_WAIT_SECONDS",  # engram_store.integrations: seconds a plugin waits at load for a
     # daemon that is not listening yet (default 30)
+    "ENGRAM_STORE_FAILURE_BOARD",  # engram_store.integrations.failures: set by the plugins themselves, the
+    # failure board (a 4 KiB file in /dev/shm) a server's first process makes for every rank it starts
 })
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # printable ASCII without spaces: it travels in a header
 
@@ -141,6 +143,8 @@ class DaemonConfig:
     grpc_event_loop: str = "uvloop"  # "uvloop" or "asyncio"
     metrics: str = "127.0.0.1:9464"  # Prometheus HTTP address; "" disables it
     metrics_allow_remote: bool = False  # must be true to serve metrics on a non-loopback address
+    metrics_max_connections: int = 64  # HTTP connections at once; the slowest sender gives way, or 503
+    metrics_request_timeout_seconds: float = 5.0  # an HTTP request must arrive within this, its answer be read as fast
     ready_file: str = ""  # JSON written once every listener is open
     drain_seconds: float = 30.0  # SIGTERM: in-flight requests drained, the process gone within this
     log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
@@ -156,7 +160,7 @@ class DaemonConfig:
                 raise bad(f.name, f"expected {f.type}")
         for key in ("dram_bytes", "client_shm_bytes", "max_client_shm_bytes", "grpc_chunk_bytes",
                     "max_clients", "max_request_rows", "max_clients_per_uid", "max_total_client_shm_bytes",
-                    "grpc_max_inflight_bytes", "grpc_max_calls_per_peer"):
+                    "grpc_max_inflight_bytes", "grpc_max_calls_per_peer", "metrics_max_connections"):
             if getattr(self, key) <= 0:
                 raise bad(key, "must be positive")
         if self.dram_bytes < MIN_DRAM_BYTES:
@@ -210,6 +214,10 @@ class DaemonConfig:
             raise bad("grpc_event_loop", "must be 'uvloop' or 'asyncio'")
         if not 0 < self.client_send_timeout_seconds <= 3600:
             raise bad("client_send_timeout_seconds", "must be in (0, 3600] seconds")
+        if not 0 < self.metrics_request_timeout_seconds <= 600:
+            raise bad("metrics_request_timeout_seconds", "must be in (0, 600] seconds")
+        if self.metrics_max_connections > 65536:
+            raise bad("metrics_max_connections", "must be at most 65536")
         if not 0 < self.handshake_timeout_seconds <= 600:
             raise bad("handshake_timeout_seconds", "must be in (0, 600] seconds")
         if not 0 <= self.client_idle_timeout_seconds <= 7 * 86400:

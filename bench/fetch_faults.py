@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""Fetch-job step latency with a flapping daemon and with the daemon stopped, this tree against another revision.
+
+The engines' fetch job (``engram_store.client.fetch.FetchJob``) runs decode steps of ``--rows`` rows of a
+cached layer against a real daemon this bench starts (a synthetic V4.1 table set at ``--scale``, both
+layers cached behind a small cache, so most rows are read from the file). Three scenarios, each in a
+fresh worker process:
+
+- ``undisturbed``: the daemon runs;
+- ``flapping``: the daemon is SIGSTOPped ``STOPPED`` seconds of every ``PERIOD`` (``--flap 1.9/2``),
+  awake first: it accepts and answers, then stalls;
+- ``stopped``: the daemon is SIGSTOPped for the whole run.
+
+Each step's wall time around ``run()`` is measured; every step's rows are compared with
+``TableSet.read_rows`` (wrong rows are counted, never expected). With ``--baseline-rev REV`` the same
+scenarios run with the client of git revision REV too (its ``engram_store`` extracted with
+``git archive`` into a temp dir and its ``_fetch.c`` compiled there; the daemon is this tree's), the
+two clients alternating, ``--repeats`` times each, in the same run. Reported per client and scenario:
+step p50 / p99 / max and the run's total (median [min..max] over the repeats), and the job's counters
+(direct, hedged, failed steps).
+
+    python bench/fetch_faults.py --baseline-rev HEAD~1 --json out.json
+    python bench/fetch_faults.py --quick --json -      # seconds: this tree only, few steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if sys.argv[1:2] != ["--worker"]:  # a worker imports the engram_store of the client it measures (PYTHONPATH)
+    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import JsonReport, add_report_args, ensure_tables  # noqa: E402
+
+SCENARIOS = ("undisturbed", "flapping", "stopped")
+WARM_STEPS = 20  # more than the answers the hedge budget is first measured over
+
+
+# --------------------------------------------------------------------------- the worker (one client, one scenario)
+def worker(spec_json: str) -> int:
+    """Runs in a child process whose ``engram_store`` is the client measured (PYTHONPATH)."""
+    import signal
+    import threading
+
+    from engram_store.client.fetch import FetchJob
+    from engram_store.format.tableset import TableSet
+
+    w = json.loads(spec_json)
+    tables = TableSet.open(w["tables"])
+    layer, rows, pid = w["layer"], w["rows"], w["pid"]
+    job = FetchJob(w["address"], layer, rows, deadline=w["deadline"])
+    rng = np.random.default_rng(w["seed"])
+    wrong = 0
+
+    def step() -> float:
+        nonlocal wrong
+        ids = rng.integers(0, tables.rows(layer), rows)
+        job.ids[:rows] = ids
+        t0 = time.perf_counter()
+        job.run(rows)
+        took = time.perf_counter() - t0
+        try:
+            job.raise_if_failed()
+        except Exception:  # noqa: BLE001 - a failed step is counted (its rows are zero), the run goes on
+            pass
+        want = tables.read_rows(layer, ids)
+        wrong += int(not (np.array_equal(job.weight[:rows], want[:, : job.dim])
+                          and np.array_equal(job.scales[:rows], want[:, job.dim:])))
+        return took
+
+    for _ in range(WARM_STEPS):
+        step()
+    wrong, before = 0, job.stats()
+    done = threading.Event()
+
+    def flap() -> None:
+        stopped, period = w["flap"]
+        while not done.wait(period - stopped):
+            os.kill(pid, signal.SIGSTOP)
+            done.wait(stopped)
+            os.kill(pid, signal.SIGCONT)
+
+    flapper = threading.Thread(target=flap, daemon=True) if w["scenario"] == "flapping" else None
+    if w["scenario"] == "stopped":
+        os.kill(pid, signal.SIGSTOP)
+    if flapper:
+        flapper.start()
+    t0 = time.perf_counter()
+    try:
+        times = [step() for _ in range(w["steps"])]
+    finally:
+        total = time.perf_counter() - t0
+        done.set()
+        if flapper:
+            flapper.join()
+        os.kill(pid, signal.SIGCONT)
+    stats = job.stats()
+    job.close()
+    keep = ("steps", "daemon_steps", "direct_steps", "failed_steps", "hedged_steps", "busy_steps", "backoff_steps",
+            "drops", "timeouts")
+    import engram_store
+
+    print(json.dumps({"times": times, "total": total, "wrong": wrong, "package": engram_store.__file__,
+                      "stats": {k: stats[k] - before[k] for k in keep if k in stats}}))
+    return 0
+
+
+# --------------------------------------------------------------------------- the clients
+def build_baseline(rev: str, into: Path) -> Path:
+    """REV's engram_store under ``into``, its _fetch compiled there (the other native modules are left out:
+    the client falls back without them)."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "engram_store"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    native = into / "engram_store" / "native"
+    cc = (sysconfig.get_config_var("CC") or "cc").split()
+    flags = (sysconfig.get_config_var("CFLAGS") or "-O2").split() + (sysconfig.get_config_var("CCSHARED") or "").split()
+    out = native / f"_fetch{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run([*cc, *flags, "-shared", f"-I{sysconfig.get_paths()['include']}", str(native / "_fetch.c"),
+                    "-o", str(out), "-ldl"], check=True, capture_output=True)
+    return into
+
+
+def run_worker(root: Path, w: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_STORE_")}
+    env["PYTHONPATH"] = str(root)
+    res = subprocess.run([sys.executable, __file__, "--worker", json.dumps(w)], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        raise RuntimeError(f"worker ({root}, {w['scenario']}) failed: {res.stderr[-3000:]}")
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    if not Path(got["package"]).resolve().is_relative_to(root.resolve()):
+        raise RuntimeError(f"worker for {root} ran the engram_store at {got['package']}")
+    return got
+
+
+# --------------------------------------------------------------------------- report
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q, method="inverted_cdf")) if values else float("nan")
+
+
+def summarize(runs: list[dict]) -> dict:
+    per = [{"p50": pct(r["times"], 50), "p99": pct(r["times"], 99), "max": max(r["times"]), "total": r["total"]}
+           for r in runs]
+    out = {k: {"median": float(np.median([p[k] for p in per])), "min": min(p[k] for p in per),
+               "max": max(p[k] for p in per)} for k in ("p50", "p99", "max", "total")}
+    out["wrong_steps"] = sum(r["wrong"] for r in runs)
+    out["counters"] = {k: sum(r["stats"].get(k, 0) for r in runs) for k in runs[0]["stats"]}
+    out["runs"] = len(runs)
+    return out
+
+
+def print_table(doc: dict) -> None:
+    def ms(d: dict) -> str:
+        return f"{1e3 * d['median']:8.1f} [{1e3 * d['min']:.1f}..{1e3 * d['max']:.1f}]"
+
+    print(f"fetch steps of {doc['rows']} rows, layer {doc['layer']}, {doc['steps']} steps a run, flap "
+          f"{doc['flap'][0]:g} s of every {doc['flap'][1]:g} s, deadline {doc['deadline']:g} s; "
+          "ms, median [min..max] over runs")
+    print(f"{'client':<22} {'scenario':<12} {'p50':>22} {'p99':>22} {'max':>22} {'total s':>14}  counters")
+    for row in doc["results"]:
+        s = row["summary"]
+        total = f"{s['total']['median']:.2f} [{s['total']['min']:.2f}..{s['total']['max']:.2f}]"
+        counters = " ".join(f"{k}={v}" for k, v in s["counters"].items() if v and k != "steps")
+        print(f"{row['client']:<22} {row['scenario']:<12} {ms(s['p50']):>22} {ms(s['p99']):>22} {ms(s['max']):>22} "
+              f"{total:>14}  wrong={s['wrong_steps']} {counters}")
+    for scenario, ratio in doc.get("p99_ratio", {}).items():
+        print(f"p99 {scenario}: baseline / this tree = {ratio:.1f}x")
+
+
+# --------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker(argv[1])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 2)[2],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline-rev", default=None, help="git revision whose client to measure too (e.g. HEAD~1)")
+    ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    ap.add_argument("--steps", type=int, default=40, help="measured steps per run")
+    ap.add_argument("--rows", type=int, default=64 * 24, help="rows a step (64 * 24: a decode step of batch 64)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per client and scenario (alternating clients)")
+    ap.add_argument("--flap", default="1.9/2", metavar="STOPPED/PERIOD", help="seconds stopped of every period")
+    ap.add_argument("--deadline", type=float, default=2.0, help="the fetch job's deadline (s)")
+    ap.add_argument("--dram-bytes", type=int, default=2 << 20, help="the daemon's cache")
+    ap.add_argument("--tables", default=None, help="a table set (default: a synthetic one in --workdir)")
+    ap.add_argument("--workdir", default=tempfile.gettempdir(), help="where the synthetic table set is kept")
+    ap.add_argument("--model", default="deepseek-v4.1-flash")
+    ap.add_argument("--scale", type=float, default=0.0002)
+    add_report_args(ap, "smoke size: 8 steps, one run, flap 0.3/0.4, this tree only")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats, args.flap = 8, 1, "0.3/0.4"
+    stopped, period = (float(x) for x in args.flap.split("/"))
+    if not 0 < stopped < period:
+        ap.error(f"--flap {args.flap}: expected STOPPED/PERIOD seconds, 0 < STOPPED < PERIOD")
+    with JsonReport(args) as out:
+        doc = run(args, (stopped, period))
+        out.emit(doc, lambda: print_table(doc))
+    return 0
+
+
+def run(args, flap: tuple[float, float]) -> dict:
+    from engine_step import Daemon
+
+    from engram_store.spec import get_spec
+
+    tables = ensure_tables(args, "fetch-faults")
+    spec = get_spec(args.model, args.scale)
+    layer = spec.layers[-1]
+    scratch = Path(tempfile.mkdtemp(prefix="fetch-faults-"))
+    clients = {"this tree": REPO}
+    try:
+        if args.baseline_rev:
+            rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.baseline_rev], check=True,
+                                 capture_output=True, text=True).stdout.strip()
+            clients = {f"baseline {rev}": build_baseline(rev, scratch), "this tree": REPO}
+        daemon = Daemon(tables, args.dram_bytes, 64)
+        try:
+            runs: dict[tuple[str, str], list[dict]] = {}
+            for scenario in args.scenarios:
+                for repeat in range(args.repeats):
+                    for name, root in clients.items():
+                        w = {"tables": str(tables), "address": daemon.unix, "layer": layer, "rows": args.rows,
+                             "pid": daemon.proc.pid, "deadline": args.deadline, "seed": repeat, "flap": flap,
+                             "scenario": scenario, "steps": args.steps}
+                        print(f"{name}: {scenario}, run {repeat + 1}/{args.repeats} ...", file=sys.stderr)
+                        runs.setdefault((name, scenario), []).append(run_worker(root, w))
+        finally:
+            daemon.stop()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    results = [{"client": name, "scenario": scenario, "summary": summarize(r)} for (name, scenario), r in runs.items()]
+    doc = {"rows": args.rows, "layer": layer, "steps": args.steps, "repeats": args.repeats, "flap": list(flap),
+           "deadline": args.deadline, "results": results}
+    if len(clients) == 2:
+        base, mine = clients
+        doc["p99_ratio"] = {s: _ratio(results, base, mine, s) for s in args.scenarios}
+    return doc
+
+
+def _ratio(results: list[dict], base: str, mine: str, scenario: str) -> float:
+    p99 = {r["client"]: r["summary"]["p99"]["median"] for r in results if r["scenario"] == scenario}
+    return p99[base] / p99[mine]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
