@@ -12,35 +12,30 @@ process-global one untouched. The same listener answers the probes (no credentia
 * ``/metrics``: the Prometheus text format;
 
 and 404 for any other path.
+
+The server (:mod:`.http_server`) is bounded against clients that hold it: two threads
+whatever they do, ``metrics_max_connections`` connections, ``metrics_request_timeout_seconds``
+per request, one metrics render at a time and at most one every
+:data:`~.http_server.RENDER_INTERVAL` seconds however many scrape, and the last
+descriptors below the fd limit kept for Unix-socket clients.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
-import threading
-from socketserver import ThreadingMixIn
-from typing import Callable, Iterable
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from .config import parse_hostport
 from .exporter import DaemonCollector
+from .http_server import RENDER, BoundedHTTPServer, Reply
 
 log = logging.getLogger(__name__)
 
 STARTING, READY, STOPPING = "starting", "ready", "stopping"
-_TEXT = [("Content-Type", "text/plain; charset=utf-8")]
-
-
-class _Handler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:  # probes and scrapes every few seconds: not logged
-        pass
-
-
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True  # a slow scraper never holds up the daemon's exit
+MAX_CONNECTIONS = 64  # DaemonConfig.metrics_max_connections's default
+REQUEST_TIMEOUT_SECONDS = 5.0  # DaemonConfig.metrics_request_timeout_seconds's default
 
 
 class MetricsServer:
@@ -52,15 +47,15 @@ class MetricsServer:
     :attr:`state` from ``starting`` to ``ready`` (then ``stopping`` on SIGTERM).
     """
 
-    def __init__(self, address: str, collector: DaemonCollector | None = None) -> None:
+    def __init__(self, address: str, collector: DaemonCollector | None = None, *,
+                 max_connections: int = MAX_CONNECTIONS, request_timeout: float = REQUEST_TIMEOUT_SECONDS) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         if collector is not None:
             self.registry.register(collector)
         self.host, self.port = parse_hostport(address, "metrics")
+        self.max_connections, self.request_timeout = max_connections, request_timeout
         self.state = STARTING
-        self._metrics_app = make_wsgi_app(self.registry)
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
+        self._server: BoundedHTTPServer | None = None
         self.address = ""
 
     def attach(self, collector: DaemonCollector) -> None:
@@ -72,37 +67,30 @@ class MetricsServer:
             raise ValueError(f"unknown state {state!r}")
         self.state = state
 
-    def _app(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "")
+    def _route(self, path: str) -> object:
         if path == "/metrics":
-            return self._metrics_app(environ, start_response)
+            return RENDER
         if path == "/livez":
-            status, body = "200 OK", "ok\n"
-        elif path in ("/readyz", "/healthz"):
+            return Reply("200 OK", b"ok\n")
+        if path in ("/readyz", "/healthz"):
             state = self.state
-            status = "200 OK" if state == READY else "503 Service Unavailable"
             body = {READY: "ok\n", STARTING: "starting: loading the tables\n", STOPPING: "stopping: draining\n"}[state]
-        else:
-            status, body = "404 Not Found", "not found: /metrics, /livez, /readyz, /healthz\n"
-        data = body.encode() if environ.get("REQUEST_METHOD") != "HEAD" else b""
-        start_response(status, _TEXT + [("Content-Length", str(len(body)))])
-        return [data]
+            return Reply("200 OK" if state == READY else "503 Service Unavailable", body.encode())
+        return Reply("404 Not Found", b"not found: /metrics, /livez, /readyz, /healthz\n")
+
+    def _render(self) -> bytes:
+        return generate_latest(self.registry)
 
     def start(self) -> str:
-        family = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-        server_class = type("_Server", (_Server,), {"address_family": family})
-        self._server = make_server(self.host, self.port, self._app, server_class, _Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="engram-metrics", daemon=True)
-        self._thread.start()
-        port = self._server.server_address[1]
+        self._server = BoundedHTTPServer(self.host, self.port, self._route, self._render, CONTENT_TYPE_LATEST,
+                                         max_connections=self.max_connections, request_timeout=self.request_timeout)
+        port = self._server.port
         self.address = f"[{self.host}]:{port}" if ":" in self.host else f"{self.host}:{port}"
-        log.info("metrics on http://%s/metrics, probes /livez /readyz", self.address)
+        log.info("metrics on http://%s/metrics, probes /livez /readyz (at most %d connections, %gs per request)",
+                 self.address, self.max_connections, self.request_timeout)
         return self.address
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            if self._thread is not None:
-                self._thread.join()
+            self._server.stop()
             self._server = None

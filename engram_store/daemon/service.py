@@ -229,7 +229,8 @@ class Daemon:
         from .metrics import MetricsServer
 
         if self.config.metrics:
-            self.metrics = MetricsServer(self.config.metrics)
+            self.metrics = MetricsServer(self.config.metrics, max_connections=self.config.metrics_max_connections,
+                                         request_timeout=self.config.metrics_request_timeout_seconds)
             self.metrics.start()
 
     async def _listen(self) -> None:
