@@ -116,18 +116,73 @@ def test_a_changed_sglang_stops_the_process(daemon, tables, how, words):
     assert ("engram-store plugin ACTIVE" in out) == (how == "not-applied")
 
 
-def test_cached_layer_is_fetched_a_layer_ahead_through_sglangs_forward(tables, tmp_path):
-    from engram_store.client.client import EngramClient
+def mixed_daemon(tables, directory) -> DaemonProcess:
+    """Layer 1 resident, layer 14 cached behind a cache of ~7k of its 77k rows."""
     from engram_store.storage.resident import resident_layout
 
-    dram = resident_layout([(1, SPEC.rows(1))], SPEC.row_format).size + (2 << 20)  # a cache of ~7k of 77k rows
-    with DaemonProcess(tables, tmp_path, dram_bytes=str(dram), extra=["--placement", "1=resident,14=cached"]) as d:
-        out = scenario("cached", tables, address=d.unix)
+    dram = resident_layout([(1, SPEC.rows(1))], SPEC.row_format).size + (2 << 20)
+    return DaemonProcess(tables, directory, dram_bytes=str(dram), extra=["--placement", "1=resident,14=cached"])
+
+
+@pytest.fixture(scope="module")
+def mixed(tables, tmp_path_factory):
+    """The output of the 'mixed' scenario and the daemon's counters after it."""
+    from engram_store.client.client import EngramClient
+
+    with mixed_daemon(tables, tmp_path_factory.mktemp("sglang-mixed")) as d:
+        out = scenario("mixed", tables, d.unix, address=d.unix)
         with EngramClient.connect(d.unix) as client:
-            stats = client.stats()
-    assert out.count("layer 14 through its fetch job") == 3, out  # TP=1, TP=2 ranks 0 and 1
+            return out, client.stats()
+
+
+def test_cached_layer_is_fetched_a_layer_ahead_through_sglangs_forward(mixed):
+    out, stats = mixed
+    assert out.count("layer 14 through its fetch jobs") == 1, out
     assert "scheduler staging is off with a cached layer" in out
     assert sum(v for k, v in stats.items() if "rows_nvme" in k or "nvme_rows" in k) > 0, stats
+
+
+def test_inline_chain_waits_for_the_chain_issued_ahead(mixed):
+    out, _ = mixed
+    assert "inline chain issued while the chain hashed ahead is queued: both exact under round-robin, fetch-first, " \
+           "gather-first, main-first" in out, out[-4000:]
+    assert "control: the inline chain on the main stream alone, unordered, gives wrong rows under" in out
+
+
+def test_long_prefill_pieces_are_double_buffered(mixed):
+    out, _ = mixed
+    assert "prefill of 3 pieces and a remainder: exact under every policy" in out, out[-4000:]
+    assert "control: one staging for every piece, fetched ahead of its gathers, gives wrong rows" in out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_tp_rank_fetches_only_its_hash_columns(mixed, tp):
+    out, _ = mixed
+    assert f"OK TP={tp}: each rank's rows exact in its hash columns and zero elsewhere, their sum every row" in out, \
+        out[-4000:]
+    line = next(line for line in out.splitlines() if line.startswith(f"MEASURE TP={tp}:"))
+    split, every = (int(line.split(word)[1].split(",")[0].split(";")[0]) for word in ("per-rank heads ",
+                                                                                       "every rank every head "))
+    assert every == tp * split, line
+    daemon = [float(x) for x in line.split("daemon store_rows ")[1].split(" and ")]
+    assert daemon[1] == tp * daemon[0] == every, line  # the daemon's own counter: rows asked for
+
+
+def test_a_failed_fetch_stops_sglang_before_the_steps_tokens(tmp_path):
+    """Pages of the cached layer flipped on disk after the daemon started (rows never read before)."""
+    from storage_helpers import flip
+
+    directory = tmp_path / "tables"
+    write_synthetic(directory, SPEC, seed=9)
+    pages = (10, 21)  # in head 0's table of layer 14 (rows 150.. and 315..)
+    (tmp_path / "d").mkdir()
+    with mixed_daemon(directory, tmp_path / "d") as d:
+        for page in pages:
+            flip(directory, 14, page)
+        out = scenario("failed_step", directory, ",".join(map(str, pages)), address=d.unix)
+    assert f"OK step 2: CorruptRows: engram-store fetch job: layer 14: 1 page(s)" in out, out[-4000:]
+    assert "OK normal loop: a good step's tokens processed; the step that read a flipped page raised" in out
+    assert "OK overlap loop: the failed step raised after its copy_done, before SGLang processed its tokens" in out
 
 
 def test_no_daemon_at_the_address_stops_sglang_at_plugin_load(tables, tmp_path):

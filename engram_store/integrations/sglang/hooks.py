@@ -19,9 +19,11 @@ The hooks (SGLang 0.5.23):
   (:mod:`.host_table`).
 * ``EngramEmbedding._load_rows`` (AROUND): a no-op for arena tables.
 * ``EngramHasher.forward`` (AFTER), ``EngramEmbedding.forward`` (AROUND): each Engram layer's
-  rows gathered a layer ahead on a side stream, a cached layer's fetched by its fetch job
-  (:mod:`.prefetch`); ``EngramRowStager.from_model`` (AROUND): no scheduler staging when a layer
-  is cached; ``ModelRunner.forward`` (AFTER): a fetch's failure raised after the step.
+  rows gathered a layer ahead on side streams, a cached layer's fetched by its fetch jobs
+  (:mod:`.prefetch`, :mod:`.chain`); ``EngramRowStager.from_model`` (AROUND): no scheduler
+  staging when a layer is cached; ``Scheduler.process_batch_result`` (AROUND): a fetch's failure
+  raised once the step's tokens are on the host, before SGLang appends or streams them
+  (:mod:`.failures`).
 * ``weight_utils.safetensors_weights_iterator`` and
   ``buffered_multi_thread_safetensors_weights_iterator`` (REPLACE): the same
   iteration, skipping the Engram tensors before they are read; fastsafetensors,
@@ -47,13 +49,16 @@ SUPPORTED_VERSIONS = ("0.5.23",)  # SGLang releases whose Engram code these hook
 ENGRAM = "sglang.srt.layers.engram"
 WEIGHT_UTILS = "sglang.srt.model_loader.weight_utils"
 STAGING = "sglang.srt.layers.engram_staging"
-MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
+SCHEDULER = "sglang.srt.managers.scheduler"
 SCALE_BLOCK = 32  # values per E8M0 scale (SGLang's FP8_BLOCK_SIZE; engram-store's row format)
 
 # Names read (not hooked): the module attributes the replacements call, and for each
 # method whose body we rely on, a word its source must contain.
 READ_NAMES = (f"{ENGRAM}.FP8_BLOCK_SIZE", f"{ENGRAM}._sorted_host_reads", f"{ENGRAM}._registered_device_ptr",
               f"{ENGRAM}.envs", f"{ENGRAM}.EngramEmbedding._table_ptrs", f"{ENGRAM}.EngramEmbedding.forward",
+              f"{ENGRAM}.EngramEmbedding._reduce_owned_rows", f"{ENGRAM}.EngramEmbedding.new_rows",
+              "sglang.srt.runtime_context.get_parallel", "sglang.srt.layers.cp.utils.is_cp_active",
+              "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context.is_in_breakable_cuda_graph",
               f"{WEIGHT_UTILS}._drop_file_cache_after_load", "sglang.srt.plugins.load_plugins")
 SOURCE_USES = {  # method -> attributes of an EngramEmbedding our host table sets, which it must read
     f"{ENGRAM}.EngramEmbedding._table_ptrs": ("_host_table_ptrs", "host_table"),
@@ -61,6 +66,8 @@ SOURCE_USES = {  # method -> attributes of an EngramEmbedding our host table set
     f"{ENGRAM}.EngramEmbedding.shared_host_table_without_ats": ("_sort_host_reads",),
     f"{ENGRAM}.EngramEmbedding.__init__": ("SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS", "_init_host_table",
                                             "weight_loader = self._load_rows"),
+    f"{ENGRAM}.EngramEmbedding._lookup": ("_reduce_owned_rows",),  # the per_rank sum the split columns rely on
+    f"{ENGRAM}.EngramEmbedding._reduce_owned_rows": ("tensor_model_parallel_all_reduce",),
 }
 ENV_FLAGS = ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT",
              "SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS", "SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING")
@@ -147,7 +154,7 @@ def check_applied() -> None:
 def targets() -> dict[str, tuple[str, Callable, tuple[str, ...] | None]]:
     """target -> (HookType name, hook, parameter names of the original that the hook
     takes over, or None when it only wraps)."""
-    from . import checkpoint, host_table, prefetch
+    from . import checkpoint, failures, host_table, prefetch
 
     files = ("hf_weights_files",)
     return {
@@ -179,7 +186,8 @@ def targets() -> dict[str, tuple[str, Callable, tuple[str, ...] | None]]:
                                               ("self", "indices", "forward_batch", "cp_all_tokens")),
         f"{STAGING}.EngramRowStager.from_model": ("AROUND", prefetch.stager_from_model,
                                                   ("cls", "model", "hasher", "device")),
-        f"{MODEL_RUNNER}.ModelRunner.forward": ("AFTER", prefetch.after_step, None),
+        f"{SCHEDULER}.Scheduler.process_batch_result": ("AROUND", failures.before_results,
+                                                        ("self", "batch", "result")),
     }
 
 

@@ -4,13 +4,17 @@ SGLang's shared host-table layout keeps each Engram layer whole in host memory o
 every TP rank, registered with the GPU, and hands its kernels two addresses: the
 ``[rows, dim]`` FP8 payloads and the ``[rows, dim // 32]`` E8M0 scales. The
 daemon's resident arena holds exactly these two blocks per layer
-(``engram_store.format.arena_layout``), so here the host table *is* the arena:
-the layer's ``weight`` / ``scale`` parameters are read-only views of it, and
-``_host_table_ptrs`` are the (registered) addresses of its two blocks. SGLang's
-own forward gather, decode CUDA graphs and scheduler staging
-(``EngramRowStager``, which ``index_select``\\ s rows out of ``weight`` / ``scale``)
-then run unchanged. No memfd is created, no ``/proc/<pid>/fd`` is opened (TP
-ranks need no shared PID namespace), nothing is loaded.
+(``engram_store.format.arena_layout``), so here a resident layer's host table *is*
+the arena: the layer's ``weight`` / ``scale`` parameters are read-only views of it,
+and ``_host_table_ptrs`` are the (registered) addresses of its two blocks. SGLang's
+gather kernel (issued a layer ahead by :mod:`.prefetch`), decode CUDA graphs and
+scheduler staging (``EngramRowStager``, which ``index_select``\\ s rows out of
+``weight`` / ``scale``) read it in place. No memfd is created, no ``/proc/<pid>/fd``
+is opened (TP ranks need no shared PID namespace), nothing is loaded.
+
+A cached layer's parameters are the staging of the first of its two fetch jobs
+(:mod:`.chain`), which hold :data:`.chain.PIECE_TOKENS` tokens of every head each; the
+hash columns the rank fetches are decided here, once (:func:`.chain.columns`).
 
 ``SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT=per_rank`` is overridden (one log line):
 a private shard per rank would be a copy, and the arena is one copy per host.
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import EngineUnsupported, ModelMismatch
-from . import hooks, prefetch
+from . import chain, hooks, prefetch
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +114,11 @@ def init_host_table(self, num_embeddings: int, dim: int, layer_id: int) -> None:
     cached = None
     if t.is_resident(layer_id):
         weight, scales = t.views(layer_id)
-    else:  # rows fetched per step into a fetch job's staging, read with positional ids (prefetch.py)
+    else:  # rows fetched per step into two fetch jobs' stagings, read with positional ids (chain.py)
+        _check_stage(int(layer_id))
         heads = len(t.head_sizes(layer_id))
-        job = t.fetch_job(layer_id, prefetch.PIECE_TOKENS * heads)
-        ids, weight, scales = t.job_tensors(job)
+        stagings, weight, scales = _stagings(t, engram, int(layer_id), chain.PIECE_TOKENS * heads)
+        cached = chain.Cached(stagings, heads, _columns(self, heads))
     scale = scales.view(torch.float8_e8m0fnu)
     if torch.cuda.is_available() and not t.register_cuda():
         raise EngineUnsupported("cudaHostRegister refused the engram-store arena or staging, so SGLang's kernels cannot "
@@ -125,17 +130,60 @@ def init_host_table(self, num_embeddings: int, dim: int, layer_id: int) -> None:
     self.weight = nn.Parameter(weight, requires_grad=False)
     self.scale = nn.Parameter(scale, requires_grad=False)
     self._host_table_ptrs = (w_ptr, s_ptr)
-    if t.is_resident(layer_id):
+    if cached is None:
         self._sort_host_reads = engram._sorted_host_reads(torch.cuda.current_device())
         log.info("engram-store: Engram layer %d (%d rows) is the daemon's arena: weight %#x, scale %#x (zero copy)",
                  layer_id, num_embeddings, w_ptr, s_ptr)
     else:
         self._sort_host_reads = False  # positional ids: already in address order
-        cached = prefetch.Cached(job, ids, w_ptr, s_ptr, prefetch.PIECE_TOKENS, {})
-        log.info("engram-store: Engram layer %d (%d rows) is cached: each step's rows are fetched a layer ahead by a "
-                 "fetch job (up to %d tokens a piece, deadline %.1f s, then direct page reads)", layer_id,
-                 num_embeddings, prefetch.PIECE_TOKENS, job.deadline)
+        for staging in cached.stagings:
+            staging.weight_ptr = int(engram._registered_device_ptr(staging.weight_ptr))
+            staging.scale_ptr = int(engram._registered_device_ptr(staging.scale_ptr))
+        first, end = cached.columns
+        log.info("engram-store: Engram layer %d (%d rows) is cached: each step's rows of hash columns [%d, %d) of %d "
+                 "are fetched a layer ahead by two fetch jobs, alternating in pieces of %d tokens (deadline %.1f s, "
+                 "then direct page reads)%s", layer_id, num_embeddings, first, end, cached.heads, cached.piece_tokens,
+                 cached.stagings[0].job.deadline,
+                 "; the TP ranks' rows are summed by SGLang's per_rank all-reduce" if cached.split else "")
     prefetch.register(self, t.layers.index(int(layer_id)), cached)
+
+
+def _stagings(t: Any, engram: Any, layer: int, max_rows: int) -> tuple[tuple[chain.Staging, chain.Staging], Any, Any]:
+    """Two fetch jobs for cached ``layer`` and the first one's weight and scales (the layer's parameters)."""
+    import torch
+
+    stagings, first = [], None
+    for _ in range(2):
+        job = t.fetch_job(layer, max_rows)
+        ids, weight, scales = t.job_tensors(job)
+        stagings.append(chain.Staging(job, ids, weight.data_ptr(), scales.view(torch.float8_e8m0fnu).data_ptr()))
+        if first is None:
+            first = (weight, scales)
+    return (stagings[0], stagings[1]), first[0], first[1]
+
+
+def _check_stage(layer: int) -> None:
+    """A cached layer's fetch failures are raised where its stage's tokens reach the host; only pipeline
+    stage 0 streams them, so a cached layer on a later stage is refused."""
+    from sglang.srt.runtime_context import get_parallel
+
+    p = get_parallel()
+    if p.pp_size > 1 and p.pp_rank > 0:
+        raise EngineUnsupported(f"Engram layer {layer} is cached by engram-store and sits on pipeline stage {p.pp_rank}; "
+                                "SGLang streams a step's tokens from stage 0, which cannot see that stage's fetch "
+                                "failures: use fewer pipeline stages, or give the layer DRAM on the daemon "
+                                f'(placement = {{{layer} = "resident"}})')
+
+
+def _columns(embedding: Any, heads: int) -> tuple[int, int]:
+    """The hash columns this rank fetches: its share where every TP rank holds the same tokens (no
+    attention DP, no context parallelism: SGLang's per_rank layout then sums the ranks' rows)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    p = get_parallel()
+    if embedding.tp_size <= 1:
+        return 0, heads
+    return chain.columns(heads, embedding.tp_size, int(p.tp_rank), p.attn_dp_size == 1 and p.attn_cp_size == 1)
 
 
 def is_arena_table(embedding: Any) -> bool:

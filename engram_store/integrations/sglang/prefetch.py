@@ -1,26 +1,23 @@
-"""SGLang's Engram rows fetched a layer ahead: a side-stream chain per Engram layer, started as soon as
-the step's hash ids exist, waited for at the layer.
+"""SGLang's Engram rows fetched a layer ahead: every Engram layer's chain (:mod:`.chain`) is issued on
+the side lanes (:mod:`.lanes`) as soon as the step's hash ids exist, and waited for at the layer.
 
-SGLang 0.5.23 gathers each Engram layer's rows inline, at the layer, on the main stream. Here, right
-after ``EngramHasher.forward`` returns the step's hash ids (inside the decode CUDA graph too), one
-chain per Engram layer of this process is enqueued on a side stream (one per device, layers in
-order), and ``EngramEmbedding.forward`` at the layer waits for its chain's event and returns the rows:
+SGLang 0.5.23 gathers each Engram layer's rows inline, at the layer, on the main stream. With the
+plugin, right after ``EngramHasher.forward`` returns the step's hash ids (inside the decode CUDA graph
+too), each Engram layer's chain is issued: SGLang's ``engram_gather`` over the arena (a resident
+layer), or a cached layer's fetch jobs then ``engram_gather`` over their stagings, double-buffered
+in pieces. ``EngramEmbedding.forward`` at the layer makes the main stream wait for the chain's last
+gather and returns its rows.
 
-* a resident layer: SGLang's own ``engram_gather`` over the arena, as its shared host table does;
-* a cached layer (its rows not all in DRAM): the step's ids copied device-to-host into its fetch job
-  (registered memory), the job's run function as a CUDA host function, then ``engram_gather`` over
-  the job's staging with positional ids (row ``i`` of the staging is id ``i``), in pieces of at
-  most :data:`PIECE_TOKENS` tokens.
+A forward whose ids are not the ones hashed ahead (a rank's slice of a context-parallel prefill,
+the static ids of a breakable-CUDA-graph extend) runs its chain there, a cached layer's on the same
+side lanes after every chain issued before (so it never refills a staging an earlier chain still
+reads) and the main stream waits for it; a resident layer's is SGLang's own forward. No chain is
+issued at hash time for those steps. Scheduler staging (``EngramRowStager``, which reads host
+tables on the CPU) is turned off when a layer is cached.
 
-Every TP rank of SGLang's shared layout gathers every head, so the ranks send identical requests:
-the daemon reads each page once for all of them (its reads in flight are shared).
-
-A forward whose ids are not the ones hashed ahead (prefill with context parallelism, which slices
-them; a breakable-graph extend, which copies them) gathers inline, cached layers through the same
-chain. Scheduler staging (``EngramRowStager``, which reads host tables on the CPU) is turned off
-when a layer is cached. A fetch failure (a page that failed its checksum with no good copy: its rows
-are zero) raises at the layer on the CPU, and on a GPU after ``ModelRunner.forward`` (the step's
-host-visible point), which stops SGLang's scheduler.
+Where a cached layer's rank fetches only its hash columns (:func:`.chain.columns`), the layer's rows
+are SGLang's ``_reduce_owned_rows`` of the ranks' rows, the all-reduce of its ``per_rank`` layout. A
+fetch failure is raised before the step's tokens leave the scheduler (:mod:`.failures`).
 """
 
 from __future__ import annotations
@@ -30,32 +27,25 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ...client.fetch import FetchJob
-from . import hooks
+from . import chain, lanes
 
 log = logging.getLogger(__name__)
 
-PIECE_TOKENS = 4096  # tokens a cached layer's staging holds (x its heads); larger steps go in pieces
-
 _lock = threading.Lock()
 _embeddings: list[Any] = []  # every Engram layer's EngramEmbedding of this process, in layer order
-_streams: dict[str, Any] = {}  # device -> the side stream of the chains
 _staging_off_logged = False
 
 
 @dataclass
-class Cached:
-    """A cached layer's fetch job and the tensors its chain uses."""
+class Ahead:
+    """A layer's chain issued at hash time: for which ids, into which rows, done at which marker."""
 
-    job: FetchJob
-    ids: Any  # torch int64 [max_rows] over the job's staging
-    weight_ptr: int
-    scale_ptr: int
-    tokens: int  # tokens one piece holds
-    positions: dict  # device -> int64 [tokens * heads] positional ids
+    key: tuple
+    out: Any
+    done: Any
 
 
-def register(embedding: Any, index: int, cached: Cached | None) -> None:
+def register(embedding: Any, index: int, cached: chain.Cached | None) -> None:
     """Take part in the prefetch: ``index`` is the layer's column in the hasher's ids."""
     embedding._engram_store_index = index
     embedding._engram_store_cached = cached
@@ -65,86 +55,61 @@ def register(embedding: Any, index: int, cached: Cached | None) -> None:
         _embeddings.sort(key=lambda e: e._engram_store_index)
 
 
+def has_cached() -> bool:
+    """Whether an Engram layer of this process is cached (its steps can fail)."""
+    return any(e._engram_store_cached is not None for e in _embeddings)
+
+
+def lanes_for(device: Any) -> lanes.Lanes:
+    return lanes.for_device(device)
+
+
 def _key(indices: Any) -> tuple:
     return indices.data_ptr(), tuple(indices.shape), tuple(indices.stride()), str(indices.device)
 
 
-def _gather(engram: Any, w_ptr: int, s_ptr: int, ids: Any, out: Any, dim: int, sort_ids: bool) -> None:
-    engram.engram_gather(w_ptr, s_ptr, ids, out, dim, int(engram.FP8_BLOCK_SIZE), sort_ids=sort_ids)
-
-
-def chain(embedding: Any, indices: Any, out: Any) -> None:
-    """The layer's rows of ``indices`` ([T, heads] hash ids) into ``out`` ([T, heads, dim] bf16), on the
-    current stream: SGLang's gather over the arena, or a cached layer's fetch then gather."""
-    import torch
-
+def _issue(embedding: Any, indices: Any, out: Any, on: lanes.Lanes) -> Any:
     from .host_table import _engram
 
-    engram = _engram()
-    dim = embedding.dim
-    cached: Cached | None = getattr(embedding, "_engram_store_cached", None)
-    if indices.shape[0] == 0:
-        return
+    cached = embedding._engram_store_cached
     if cached is None:
-        w_ptr, s_ptr = embedding._table_ptrs()
-        _gather(engram, w_ptr, s_ptr, indices.reshape(-1), out.view(-1, dim), dim, embedding._sort_host_reads)
-        return
-    heads = indices.shape[1]
-    flat_out = out.view(-1, dim)
-    for start in range(0, indices.shape[0], cached.tokens):
-        piece = indices[start: start + cached.tokens]
-        rows = piece.shape[0] * heads
-        cached.ids[:rows].view(piece.shape[0], heads).copy_(piece, non_blocking=piece.is_cuda)
-        if piece.is_cuda:
-            cached.job.launch_host(torch.cuda.current_stream(piece.device).cuda_stream, rows)
-        else:
-            cached.job.run(rows)
-        _gather(engram, cached.weight_ptr, cached.scale_ptr, _positions(cached, piece.device)[:rows],
-                flat_out[start * heads: start * heads + rows], dim, False)
-
-
-def _positions(cached: Cached, device: Any) -> Any:
-    import torch
-
-    pos = cached.positions.get(str(device))
-    if pos is None:
-        pos = cached.positions[str(device)] = torch.arange(cached.job.max_rows, dtype=torch.int64, device=device)
-    return pos
-
-
-def _stream(device: Any) -> Any:
-    import torch
-
-    stream = _streams.get(str(device))
-    if stream is None:
-        stream = _streams[str(device)] = torch.cuda.Stream(device)
-    return stream
+        return chain.issue_resident(_engram(), embedding, indices, out, on)
+    return chain.issue(_engram(), cached, indices, out, on)
 
 
 def start(embedding: Any, indices: Any) -> None:
-    """Enqueue the layer's chain for ``indices`` ahead of the layer (a side stream on a GPU)."""
-    import torch
-
+    """Issue the layer's chain for ``indices`` ([T, heads] hash ids) ahead of the layer."""
+    if indices.shape[0] == 0:
+        embedding._engram_store_ahead = None
+        return
     out = embedding.new_rows(indices)
-    event = None
-    if indices.is_cuda:
-        current, stream = torch.cuda.current_stream(indices.device), _stream(indices.device)
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            chain(embedding, indices, out)
-            event = torch.cuda.Event()
-            event.record(stream)
-        indices.record_stream(stream)  # the ids and rows stay allocated until the chain is done with them
-        out.record_stream(stream)
-    else:
-        chain(embedding, indices, out)
-    embedding._engram_store_ahead = (_key(indices), out, event)
+    embedding._engram_store_ahead = Ahead(_key(indices), out, _issue(embedding, indices, out, lanes_for(indices.device)))
+
+
+def _ahead_of_layers(forward_batch: Any) -> bool:
+    """Whether the layers will take the hasher's ids as they are: not when the scheduler staged the
+    rows, for an idle batch, a context-parallel extend (each rank takes its slice) or a
+    breakable-graph extend (the graph copies the ids into its own buffer and gathers there)."""
+    if forward_batch is None:
+        return True
+    if getattr(forward_batch, "engram_staged_rows", None) is not None:
+        return False
+    mode = forward_batch.forward_mode
+    if mode.is_idle():
+        return False
+    if mode.is_extend():
+        from sglang.srt.layers.cp.utils import is_cp_active
+        from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import (
+            is_in_breakable_cuda_graph)
+
+        return not (is_in_breakable_cuda_graph() or is_cp_active(forward_batch))
+    return True
 
 
 def after_hasher(hash_ids: Any, hasher: Any, input_ids: Any, forward_batch: Any = None, *args: Any, **kw: Any) -> None:
-    """AFTER ``EngramHasher.forward``: start every layer's chain for the step's hash ids
-    (``[T, n_engram_layers, heads]``); a batch the scheduler staged needs none."""
-    if forward_batch is not None and getattr(forward_batch, "engram_staged_rows", None) is not None:
+    """AFTER ``EngramHasher.forward``: issue every layer's chain for the step's hash ids
+    (``[T, n_engram_layers, heads]``)."""
+    if not _ahead_of_layers(forward_batch):
         return None
     with _lock:
         embeddings = list(_embeddings)
@@ -154,24 +119,25 @@ def after_hasher(hash_ids: Any, hasher: Any, input_ids: Any, forward_batch: Any 
 
 
 def forward(original: Any, self: Any, indices: Any, forward_batch: Any = None, *args: Any, **kw: Any) -> Any:
-    """AROUND ``EngramEmbedding.forward``: the rows fetched ahead for these ids, else the chain inline
-    (a cached layer) or SGLang's own forward (a resident one)."""
-    import torch
-
+    """AROUND ``EngramEmbedding.forward``: the rows issued ahead for these ids, else a cached layer's
+    chain now (on the side lanes, after every chain issued before), else SGLang's own forward."""
     if not hasattr(self, "_engram_store_index"):
         return original(self, indices, forward_batch, *args, **kw)
     ahead, self._engram_store_ahead = self._engram_store_ahead, None
-    if ahead is not None and ahead[0] == _key(indices):
-        _, out, event = ahead
-        if event is not None:
-            torch.cuda.current_stream(indices.device).wait_event(event)
-    elif self._engram_store_cached is not None:
+    cached: chain.Cached | None = self._engram_store_cached
+    on = lanes_for(indices.device)
+    if ahead is not None and ahead.key == _key(indices):
+        out, done = ahead.out, ahead.done
+    elif cached is not None and indices.shape[0]:
         out = self.new_rows(indices)
-        chain(self, indices, out)
+        done = _issue(self, indices, out, on)
+    elif cached is not None:
+        return self.new_rows(indices)
     else:
         return original(self, indices, forward_batch, *args, **kw)
-    if not indices.is_cuda:  # the fetch is done: its failure is this step's
-        hooks.tables().check_fetches()
+    on.main.wait(done)
+    if cached is not None and cached.split:
+        out = self._reduce_owned_rows(out)  # SGLang's per_rank all-reduce: each row comes from one rank
     return out
 
 
@@ -183,16 +149,6 @@ def stager_from_model(original: Any, cls: Any, model: Any, *args: Any, **kw: Any
         if not _staging_off_logged:
             _staging_off_logged = True
             log.warning("SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING is off for this model: an Engram layer is cached by "
-                        "engram-store, and every layer's rows are fetched a layer ahead on a side stream instead")
+                        "engram-store, and every layer's rows are fetched a layer ahead on side streams instead")
         return None
     return original(cls, model, *args, **kw)
-
-
-def after_step(result: Any, *args: Any, **kw: Any) -> None:
-    """AFTER ``ModelRunner.forward``: raise a fetch failure of this or an earlier step (on a GPU the
-    host functions of the steps in flight may still run: their failures surface at a later step)."""
-    from ..tables import _shared
-
-    if _shared.cache_info().currsize:
-        hooks.tables().check_fetches()
-    return None

@@ -1,0 +1,95 @@
+"""The SGLang plugin's step check across TP ranks (``engram_store.integrations.sglang.failures.check``):
+two rank processes in a gloo group (a FileStore in a temp dir), each with its own fetch job against a
+real daemon whose cached layer has a page flipped on disk. Only rank 1 reads the flipped page (as with
+per-rank hash columns); both ranks must raise at the step's check, rank 0 naming rank 1, the layer and
+the page, and neither at a good step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from daemon_helpers import REPO, DaemonProcess
+from storage_helpers import flip
+
+from engram_store.spec import get_spec
+from engram_store.storage.resident import resident_layout
+from engram_store.tools.synth import write_synthetic
+
+torch = pytest.importorskip("torch")
+
+SPEC = get_spec("deepseek-v4.1-flash", 0.0002)
+FIRST, CACHED = SPEC.layers
+DRAM = resident_layout([(FIRST, SPEC.rows(FIRST))], SPEC.row_format).size + (2 << 20)
+WORLD = 2
+BAD_PAGE = 33
+TIMEOUT = 180
+
+
+def rank_main(rank: int, store: str, address: str, bad_row: int) -> None:
+    """One TP rank: a good step, then a step whose rows on rank 1 include ``bad_row``; prints what each
+    step's check did, as JSON."""
+    import torch.distributed as dist
+
+    from engram_store import errors
+    from engram_store.integrations.sglang import failures
+    from engram_store.integrations.tables import EngramStoreTables
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank, world_size=WORLD)
+    tables = EngramStoreTables.connect(address)
+    job = tables.fetch_job(CACHED, 64)
+    results = []
+    for step in (1, 2):
+        ids = np.random.default_rng(100 * step + rank).integers(0, SPEC.rows(CACHED), 64)
+        ids = ids[ids // 15 != BAD_PAGE]  # 15 rows a page: only the row put in below is on the flipped page
+        if step == 2 and rank == 1:
+            ids[3] = bad_row
+        job.ids[: ids.size] = ids
+        job.run(ids.size)
+        try:
+            failures.check(tables, [dist.group.WORLD], rank)
+            results.append({"step": step, "raised": None})
+        except errors.CorruptRows as exc:
+            results.append({"step": step, "raised": "CorruptRows", "message": str(exc), "layer": exc.layer,
+                            "pages": list(exc.pages)})
+    job.close()
+    dist.destroy_process_group()
+    print(json.dumps(results), flush=True)
+
+
+def test_a_failure_on_one_rank_stops_every_rank_at_the_steps_check(tmp_path):
+    directory = tmp_path / "tables"
+    write_synthetic(directory, SPEC, seed=31)
+    rows_per_page = 4096 // SPEC.row_bytes
+    assert rows_per_page == 15
+    (tmp_path / "d").mkdir()
+    with DaemonProcess(directory, tmp_path / "d", dram_bytes=str(DRAM),
+                       extra=["--placement", f"{FIRST}=resident,{CACHED}=cached"]) as d:
+        flip(directory, CACHED, BAD_PAGE)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
+        code = "import sys, test_sglang_failures as t; t.rank_main(int(sys.argv[1]), *sys.argv[2:4], int(sys.argv[4]))"
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(tmp_path / "store"), d.unix,
+                                   str(BAD_PAGE * rows_per_page + 4)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for rank in range(WORLD)]
+        try:
+            outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
+    ranks = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    for rank, results in enumerate(ranks):
+        assert results[0] == {"step": 1, "raised": None}, results
+        second = results[1]
+        assert second["raised"] == "CorruptRows" and second["layer"] == CACHED and second["pages"] == [BAD_PAGE], second
+        assert f"layer {CACHED}: 1 page(s)" in second["message"], second
+    assert ranks[0][1]["message"].startswith("TP rank 1: engram-store fetch job:"), ranks[0]
+    assert "this rank's rows were exact" in ranks[0][1]["message"]
+    assert not ranks[1][1]["message"].startswith("TP rank"), ranks[1]  # its own failure, as its job raised it
