@@ -165,6 +165,6 @@ def test_an_engine_made_on_one_table_set_never_serves_another_after_a_restart(ta
         assert f"{tables.directory}/layer_003" in refusal and f"{other.directory}/layer_003" in refusal, refusal
         t2 = EngramStoreTables.connect(d.unix)  # an engine started after the restart: B, from the daemon
         exact(*t2.staged(3, more), more, other)
-        assert t2._staged[3].connected and t2._staged[3].stats()["daemon_steps"] == 1
+        assert t2._staged[3].connected  # it took B's daemon
     finally:
         d.stop()

@@ -110,7 +110,7 @@ def test_a_flapping_daemon_costs_a_hedge_budget_not_a_deadline(daemon, tables, s
         assert stats["max_seconds"] < job.deadline, stats  # no step waited a deadline
     finally:
         job.close()
-    honest = FetchJob(daemon.unix, CACHED, STEP_ROWS)  # an honest job afterwards: from the daemon, exact
+    honest = FetchJob(daemon.unix, CACHED, STEP_ROWS, hedge=2.0)  # an honest job afterwards: from the daemon
     try:
         run_steps(honest, tables, seed=3, n=5)
         assert honest.stats()["daemon_steps"] == 5
@@ -135,14 +135,15 @@ def test_a_late_answer_is_dropped_by_request_id_and_the_connection_kept(daemon, 
         stats = job.stats()
         delta = {k: stats[k] - before[k] for k in ("hedged_steps", "busy_steps", "late_answers", "drops",
                                                    "daemon_steps", "direct_steps")}
-        assert delta["hedged_steps"] >= 1 and delta["busy_steps"] == 2 and delta["late_answers"] == 1, delta
+        # (>=: a step of a loaded host may hedge the healthy daemon too)
+        assert delta["hedged_steps"] >= 1 and delta["busy_steps"] >= 2 and delta["late_answers"] >= 1, delta
         assert delta["drops"] == 0 and delta["daemon_steps"] >= 1 and job.connected, delta
     finally:
         job.close()
 
 
 def test_a_daemon_that_keeps_missing_its_budget_is_backed_off(daemon, tables):
-    job = FetchJob(daemon.unix, CACHED, STEP_ROWS, hedge_seconds=0.0002)  # a budget no lookup meets
+    job = FetchJob(daemon.unix, CACHED, STEP_ROWS, hedge=0.0002)  # a budget no lookup meets
     try:
         deadline = time.monotonic() + 60
         while job.stats()["backoff_steps"] < 1 or job.stats()["hedged_steps"] < 6:
@@ -152,3 +153,17 @@ def test_a_daemon_that_keeps_missing_its_budget_is_backed_off(daemon, tables):
         assert stats["failed_steps"] == 0 and "missed its hedge budget 3 times" in stats["note"], stats
     finally:
         job.close()
+
+
+def test_the_hedge_budget_setting_is_checked(monkeypatch):
+    from engram_store import errors
+    from engram_store.client import fetch
+
+    monkeypatch.delenv(fetch.HEDGE_ENV, raising=False)
+    assert fetch.hedge_seconds(None, 2.0) is None and fetch.hedge_seconds(0.01, 2.0) == 0.01
+    monkeypatch.setenv(fetch.HEDGE_ENV, "0.02")
+    assert fetch.hedge_seconds(None, 2.0) == 0.02
+    for bad in ("soon", "0", "3"):
+        monkeypatch.setenv(fetch.HEDGE_ENV, bad)
+        with pytest.raises(errors.ConfigError, match="ENGRAM_STORE_FETCH_HEDGE_SECONDS|hedge budget"):
+            fetch.hedge_seconds(None, 2.0)

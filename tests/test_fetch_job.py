@@ -71,7 +71,7 @@ def check(job: FetchJob, tables, ids: np.ndarray) -> None:
 
 
 def test_twenty_steps_exact_from_the_daemon_and_from_a_native_thread(daemon, tables):
-    job = FetchJob(daemon.unix, CACHED, 8 * STEP_ROWS)
+    job = FetchJob(daemon.unix, CACHED, 8 * STEP_ROWS, hedge=2.0)  # no hedging: every step from the daemon
     try:
         assert job.connected and job.max_rows >= 8 * STEP_ROWS
         for step in range(20):
@@ -89,7 +89,7 @@ def test_twenty_steps_exact_from_the_daemon_and_from_a_native_thread(daemon, tab
 
 
 def test_a_small_job_still_gets_a_daemon_connection(daemon, tables):
-    job = FetchJob(daemon.unix, CACHED, 96)  # its ids and rows need less than the smallest region a daemon gives
+    job = FetchJob(daemon.unix, CACHED, 96, hedge=2.0)  # its ids and rows need less than the smallest region a daemon gives
     try:
         assert job.connected
         ids = step_ids(50, 96, padding=2)
@@ -109,7 +109,7 @@ def daemon_stats(daemon) -> dict:
 
 def test_killed_daemon_steps_stay_exact_then_the_job_goes_back_to_it(tables, tmp_path):
     d = start(tables, tmp_path)
-    job = FetchJob(d.unix, CACHED, STEP_ROWS, deadline=0.5)
+    job = FetchJob(d.unix, CACHED, STEP_ROWS, deadline=0.5, hedge=0.5)
     try:
         fetch(job, step_ids(100))
         d.kill()
@@ -139,7 +139,7 @@ def test_killed_daemon_steps_stay_exact_then_the_job_goes_back_to_it(tables, tmp
 
 def test_a_connection_the_daemon_drops_between_steps_is_remade_before_the_next_step(tables, tmp_path):
     d = start(tables, tmp_path, "--client-idle-timeout-seconds", "1")
-    job = FetchJob(d.unix, CACHED, STEP_ROWS)
+    job = FetchJob(d.unix, CACHED, STEP_ROWS, hedge=2.0)
     try:
         fetch(job, step_ids(150))
         deadline = time.monotonic() + 20  # idle for 1 s: the daemon drops the connection; the job remakes it

@@ -24,9 +24,9 @@ table set), naming both; it then reads its own files.
 A step asks the daemon over a connection of its own (one LOOKUP, rows into its shared region,
 copied into the blocks). A daemon that is slow is not waited on for long: once it has not answered
 within the *hedge budget* (2 ms plus twice the p99 of its last 128 answers, at most 100 ms or a
-quarter of the deadline; ``hedge_seconds`` fixes it), the job also reads the rows' pages from the
-table files itself (O_DIRECT, each 4 KiB page checked against the crc32c the daemon checks
-against), and the first complete source wins. A daemon still busy with a request a step gave up on
+quarter of the deadline; ``hedge`` or ``ENGRAM_STORE_FETCH_HEDGE_SECONDS`` fixes it), the job also
+reads the rows' pages from the table files itself (O_DIRECT, each 4 KiB page checked against the
+crc32c the daemon checks against), and the first complete source wins. A daemon still busy with a request a step gave up on
 is skipped until its late answer is read and dropped; one that misses its budget three times in a row
 is skipped for 50 ms, doubling up to 2 s while it keeps missing. A daemon that is gone is dropped
 and a thread of this process reconnects in the background.
@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DEADLINE_SECONDS = 2.0  # the longest a step takes: past it, its rows are zero and the failure raised
 DEADLINE_ENV = "ENGRAM_STORE_FETCH_DEADLINE_SECONDS"
+HEDGE_ENV = "ENGRAM_STORE_FETCH_HEDGE_SECONDS"  # a fixed hedge budget; unset: measured (see the module docstring)
 RECONNECT_SECONDS = 0.25  # how often a job without its daemon tries to get it back
 RECONNECT_TIMEOUT_SECONDS = 2.0  # one attempt's connect + handshake (a stopped daemon answers nothing)
 QUEUE_DEPTH = 64  # direct page reads in flight
@@ -96,22 +97,38 @@ def deadline_seconds(value: float | None = None) -> float:
     return float(value)
 
 
+def hedge_seconds(value: float | None, deadline: float) -> float | None:
+    """A fixed hedge budget (``value``, else ``ENGRAM_STORE_FETCH_HEDGE_SECONDS``), or None: measured."""
+    if value is None:
+        text = os.environ.get(HEDGE_ENV, "")
+        if not text:
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            raise errors.ConfigError(f"{HEDGE_ENV}={text!r}: expected seconds, e.g. 0.01") from None
+    if not 0 < value <= deadline:
+        raise errors.ConfigError(f"fetch hedge budget {value!r}: expected seconds in (0, {deadline:g}] (the deadline; "
+                                 "equal to it: never read directly while the daemon may still answer)")
+    return float(value)
+
+
 class FetchJob:
     """One cached layer's fetch job in this process (see the module docstring). Thread-safe; its
     runs are serialized (an engine issues them in stream order).
 
     ``identity``: the tables the job reads and accepts a daemon for (an engine's, taken when it
-    connected); None: the daemon's at ``address`` now. ``hedge_seconds``: a fixed hedge budget
-    instead of the measured one. ``deadline``: the longest a step takes (see the module docstring)."""
+    connected); None: the daemon's at ``address`` now. ``hedge``: a fixed hedge budget in seconds
+    instead of the measured one (or ``ENGRAM_STORE_FETCH_HEDGE_SECONDS``; equal to the deadline: no
+    hedging). ``deadline``: the longest a step takes (see the module docstring)."""
 
     def __init__(self, address: str, layer: int, max_rows: int, *, deadline: float | None = None,
                  queue_depth: int = QUEUE_DEPTH, connect_timeout: float = 10.0, identity: TableIdentity | None = None,
-                 hedge_seconds: float | None = None) -> None:
+                 hedge: float | None = None) -> None:
         native = native_fetch()
         self.address, self.path, self.layer = address, socket_path(address), int(layer)
         self.deadline = deadline_seconds(deadline)
-        if hedge_seconds is not None and not 0 < hedge_seconds <= self.deadline:
-            raise errors.ConfigError(f"hedge_seconds {hedge_seconds!r}: expected seconds in (0, deadline]")
+        self.hedge = hedge_seconds(hedge, self.deadline)
         if identity is None:  # the daemon's tables now: its Info at a handshake of our own
             transport = UnixTransport(self.path, MIN_REGION_BYTES, connect_timeout)
             try:
@@ -135,7 +152,7 @@ class FetchJob:
             files.close()
         self.native = native.Job(self.layer, self.layer_rows, self.row_bytes, self.dim, files.rows_per_page,
                                  self.staging, files.checksums, watched, queue_depth, self.deadline,
-                                 hedge_seconds or 0.0)
+                                 self.hedge or 0.0)
         self.max_rows = int(self.native.max_rows)
         ids_at, weight_at, scales_at = self.native.offsets
         whole = np.frombuffer(self.staging, dtype=np.uint8)

@@ -55,6 +55,9 @@ CLIENT_ENV = frozenset({
     # unix:///run/engram-store/engram-store.sock; unset, the plugins do nothing
     "ENGRAM_STORE_FETCH_DEADLINE_SECONDS",  # engram_store.client.fetch: seconds a fetch job's step may take,
     # the daemon hedged by direct page reads, before it fails with its rows zero (default 2)
+    "ENGRAM_STORE_FETCH_HEDGE_SECONDS",  # engram_store.client.fetch: a fixed hedge budget, seconds a step
+    # waits for the daemon before it also reads the pages itself (unset: measured, 2 ms + 2 x p99 of its
+    # answers, at most 100 ms; equal to the deadline: never)
     "ENGRAM_STORE_CONNECT_WAIT_SECONDS",  # engram_store.integrations: seconds a plugin waits at load for a
     # daemon that is not listening yet (default 30)
     "ENGRAM_STORE_FAILURE_BOARD",  # engram_store.integrations.failures: set by the plugins themselves, the
