@@ -99,7 +99,7 @@ def test_a_stuck_direct_read_ends_the_step_at_the_deadline(daemon, tables, held)
 
 
 def test_a_stuck_reader_leaves_the_daemon_path_working(daemon, tables, held):
-    job = FetchJob(daemon.unix, LAYER, 2048, deadline=DEADLINE, hedge_seconds=0.001)  # hedges at once
+    job = FetchJob(daemon.unix, LAYER, 2048, deadline=DEADLINE, hedge=0.001)  # hedges at once
     try:
         held.test_hold_reads(True)
         for seed in range(10, 16):  # the first hedge's read sticks; the daemon's answers still win
