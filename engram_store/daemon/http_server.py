@@ -203,18 +203,26 @@ class BoundedHTTPServer:
             if self._accept_paused_until:
                 due = min(due, self._accept_paused_until)
             for key, mask in self._sel.select(max(0.0, due - now)):
-                if key.data == "listen":
-                    self._accept()
-                elif key.data == "wake":
-                    self._drain_wake()
-                    for conn, reply in self._renderer.take_done():
-                        if conn.state == "render":
-                            self._answer(conn, reply)
-                elif mask & selectors.EVENT_READ:
-                    self._read(key.data)
-                elif mask & selectors.EVENT_WRITE:
-                    self._write(key.data)
+                try:
+                    self._event(key, mask)
+                except Exception:  # a bug: that connection ends, the port serves on
+                    log.exception("metrics: serving a connection failed")
+                    if isinstance(key.data, _Conn):
+                        self._close(key.data)
             self._expire(time.monotonic())
+
+    def _event(self, key: selectors.SelectorKey, mask: int) -> None:
+        if key.data == "listen":
+            self._accept()
+        elif key.data == "wake":
+            self._drain_wake()
+            for conn, reply in self._renderer.take_done():
+                if conn.state == "render":
+                    self._answer(conn, reply)
+        elif mask & selectors.EVENT_READ:
+            self._read(key.data)
+        elif mask & selectors.EVENT_WRITE:
+            self._write(key.data)
 
     def _drain_wake(self) -> None:
         try:
