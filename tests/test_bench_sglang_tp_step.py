@@ -1,6 +1,7 @@
 """Smoke-run the SGLang TP-step benchmark at tiny size and check its JSON."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,8 @@ def test_sglang_tp_step_bench_quick(tmp_path):
     out = tmp_path / "report.json"
     result = subprocess.run([sys.executable, str(ROOT / "bench" / "sglang_tp_step.py"), "--quick", "--scale", "0.0001",
                              "--workdir", str(tmp_path), "--json", str(out)], capture_output=True, text=True,
-                            timeout=300)
+                            timeout=300, env=dict(os.environ, ENGRAM_STORE_FETCH_HEDGE_SECONDS="2",
+                                                  ENGRAM_STORE_FETCH_DEADLINE_SECONDS="2"))  # every step asks the daemon
     assert result.returncode == 0, result.stderr[-3000:]
     doc = json.loads(out.read_text())
     rows = {r["mode"]: r for r in doc["results"] if r["tp"] == 2}

@@ -130,7 +130,8 @@ def mixed(tables, tmp_path_factory):
     from engram_store.client.client import EngramClient
 
     with mixed_daemon(tables, tmp_path_factory.mktemp("sglang-mixed")) as d:
-        out = scenario("mixed", tables, d.unix, address=d.unix)
+        out = scenario("mixed", tables, d.unix, address=d.unix,  # no hedging: every step asks the daemon (counted)
+                       extra_env={"ENGRAM_STORE_FETCH_HEDGE_SECONDS": "2", "ENGRAM_STORE_FETCH_DEADLINE_SECONDS": "2"})
         with EngramClient.connect(d.unix) as client:
             return out, client.stats()
 
