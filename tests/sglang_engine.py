@@ -430,6 +430,26 @@ def scenario_cached(tables_dir: str) -> None:
     model = torch.nn.ModuleList(embeds.values())
     assert engram_staging.EngramRowStager.from_model(model, None, torch.device("cpu")) is None
     ok("scheduler staging is off with a cached layer")
+    # which steps get chains at hash time, by SGLang's own predicates
+    import sglang.srt.layers.cp.utils as cp
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import (
+        enable_breakable_cuda_graph)
+
+    def batch(mode, staged=None):
+        return types.SimpleNamespace(forward_mode=mode, engram_staged_rows=staged, input_ids=torch.zeros(64))
+
+    ahead = prefetch._ahead_of_layers
+    assert ahead(batch(ForwardMode.DECODE)) and ahead(batch(ForwardMode.EXTEND)) and ahead(batch(ForwardMode.IDLE))
+    assert not ahead(batch(ForwardMode.EXTEND, staged=[]))
+    with enable_breakable_cuda_graph():
+        assert not ahead(batch(ForwardMode.EXTEND)) and ahead(batch(ForwardMode.DECODE))
+    strategy, cp.get_cp_strategy = cp.get_cp_strategy, lambda: types.SimpleNamespace(can_apply=lambda n, fb: True)
+    try:
+        assert not ahead(batch(ForwardMode.EXTEND)) and ahead(batch(ForwardMode.DECODE))
+    finally:
+        cp.get_cp_strategy = strategy
+    ok("no chains at hash time for staged, breakable-graph and context-parallel extends; decode steps get them")
 
 
 def scenario_chains(tables_dir: str) -> None:

@@ -88,15 +88,13 @@ def start(embedding: Any, indices: Any) -> None:
 
 def _ahead_of_layers(forward_batch: Any) -> bool:
     """Whether the layers will take the hasher's ids as they are: not when the scheduler staged the
-    rows, for an idle batch, a context-parallel extend (each rank takes its slice) or a
-    breakable-graph extend (the graph copies the ids into its own buffer and gathers there)."""
+    rows, for a context-parallel extend (each rank takes its slice) or a breakable-graph extend (the
+    graph copies the ids into its own buffer and gathers there)."""
     if forward_batch is None:
         return True
     if getattr(forward_batch, "engram_staged_rows", None) is not None:
         return False
     mode = forward_batch.forward_mode
-    if mode.is_idle():
-        return False
     if mode.is_extend():
         from sglang.srt.layers.cp.utils import is_cp_active
         from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import (
