@@ -68,7 +68,8 @@ setup(
                   depends=["engram_store/native/crc32c.h", "engram_store/native/batch.h", "engram_store/native/aio.h",
                            "engram_store/native/frame.h", "engram_store/native/fetch_core.h",
                            "engram_store/native/fetch_reader.h", "engram_store/native/fetch_daemon.h",
-                           "engram_store/native/fetch_run.h"],
+                           "engram_store/native/fetch_run.h", "engram_store/native/fetch_board.h",
+                           "engram_store/native/gpu_runtime.h"],
                   libraries=["dl"], optional=True),
     ]),
 )

@@ -85,6 +85,9 @@ class EngramStoreTables:
         self._jobs: list[FetchJob] = []  # every fetch job made here, for check_fetches
         self._staged: dict[int, FetchJob] = {}  # staged()'s job per layer
         self._first_warned = False
+        # The engine plugins set the server's failure board (integrations/failures.py): the fetch jobs made
+        # from then on write their failures there for every rank to see.
+        self.failure_board = None
 
     # --- opening ------------------------------------------------------------------
     @classmethod
@@ -245,11 +248,12 @@ class EngramStoreTables:
         if self.is_resident(layer):
             raise StorageError(f"layer {layer} is resident: read it in place (views), no fetch job needed")
         job = FetchJob(self.address, layer, max_rows, identity=self.identity)
+        if self.failure_board is not None:
+            self.failure_board.attach_job(job.native)
         with self._lock:
             self._jobs.append(job)
-            if self._registered and not _register_staging(job):
-                raise StorageError(f"cudaHostRegister refused the staging of layer {layer}'s fetch job "
-                                   f"({len(job.staging)} bytes); check the memlock limit (ulimit -l)")
+            if self._registered and not (registration := _register_staging(job)):
+                raise StorageError(f"layer {layer}'s fetch job: {registration.message}")
         if layer == min(self.layers) and not self._first_warned:
             log.info("engram-store: Engram layer %d, the model's first, is cached: its rows are fetched with about one "
                      "layer of compute ahead; the fetch time measured over the first %d steps is logged", layer,

@@ -74,6 +74,7 @@
 #include "fetch_core.h"    /* core_t, fetch_call, the lifetime rules */
 #include "fetch_reader.h"  /* the reader thread: direct reads, file checks */
 #include "fetch_daemon.h"  /* the daemon exchange, the hedge budget, the back-off */
+#include "fetch_board.h"   /* the failure board every rank of a server shares */
 #include "fetch_run.h"     /* the run function: one step within its deadline */
 
 /* --- the core's life ---------------------------------------------------------------------------- */
@@ -103,6 +104,7 @@ static void core_close(core_t *c) {
     c->sock = -1;
     c->region = NULL;
     c->region_len = 0;
+    c->board = NULL;
     pthread_mutex_unlock(&c->lock);
     if (!was) reader_quit(c);
 }
@@ -168,8 +170,8 @@ typedef struct Job {
     PyObject_HEAD
     core_t *core;
     int ready;
-    Py_buffer staging, region;
-    int has_region;
+    Py_buffer staging, region, board;
+    int has_region, has_board;
 } Job;
 
 static int64_t up_to_page(int64_t x) { return (x + PAGE - 1) / PAGE * PAGE; }
@@ -182,6 +184,7 @@ static void job_dealloc(Job *j) {
         Py_END_ALLOW_THREADS
     }
     if (j->has_region) PyBuffer_Release(&j->region);
+    if (j->has_board) PyBuffer_Release(&j->board);
     if (j->staging.obj) PyBuffer_Release(&j->staging);
     if (c) core_release(c);
     Py_TYPE(j)->tp_free((PyObject *)j);
@@ -559,7 +562,38 @@ static PyObject *job_clear_error(Job *j, PyObject *noargs) {
 
 static PyObject *run_address(PyObject *self, void *closure) { return PyLong_FromVoidPtr((void *)engram_fetch_host_fn); }
 
+static PyObject *job_set_board(Job *j, PyObject *args) {
+    PyObject *o;
+    if (!j->core || !PyArg_ParseTuple(args, "O", &o)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "Job is not initialized");
+        return NULL;
+    }
+    Py_buffer board;
+    if (PyObject_GetBuffer(o, &board, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (board.len < BOARD_BYTES || (uintptr_t)board.buf % 8) {
+        PyBuffer_Release(&board);
+        return PyErr_Format(PyExc_ValueError, "a failure board is a writable, 8-byte aligned buffer of %d bytes",
+                            BOARD_BYTES);
+    }
+    core_t *c = j->core;
+    Py_buffer old = {0};
+    int had;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&c->lock);
+    if (!c->closed) c->board = board.buf;
+    pthread_mutex_unlock(&c->lock);
+    Py_END_ALLOW_THREADS
+    had = j->has_board;
+    old = j->board;
+    j->board = board;
+    j->has_board = 1;
+    if (had) PyBuffer_Release(&old);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef job_methods[] = {
+    {"set_board", (PyCFunction)job_set_board, METH_VARARGS,
+     "set_board(buffer): the failure board (4 KiB, shared by the server's ranks) a failed run writes to"},
     {"run", (PyCFunction)job_run_py, METH_VARARGS, "run(n): fetch rows 0..n-1 of staging now (the GIL released)"},
     {"run_in_native_thread", (PyCFunction)job_run_in_native_thread, METH_VARARGS,
      "run_in_native_thread(n): the same, called from a pthread that never held the GIL, joined"},
@@ -651,7 +685,11 @@ PyMODINIT_FUNC PyInit__fetch(void) {
     if (PyModule_AddObject(m, "Job", (PyObject *)&JobType) < 0 ||
         PyModule_AddObject(m, "Checksums", (PyObject *)&ChecksumsType) < 0 ||
         PyModule_AddIntConstant(m, "MAX_ROWS", ((int64_t)1 << KEY_ROW_BITS) - 1) < 0 ||
-        PyModule_AddObject(m, "FRAME_FIELDS", frame_fields()) < 0) {
+        PyModule_AddObject(m, "FRAME_FIELDS", frame_fields()) < 0 ||
+        PyModule_AddObject(m, "BOARD_OFFSETS", Py_BuildValue(
+            "{sisisisisisisisisi}", "bytes", BOARD_BYTES, "failed", BOARD_FAILED, "kind", BOARD_KIND, "pid", BOARD_PID,
+            "layer", BOARD_LAYER, "npages", BOARD_NPAGES, "claim", BOARD_CLAIM, "pages", BOARD_PAGES,
+            "message", BOARD_MESSAGE)) < 0) {
         Py_DECREF(m);
         return NULL;
     }

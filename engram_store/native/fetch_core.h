@@ -113,6 +113,8 @@ struct core {
         total_ns, hedge_ns;
     fetch_call **calls;                /* one per distinct row count */
     int ncalls, cap_calls;
+    uint8_t *board;                    /* the failure board (fetch_board.h), or NULL; valid while !closed */
+    int board_published;               /* this core wrote (or tried to write) its failure there */
 };
 
 static _Atomic int64_t live_cores, late_calls;  /* cores not yet freed; runs that found their core closed */

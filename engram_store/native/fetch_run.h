@@ -234,7 +234,10 @@ static void job_run(core_t *c, int64_t n) {
             memset(c->scales + i * c->scale_bytes, 0, (size_t)c->scale_bytes);
         }
     }
-    if (m && fetch_step(c, m, t0) < 0) atomic_fetch_add(&c->failed_steps, 1);
+    if (m && fetch_step(c, m, t0) < 0) {
+        atomic_fetch_add(&c->failed_steps, 1);
+        board_publish(c);  /* before the step's rows are used: every rank's check sees it */
+    }
     const int64_t dt = now_ns() - t0;
     atomic_fetch_add(&c->steps, 1);
     atomic_fetch_add(&c->rows, m);
