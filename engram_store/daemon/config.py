@@ -147,7 +147,7 @@ class DaemonConfig:
     metrics: str = "127.0.0.1:9464"  # Prometheus HTTP address; "" disables it
     metrics_allow_remote: bool = False  # must be true to serve metrics on a non-loopback address
     metrics_max_connections: int = 64  # HTTP connections at once; the slowest sender gives way, or 503
-    metrics_request_timeout_seconds: float = 5.0  # an HTTP request must arrive within this, its answer be read as fast
+    metrics_request_timeout_seconds: float = 5.0  # seconds an HTTP client has to send its request, and to read the answer
     ready_file: str = ""  # JSON written once every listener is open
     drain_seconds: float = 30.0  # SIGTERM: in-flight requests drained, the process gone within this
     log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
