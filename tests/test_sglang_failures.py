@@ -32,15 +32,21 @@ TIMEOUT = 180
 
 def rank_main(rank: int, store: str, address: str, bad_row: int) -> None:
     """One TP rank: a good step, then a step whose rows on rank 1 include ``bad_row``; prints what each
-    step's check did, as JSON."""
+    step's check did, as JSON. With ``ENGRAM_STORE_FAILURE_BOARD`` set (the ranks of one server), the
+    jobs write failures on that board; a barrier after each step stands for the model's collectives,
+    which in an engine bring every rank's rows to the streaming rank after its fetch."""
     import torch.distributed as dist
 
     from engram_store import errors
+    from engram_store.integrations import failures as board
     from engram_store.integrations.sglang import failures
     from engram_store.integrations.tables import EngramStoreTables
 
     dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank, world_size=WORLD)
     tables = EngramStoreTables.connect(address)
+    shared = bool(os.environ.get(board.ENV))
+    if shared:
+        tables.failure_board = board.board()
     job = tables.fetch_job(CACHED, 64)
     results = []
     for step in (1, 2):
@@ -50,6 +56,8 @@ def rank_main(rank: int, store: str, address: str, bad_row: int) -> None:
             ids[3] = bad_row
         job.ids[: ids.size] = ids
         job.run(ids.size)
+        if shared:
+            dist.barrier()
         try:
             failures.check(tables, [dist.group.WORLD], rank)
             results.append({"step": step, "raised": None})
@@ -61,7 +69,10 @@ def rank_main(rank: int, store: str, address: str, bad_row: int) -> None:
     print(json.dumps(results), flush=True)
 
 
-def test_a_failure_on_one_rank_stops_every_rank_at_the_steps_check(tmp_path):
+@pytest.mark.parametrize("shared_board", [False, True], ids=["agreed-per-step", "failure-board"])
+def test_a_failure_on_one_rank_stops_every_rank_at_the_steps_check(tmp_path, shared_board):
+    from engram_store.integrations import failures as board
+
     directory = tmp_path / "tables"
     write_synthetic(directory, SPEC, seed=31)
     rows_per_page = 4096 // SPEC.row_bytes
@@ -71,6 +82,10 @@ def test_a_failure_on_one_rank_stops_every_rank_at_the_steps_check(tmp_path):
                        extra=["--placement", f"{FIRST}=resident,{CACHED}=cached"]) as d:
         flip(directory, CACHED, BAD_PAGE)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
+        env.pop(board.ENV, None)
+        made = board.Board.create() if shared_board else None
+        if made is not None:
+            env[board.ENV] = made.path
         code = "import sys, test_sglang_failures as t; t.rank_main(int(sys.argv[1]), *sys.argv[2:4], int(sys.argv[4]))"
         procs = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(tmp_path / "store"), d.unix,
                                    str(BAD_PAGE * rows_per_page + 4)], cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -82,6 +97,8 @@ def test_a_failure_on_one_rank_stops_every_rank_at_the_steps_check(tmp_path):
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+            if made is not None:
+                made.remove()
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-4000:]
     ranks = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
@@ -90,6 +107,9 @@ def test_a_failure_on_one_rank_stops_every_rank_at_the_steps_check(tmp_path):
         second = results[1]
         assert second["raised"] == "CorruptRows" and second["layer"] == CACHED and second["pages"] == [BAD_PAGE], second
         assert f"layer {CACHED}: 1 page(s)" in second["message"], second
-    assert ranks[0][1]["message"].startswith("TP rank 1: engram-store fetch job:"), ranks[0]
-    assert "this rank's rows were exact" in ranks[0][1]["message"]
-    assert not ranks[1][1]["message"].startswith("TP rank"), ranks[1]  # its own failure, as its job raised it
+    if shared_board:  # rank 1's run function wrote it; rank 0 read it, no collective
+        assert ranks[0][1]["message"].startswith("engram-store: a fetch job of process "), ranks[0]
+    else:
+        assert ranks[0][1]["message"].startswith("TP rank 1: engram-store fetch job:"), ranks[0]
+        assert "this rank's rows were exact" in ranks[0][1]["message"]
+    assert not ranks[1][1]["message"].startswith(("TP rank", "engram-store: a fetch job of process")), ranks[1]

@@ -11,11 +11,18 @@ rows and pages) before SGLang touches the tokens. The exception ends SGLang's sc
 ("Scheduler hit an exception"), which stops the server.
 
 Only the ranks that stream (TP rank 0 of each group sharing a batch) send tokens, but the rank whose
-job failed may be another one (with per-rank heads, only the rank fetching a column reads it). So
-where a step's tokens are shared by several ranks (the TP group; with attention DP, its attention TP
-and CP groups) the ranks agree first, as SGLang agrees on a failed multimodal input: a MAX
-all-reduce of one flag on the group's CPU (gloo) group, and on a failure every rank raises, naming
-the rank, layer and pages.
+job failed may be another one (with per-rank heads, only the rank fetching a column reads it). Where a
+step's tokens are shared by several ranks (the TP group; with attention DP, its attention TP and CP
+groups):
+
+* ranks of one server on one host share its failure board (``engram_store.integrations.failures``):
+  every fetch job's run function writes its failure there before the step's rows are used, and the
+  rows reach the streaming rank only through the model's collectives, after that; so the check reads
+  the board, with no collective per step. Whether every rank of the groups maps the same board is
+  agreed once (an all-gather of its host, device and inode at the first check);
+* otherwise (ranks on several hosts, or started outside the server's process tree) the ranks agree at
+  each step, as SGLang agrees on a failed multimodal input: a MAX all-reduce of one flag on the group's
+  CPU (gloo) group, and on a failure every rank raises, naming the rank, layer and pages.
 """
 
 from __future__ import annotations
@@ -51,9 +58,13 @@ def check(tables: Any, groups: Sequence[Any] = (), rank: int = 0) -> None:
         tables.check_fetches()
     except errors.EngramStoreError as exc:
         local = exc
-    if not groups:
+    if not groups or (tables.failure_board is not None and board_shared(tuple(groups), tables.failure_board)):
         if local is not None:
             raise local
+        if tables.failure_board is not None:
+            failure = tables.failure_board.failure()  # another rank's, written before its rows left it
+            if failure is not None:
+                raise failure.error()
         return
     import torch
     import torch.distributed as dist
@@ -75,6 +86,31 @@ def check(tables: Any, groups: Sequence[Any] = (), rank: int = 0) -> None:
     if kind == "corrupt":
         raise errors.CorruptRows(text, layer, pages)
     raise errors.StorageError(text)
+
+
+_shared_boards: dict[tuple, bool] = {}
+
+
+def board_shared(groups: tuple, board: Any) -> bool:
+    """Whether every rank of ``groups`` maps ``board`` (agreed once per groups, collectively)."""
+    key = (groups, board.path)
+    if key not in _shared_boards:
+        import os
+        import socket
+
+        import torch.distributed as dist
+
+        st = os.stat(board.path)
+        mine = (socket.gethostname(), st.st_dev, st.st_ino)
+        same = True
+        for group in groups:
+            gathered: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, mine, group=group)
+            same &= all(g == mine for g in gathered)
+        _shared_boards[key] = same
+        log.info("engram-store: fetch failures of this server's ranks are %s", "read from their shared failure "
+                 "board" if same else "agreed at each step (the ranks do not share a failure board)")
+    return _shared_boards[key]
 
 
 def _report(rank: int, exc: errors.EngramStoreError) -> tuple:

@@ -41,6 +41,7 @@ import threading
 from typing import Any, Callable
 
 from ...errors import EngineUnsupported
+from .. import failures as failure_board
 from ..tables import EngramStoreTables, describe_placement
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ def install(address: str) -> None:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
         info = EngramStoreTables.probe(address)  # a daemon must answer now, not at model build
+        failure_board.board()  # made here (the launcher) or inherited: shared by the schedulers it starts
         for target, (hook_type, hook, _) in hooks.items():
             HookRegistry.register(target, hook, getattr(HookType, hook_type))
         _installed.update(address=address, version=version, originals=originals)
@@ -132,7 +134,10 @@ def tables() -> EngramStoreTables:
     address = _installed.get("address")
     if address is None:
         raise EngineUnsupported("the engram-store SGLang plugin is not installed in this process")
-    return EngramStoreTables.shared(address)
+    t = EngramStoreTables.shared(address)
+    if t.failure_board is None:  # the server's ranks share it: a failure on one stops the one that streams
+        t.failure_board = failure_board.board()
+    return t
 
 
 def check_applied() -> None:

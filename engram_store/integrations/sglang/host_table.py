@@ -120,9 +120,8 @@ def init_host_table(self, num_embeddings: int, dim: int, layer_id: int) -> None:
         stagings, weight, scales = _stagings(t, engram, int(layer_id), chain.PIECE_TOKENS * heads)
         cached = chain.Cached(stagings, heads, _columns(self, heads))
     scale = scales.view(torch.float8_e8m0fnu)
-    if torch.cuda.is_available() and not t.register_cuda():
-        raise EngineUnsupported("cudaHostRegister refused the engram-store arena or staging, so SGLang's kernels cannot "
-                                "read it; check the memlock limit (ulimit -l)")
+    if torch.cuda.is_available() and not (registration := t.register_cuda(int(layer_id))):
+        raise EngineUnsupported(f"Engram layer {layer_id}: {registration.message}; SGLang's kernels cannot read it")
     w_ptr = int(engram._registered_device_ptr(weight.data_ptr()))  # the host address on CUDA (UVA); HIP maps it
     s_ptr = int(engram._registered_device_ptr(scale.data_ptr()))
     self.host_table = ArenaHostTable(t.address, int(layer_id), int(num_embeddings), w_ptr, s_ptr,
