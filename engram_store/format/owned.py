@@ -207,22 +207,24 @@ def plan_replace(out: Path, raw: dict[str, Any], stripe_dirs: Sequence[Path]) ->
             problems.append(f"its manifest names stripe file {text}, outside {out} and outside the --stripe-dir "
                             f"directories given ({', '.join(map(str, sorted(declared))) or 'none'})")
         elif not pattern.match(path.name):
-            problems.append(f"its manifest names stripe file {text}, not a name engram-store gives {out.name}'s stripes")
+            problems.append(f"its manifest names stripe file {text}, not a name engram-store gives "
+                            f"{out.name}'s stripes")
         elif (st := _lstat(path)) is None:
             continue  # nothing there to remove
         elif not stat.S_ISREG(st.st_mode):
             problems.append(f"stripe file {text} is {_kind(st)}, not a file engram-store wrote")
         elif mark is None or not mark.names(path, st):
-            problems.append(f"stripe file {text} was not written as part of {out} (its writer's marker "
-                            f"{'is missing or was copied from another directory' if mark is None else 'does not name it'};"
-                            " a table set copied with cp -r names the stripes of the set it was copied from)")
+            why = "is missing or was copied from another directory" if mark is None else "does not name it"
+            problems.append(f"stripe file {text} was not written as part of {out} (its writer's marker {why}; "
+                            "a table set copied with cp -r names the stripes of the set it was copied from)")
         else:
             removal.stripes.append(Owned(str(path), _identity(st), st.st_size))
     if problems:
         more = f"; and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
-        raise TableFormatError(f"refusing to replace {out}: " + "; ".join(problems[:_SHOWN]) + more + ". engram-store "
-                               "removes only regular files it wrote inside the target and its --stripe-dir directories; "
-                               "nothing was touched. Move or remove it yourself, or write to another --out")
+        raise TableFormatError(f"refusing to replace {out}: " + "; ".join(problems[:_SHOWN]) + more + ". "
+                               "engram-store removes only regular files it wrote inside the target and its "
+                               "--stripe-dir directories; nothing was touched. Move or remove it yourself, or write "
+                               "to another --out")
     return removal
 
 
