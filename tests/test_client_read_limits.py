@@ -175,12 +175,12 @@ def test_the_unix_handshake_ends_at_connect_timeout(tmp_path, slow_header):
 def test_honest_clients_of_a_real_daemon_still_get_exact_answers(tmp_path):
     tables = make_tables(tmp_path / "tables", seed=30)
     ids = np.arange(0, tables.rows(1), 3)
+    honest = "30"  # the same bounds with room for a loaded host: an honest daemon answers in milliseconds
     with DaemonProcess(tables.directory, tmp_path) as d:
-        with EngramClient.connect(d.unix, connect_timeout=DEADLINE) as client:
+        with EngramClient.connect(d.unix, connect_timeout=float(honest)) as client:
             np.testing.assert_array_equal(client.lookup(1, ids), expected(tables, 1, ids))
-        report, err = run_cli("status", f"http://{d.ready['metrics']}", "--timeout", str(DEADLINE))
-        assert report["code"] == 0, err
-        report, err = run_cli("stats", f"http://{d.ready['metrics']}", "--json", "--timeout", str(DEADLINE))
-        assert report["code"] == 0, err
-        report, err = run_cli("stats", d.unix, "--timeout", str(DEADLINE))
-        assert report["code"] == 0, err
+        for args in (("status", f"http://{d.ready['metrics']}"), ("stats", f"http://{d.ready['metrics']}", "--json"),
+                     ("stats", d.unix)):
+            report, err = run_cli(*args, "--timeout", honest)
+            assert report["code"] == 0, err
+            assert report["seconds"] < float(honest)
