@@ -16,7 +16,10 @@
 #define VERSION 1
 #define OP_LOOKUP 3
 #define OP_RESULT 4
+#define OP_STAGING 7
 #define DTYPE_INT64 1
+#define FLAG_SPLIT 4      /* LOOKUP: rows into the connection's staging, split layout (wire/staging.py) */
+#define SPLIT_PAD_ID (-1) /* wire.staging.PAD_ID: a position of a Flag.SPLIT lookup the daemon leaves alone */
 #define MAX_DAEMON_PAYLOAD (16 << 20)  /* wire.MAX_DAEMON_PAYLOAD */
 
 /* Little-endian, no padding. */

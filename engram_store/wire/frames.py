@@ -10,6 +10,9 @@ A connection goes::
     daemon  RESULT  (same request_id; status OK, or an error with a UTF-8
                      message as payload); rows are in the region when it arrives
     client  INFO / STATS -> daemon RESULT with a JSON payload
+    client  STAGING (payload: :data:`~engram_store.wire.staging.STAGING` geometry; SCM_RIGHTS:
+                     the client's sealed staging memfd) -> daemon RESULT; then LOOKUP with
+                     :attr:`Flag.SPLIT` writes rows into that staging (see :mod:`.staging`)
 
 A LOOKUP with :attr:`Flag.PLAN` asks for a *read plan* (cached layers): the daemon
 writes the rows it holds in DRAM into the region as usual and answers RESULT with
@@ -52,7 +55,7 @@ FRAME_FIELDS = (  # (name, struct code), in order: the one declaration of the fr
     ("request_id", "Q"),  # chosen by the client, echoed in the RESULT
     ("count", "Q"),  # row ids (LOOKUP / RESULT) or region bytes (HELLO / WELCOME)
     ("ids_offset", "Q"),  # byte offset of the row ids in the shared region
-    ("out_offset", "Q"),  # byte offset where the rows go in the shared region
+    ("out_offset", "Q"),  # byte offset where the rows go in the shared region (Flag.SPLIT: first staging row)
     ("payload_bytes", "I"),  # bytes following this header
     ("reserved", "I"),  # 0
 )
@@ -89,6 +92,7 @@ class Op(enum.IntEnum):
     RESULT = 4
     INFO = 5
     STATS = 6
+    STAGING = 7  # the client's staging memfd for Flag.SPLIT lookups (engram_store.wire.staging)
 
 
 class Status(enum.IntEnum):
@@ -117,6 +121,7 @@ class Flag(enum.IntFlag):
     NONE = 0
     ARENA = 1  # WELCOME carries the sealed arena fd as its second fd
     PLAN = 2  # LOOKUP: answer misses with a read plan; RESULT: a ReadPlan payload follows, its rows are not written
+    SPLIT = 4  # LOOKUP: rows go into the connection's staging, split layout, row i at out_offset + i (wire.staging)
 
 
 @dataclass(frozen=True)
