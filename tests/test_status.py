@@ -68,6 +68,11 @@ def test_status_of_a_mixed_daemon_over_unix_grpc_and_metrics(tables, tmp_path):
         fit = doc["engines"]
         assert fit["usable"] and fit["in_place"] == [first] and fit["fetched"] == [second], name
     assert docs["unix"]["pid"] == d.ready["pid"]
+    from engram_store.native.pagesizes import format_page, read_page_sizes
+
+    page, sizes = docs["unix"]["huge_page_bytes"], read_page_sizes()  # the arena's page: the kernel's, or a huge one
+    assert page in {sizes.page_bytes, sizes.thp_bytes, *(p.page_bytes for p in sizes.pools)}
+    assert f"{docs['unix']['huge_pages']} ({format_page(page)} pages)" in human
     assert f"{first}  resident" in human and f"{second}  cached" in human and "engines" in human
     assert "through the daemon's fetch path" in human
 

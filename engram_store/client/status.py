@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable
 
 from .. import errors
+from ..native.pagesizes import format_page
 from ..wire.metric_names import PREFIX, prometheus_samples
 from .engine_fit import ENGINES, engine_fit
 from .http_get import get
@@ -119,6 +120,7 @@ def collect(address: str, connect: Callable[[], Any], timeout: float = METRICS_T
         "address": address, "transport": transport, "version": info.get("version", ""), "pid": info.get("pid"),
         "uptime_seconds": info.get("uptime_seconds"), "mode": info.get("mode", ""), "layers": layers,
         "arena_bytes": int(arena_bytes), "huge_pages": huge,
+        "huge_page_bytes": (info.get("arena") or {}).get("huge_page_bytes") if huge else None,
         "reads": {"arena_fill": info.get("bulk_reader") if arena_bytes else None,  # absent on the metrics page
                   "cached_layers": CACHED_PATH if any(e["placement"] != "resident" for e in layers) else None},
         "cache_bytes": int(samples.get(PREFIX + "cache_bytes", 0)),
@@ -175,7 +177,8 @@ def render(doc: dict[str, Any]) -> str:
     dram = [f"arena {format_bytes(doc['arena_bytes'])}" if doc["arena_bytes"] else "",
             f"cache {format_bytes(doc['cache_bytes'])} ({ratio:.0%} of slots used)" if ratio is not None else ""]
     lines.append(f"{'DRAM':<12}{', '.join(x for x in dram if x) or '-'}")
-    lines.append(f"{'huge pages':<12}{doc['huge_pages'] or '- (no resident arena)'}")
+    page = f" ({format_page(doc['huge_page_bytes'])} pages)" if doc.get("huge_page_bytes") else ""
+    lines.append(f"{'huge pages':<12}{doc['huge_pages'] + page if doc['huge_pages'] else '- (no resident arena)'}")
     reads = doc.get("reads") or {}
     fill = reads.get("arena_fill")
     parts = ([f"arena filled by {BULK_READERS.get(fill, fill or '- (not on the metrics page)')}"] if doc["arena_bytes"]
