@@ -20,7 +20,7 @@ from ..daemon.config import DaemonConfig, load_config
 from ..daemon.host import memory_limits, probe_socket
 from ..errors import EngramStoreError
 from ..format.manifest import Manifest
-from ..native.pagesizes import PageSizes, format_page
+from ..native.pagesizes import MAX_PADDING_SHARE, PageSizes, format_page
 from ..storage.placement import CACHED, RESIDENT, cache_slots, parse_placement, plan_store, slot_bytes
 from ..storage.resident import arena_backings, resident_layout
 from . import probes
@@ -148,18 +148,28 @@ def check_huge_pages(plan: Plan, sizes: PageSizes | None = None) -> Check:
         return Check("huge pages", PASS, found + f": the arena takes {best.nbytes // best.page_bytes} {best.describe()}")
     if best.kind == "thp":
         return Check("huge pages", PASS, found + f": the arena asks for {best.describe()} (madvise)")
-    default = sizes.default_huge_bytes
-    fix = f"or `echo advise > {probes.THP_DIR}/shmem_enabled`"
-    if default:
-        need = -(-resident_layout(resident, fmt, page_bytes=default).size // default)
-        pool = sizes.pool(default)
-        have = (pool.total - pool.available) if pool else 0
-        fix = (f"reserve {need} pages of {format_page(default)} (the default size) before the daemon starts: "
-               f"`sysctl -w vm.nr_hugepages={have + need}` (persist in /etc/sysctl.d/) or hugepagesz="
-               f"{format_page(default).replace(' ', '').replace('iB', '')} hugepages={have + need} on the kernel command "
-               f"line (another size: /sys/kernel/mm/hugepages/hugepages-<kB>kB/nr_hugepages); " + fix)
     return Check("huge pages", WARN, found + f": the arena would sit on {format_page(sizes.page_bytes)} pages (a TLB "
-                 "miss per row read)", fix)
+                 "miss per row read)", _reserve_fix(resident, fmt, sizes))
+
+
+def _reserve_fix(resident: list[tuple[int, int]], fmt, sizes: PageSizes) -> str:
+    """How to give the arena huge pages: the largest size the arena would take (padding within
+    pagesizes.MAX_PADDING_SHARE), its pool raised by the pages it lacks; else THP."""
+    thp = f"`echo advise > {probes.THP_DIR}/shmem_enabled` (transparent huge pages)"
+    base = resident_layout(resident, fmt, page_bytes=sizes.page_bytes).size
+    fits = [p for p in sizes.pools
+            if resident_layout(resident, fmt, page_bytes=p.page_bytes).size - base <= base * MAX_PADDING_SHARE]
+    if not fits:
+        return thp
+    pool = max(fits, key=lambda p: p.page_bytes)
+    need = resident_layout(resident, fmt, page_bytes=pool.page_bytes).size // pool.page_bytes
+    target = pool.total + max(0, need - pool.available)
+    size, boot = format_page(pool.page_bytes), format_page(pool.page_bytes).replace(" ", "").replace("iB", "")
+    how = (f"`sysctl -w vm.nr_hugepages={target}` (the default size; persist in /etc/sysctl.d/)"
+           if pool.page_bytes == sizes.default_huge_bytes else
+           f"`echo {target} > /sys/kernel/mm/hugepages/hugepages-{pool.page_bytes >> 10}kB/nr_hugepages`")
+    return (f"the arena takes {need} pages of {size}: raise that pool to {target} before the daemon starts, {how} "
+            f"or hugepagesz={boot} hugepages={target} on the kernel command line; or {thp}")
 
 
 def check_platform(facts: probes.Platform | None = None) -> Check:
