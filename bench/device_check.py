@@ -22,11 +22,14 @@ Checks (CUDA / without CUDA):
                 weights/scales block addresses, as the SGLang plugin       interpreter)
                 sets them: bf16 equal to dequantize(read_rows), plain and
                 sort_ids, GB/s; skipped with the reason without SGLang
-  cached-chain  a cached layer's fetch chain (ids device-to-host into a    / the run function called
-                fetch job, its run as a CUDA host function, rows read on    directly, rows exact
-                the device) captured in a CUDA graph on a side stream,
-                200 replays with new ids: rows exact, per-step time, the
-                run function's own time, host-node dispatch
+  cached-chain  a cached layer's fetch chain (ids device-to-host into a    / the same logic with threads
+                fetch job, its run as a CUDA host function, the engines'   for streams, the run function
+                kernels over the staging) captured in CUDA graphs, against  called directly, rows exact
+                a daemon of its own on the --workdir disk: rows exact and   (bench/_device_cached.py)
+                step times; the graph's nodes (no copy node); the main
+                stream's layers with and without the fetch on a side
+                stream; two jobs on one and on two streams; replays with
+                the daemon SIGKILLed (direct reads); the filesystem read
   sync          submit() of decode steps (new requests, a lookback step) / the submit path on the meta device,
                 under torch.cuda.set_sync_debug_mode("error") and behind    where every readback raises
                 a stalled stream (torch.cuda._sleep): submit must return
@@ -41,6 +44,7 @@ Checks (CUDA / without CUDA):
 
     python bench/device_check.py              # CUDA if present, else the CPU-checkable parts
     python bench/device_check.py --cpu-only --json
+    python bench/device_check.py --workdir /mnt/nvme/scratch   # tables on that disk (default /var/tmp)
 Exit status 1 if a correctness check failed.
 """
 
@@ -60,7 +64,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import e2e  # noqa: E402
-from _device_cached import check_cached_chain  # noqa: E402
+from _device_cached import check_cached_chain, disk_workdir  # noqa: E402
 import tokens as tokens_bench  # noqa: E402  (bench/tokens.py)
 from _common import JsonReport, add_report_args, check_row  # noqa: E402
 
@@ -403,7 +407,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-only", action="store_true", help="run the CPU-checkable parts only (automatic without CUDA)")
     ap.add_argument("--scale", type=float, default=0.002,
                     help="table size on CUDA, a fraction of DeepSeek-V4.1-Flash (0.002: about 380 MB)")
-    add_report_args(ap, "smoke size: tables of scale 0.0002 on CUDA (the CPU-only run is always small)")
+    ap.add_argument("--workdir", default=None, metavar="DIR",
+                    help="where the check writes its tables and daemon sockets (a scratch directory inside it, "
+                         "removed afterwards); the cached-chain checks read these files from disk and report the "
+                         "filesystem, so give a directory on a disk, not tmpfs (default: /var/tmp when it is on a "
+                         "disk, else the temp dir)")
+    add_report_args(ap, "smoke size: tables of scale 0.0002 on CUDA and fewer cached-chain steps (the CPU-only run "
+                        "is always small)")
     args = ap.parse_args(argv)
     if args.quick:
         args.scale = min(args.scale, 0.0002)
@@ -417,7 +427,7 @@ def run_checks(args: argparse.Namespace, report: JsonReport) -> int:
     device = torch.device("cpu" if cpu_only else "cuda")
     spec = get_spec("tiny") if cpu_only else get_spec("deepseek-v4.1-flash", args.scale)
     rows = [check_hash(get_spec("deepseek-v4.1-flash"), device)]
-    with tempfile.TemporaryDirectory(prefix="engram-devcheck-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="engram-devcheck-", dir=args.workdir or disk_workdir()) as tmp:
         tmp = Path(tmp)
         write_synthetic(tmp / "tables", spec, seed=0)
         ts = TableSet.open(tmp / "tables")
@@ -440,7 +450,7 @@ def run_checks(args: argparse.Namespace, report: JsonReport) -> int:
             rows += check_kvikio(ts, device)
             rows += check_vllm_kernel(spec, ts, resident.ready["unix"], device)
             rows += check_sglang_kernel(spec, ts, resident.ready["unix"], device)
-            rows += check_cached_chain(spec, ts, cached.ready["unix"], device)
+            rows += check_cached_chain(spec, ts, tmp / "tables", tmp, device, quick=args.quick)
             for c in (local, daemon, cold):
                 c.close()
         ts.close()
