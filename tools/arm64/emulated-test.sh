@@ -15,10 +15,10 @@
 # - daemons (resident, resident in Python, cached) serving byte-exact lookups over the Unix socket;
 # - bench/nvme_throughput.py --crc32c-only: the ARM path against the table path in instructions
 #   executed (valgrind's callgrind, aarch64, itself under qemu): emulated time means little.
-# What emulation cannot run: io_uring and Linux AIO (qemu-user 7.2 has neither syscall: the readers
-# fall back to threads, and tests/test_storage_uring.py reports its skips; both run natively on
-# x86-64 in `make test`, and the C is the same); 16 and 64 KiB kernel pages (qemu-user runs on the
-# host's 4 KiB pages: the page-size code runs with those sizes as parameters instead, in
+# What emulation cannot run: io_uring (qemu-user 7.2 has no io_uring syscalls: the readers use Linux
+# AIO, which it has, and tests/test_storage_uring.py reports its skips; the io_uring reader runs
+# natively on x86-64 in `make test`, from the same C); 16 and 64 KiB kernel pages (qemu-user runs on
+# the host's 4 KiB pages: the page-size code runs with those sizes as parameters instead, in
 # tests/test_page_sizes.py); GPUs.
 set -euo pipefail
 wheel=$(realpath "${1:?usage: $0 WHEEL}")
@@ -78,7 +78,7 @@ if [ "$(cat "$site/.engram-deps" 2>/dev/null)" != "${deps[*]}" ]; then
 fi
 rm -rf "$root/opt/engram-wheel" "$root/opt/engram-tests"
 "${pip_aarch64[@]}" --no-deps --target "$root/opt/engram-wheel" "$wheel"
-mkdir -p "$root/opt/engram-tests"
+mkdir -p "$root/opt/engram-tests" "$root/sys"
 cp -r "$repo/tests" "$repo/bench" "$repo/pyproject.toml" "$root/opt/engram-tests/"
 
 # A fetch step's hedge budget (a few ms) and deadline (2 s) are wall-clock bounds emulation cannot meet: stretched
@@ -97,5 +97,6 @@ unshare --mount --propagation private -- bash -c '
     set -euo pipefail
     root=$1; shift
     mount -t proc proc "$root/proc"
+    mount -t sysfs -o ro sysfs "$root/sys"  # huge page pools, THP settings
     mount --rbind /dev "$root/dev"
     exec env -i "$@"' _ "$root" "${env[@]}" "$(command -v chroot)" "$root" /bin/sh -c "$script"

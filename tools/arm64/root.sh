@@ -20,7 +20,7 @@ fi
 rm -rf "$root" "$root.tmp"
 mkdir -p "$(dirname "$root")"
 mmdebstrap --quiet --variant=extract --architectures=arm64 --include="$packages" bookworm "$root.tmp" "$mirror"
-mkdir -p "$root.tmp"/{proc,dev,tmp,root,run}
+mkdir -p "$root.tmp"/{proc,sys,dev,tmp,root,run}
 chmod 1777 "$root.tmp/tmp"
 printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n' > "$root.tmp/etc/passwd"
 printf 'root:x:0:\nnogroup:x:65534:\n' > "$root.tmp/etc/group"
