@@ -118,49 +118,57 @@ class _Ids:
 
 def check_cached_chain(spec, ts: TableSet, tables: Path, workdir: Path, device, *, quick: bool = False) -> list[dict]:
     """Every cached-chain row (module docstring) against a daemon started here on ``tables`` (which should
-    be on disk) with its socket under ``workdir``; the daemon is killed by the last checks."""
-    from e2e import Daemon
-
-    from engram_store.client.fetch import FetchJob
-
+    be on disk) with its socket under ``workdir``; the daemon is killed by the last checks. A failure to
+    set them up (the daemon, a fetch job) is one FAIL row."""
     kind = "cuda" if getattr(device, "type", "") == "cuda" else "host"
     steps = {k: max(2, v // 4) if quick else v for k, v in STEPS[kind].items()}
     lanes = make_lanes(device)
-    ids = _Ids(spec)
-    rows: list[dict] = []
     jobs: list = []
-    (workdir / "k").mkdir(exist_ok=True)
+    rows: list[dict] = []
     try:
-        with Daemon(tables, workdir / "k", "1MiB") as daemon:
-            address = daemon.ready["unix"]
-            last, first = spec.layers[-1], spec.layers[0]
-            n = min(256, max(1, spec.rows(last) // spec.rows_per_token)) * spec.rows_per_token  # decode, batch 256
-            jobs.append(FetchJob(address, last, n))
-            side = lanes.lane("side")
-            readers, why = lanes.readers()
-            rows += [row(f"cached-chain {r}", None, "", w) for r, w in why.items()]
-            primary = None
-            for reader in readers:
-                got = {}
-                rows += _guard(f"cached-chain {reader}", _graph_rows, lanes, side, ts, jobs[0], reader, spec, n, ids,
-                               steps["graph" if primary is None else "graph_other"], got)
-                primary = primary or got.get("chain")
-            if primary is None:
-                return rows + [row("cached-chain", False, "", "no chain could be built: the checks below did not run")]
-            chain, prog = primary
-            rows += _guard("cached-chain main-stream", _stall_rows, lanes, side, ts, chain, prog, ids, steps["stall"])
-            jobs.append(FetchJob(address, first, n))
-            rows += _guard("cached-chain two-jobs", _pair_rows, lanes, side, ts, chain, prog, jobs[1], spec, ids,
-                           steps["pair"])
-            killed: dict = {}
-            rows += _guard("cached-chain daemon-killed", _killed_rows, lanes, side, ts, chain, prog, daemon, ids,
-                           steps["killed"], killed)
-            rows += _guard("cached-chain disk", _disk_rows, chain.job, killed.get("direct_pages", 0), kind == "cuda")
+        _all_rows(spec, ts, tables, workdir, lanes, steps, jobs, rows)
+    except Exception as exc:
+        rows.append(row("cached-chain", False, "", f"{type(exc).__name__}: {exc} (the rows after it did not run)"))
     finally:
         lanes.close()
         for job in jobs:
             job.close()
     return rows
+
+
+def _all_rows(spec, ts: TableSet, tables: Path, workdir: Path, lanes, steps: dict, jobs: list, rows: list) -> None:
+    from e2e import Daemon
+
+    from engram_store.client.fetch import FetchJob
+
+    ids = _Ids(spec)
+    (workdir / "k").mkdir(exist_ok=True)
+    with Daemon(tables, workdir / "k", "1MiB") as daemon:
+        address = daemon.ready["unix"]
+        last, first = spec.layers[-1], spec.layers[0]
+        n = min(256, max(1, spec.rows(last) // spec.rows_per_token)) * spec.rows_per_token  # decode, batch 256
+        jobs.append(FetchJob(address, last, n))
+        side = lanes.lane("side")
+        readers, why = lanes.readers()
+        rows += [row(f"cached-chain {r}", None, "", w) for r, w in why.items()]
+        primary = None
+        for reader in readers:
+            got: dict = {}
+            rows += _guard(f"cached-chain {reader}", _graph_rows, lanes, side, ts, jobs[0], reader, spec, n, ids,
+                           steps["graph" if primary is None else "graph_other"], got)
+            primary = primary or got.get("chain")
+        if primary is None:
+            rows.append(row("cached-chain", False, "", "no chain could be built: the checks below did not run"))
+            return
+        chain, prog = primary
+        rows += _guard("cached-chain main-stream", _stall_rows, lanes, side, ts, chain, prog, ids, steps["stall"])
+        jobs.append(FetchJob(address, first, n))
+        rows += _guard("cached-chain two-jobs", _pair_rows, lanes, side, ts, chain, prog, jobs[-1], spec, ids,
+                       steps["pair"])
+        killed: dict = {}
+        rows += _guard("cached-chain daemon-killed", _killed_rows, lanes, side, ts, chain, prog, daemon, ids,
+                       steps["killed"], killed)
+        rows += _guard("cached-chain disk", _disk_rows, chain.job, killed.get("direct_pages", 0), lanes.kind == "cuda")
 
 
 def _graph_rows(lanes, side, ts, job, reader: str, spec, n: int, ids: _Ids, steps: int, got: dict) -> list[dict]:
@@ -203,7 +211,9 @@ def nodes_row(name: str, nodes: dict | None, why: str, reference: dict | None) -
     the engine's kernel, and the counter sees the copy_ chain's two extra copies (``reference``)."""
     if nodes is None:
         return row(name, None, "", why)
-    counts = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items()) if v and not k.startswith("memcpy_"))  # noqa: E731
+    def counts(d: dict) -> str:
+        return ", ".join(f"{k} {v}" for k, v in sorted(d.items()) if v and not k.startswith("memcpy_"))
+
     counter_sees_copies = reference is not None and reference.get("memcpy", 0) >= 3
     ok = (nodes.get("memcpy", 0) == 1 and nodes.get("host", 0) == 1 and nodes.get("kernel", 0) >= 1
           and counter_sees_copies)

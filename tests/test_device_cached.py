@@ -113,7 +113,8 @@ def test_engine_chain_has_one_copy_into_the_ids(runtime):
 
 def test_a_copy_node_or_a_missing_host_node_fails(runtime):
     ref = {"memcpy": 3, "host": 1, "memcpy_to_ids": 1, "memcpy_other": 2}
-    copy_chain = count(runtime, (MEMCPY, IDS, 0, 0), (HOST, None, 0, 0), (KERNEL, None, 0, 0), (MEMCPY, ELSEWHERE, 0, 0))
+    copy_chain = count(runtime, (MEMCPY, IDS, 0, 0), (HOST, None, 0, 0), (KERNEL, None, 0, 0),
+                       (MEMCPY, ELSEWHERE, 0, 0))
     assert nodes_row("n", copy_chain, "", ref)["status"] == "FAIL"
     no_host = count(runtime, (MEMCPY, IDS, 0, 0), (KERNEL, None, 0, 0))
     assert nodes_row("n", no_host, "", ref)["status"] == "FAIL"
