@@ -209,19 +209,21 @@ def _graph_rows(lanes, side, ts, job, reader: str, spec, n: int, ids: _Ids, step
 def nodes_row(name: str, nodes: dict | None, why: str, reference: dict | None) -> dict:
     """Pass when the chain's graph holds exactly one memcpy (the ids to the host) and one host node and
     the engine's kernel, and the counter sees the copy_ chain's two extra copies (``reference``)."""
-    if nodes is None:
-        return row(name, None, "", why)
     def counts(d: dict) -> str:
         return ", ".join(f"{k} {v}" for k, v in sorted(d.items()) if v and not k.startswith("memcpy_"))
 
+    if nodes is None:
+        return row(name, None, "", why)
     counter_sees_copies = reference is not None and reference.get("memcpy", 0) >= 3
     ok = (nodes.get("memcpy", 0) == 1 and nodes.get("host", 0) == 1 and nodes.get("kernel", 0) >= 1
           and counter_sees_copies)
     ids = ("destination not read" if nodes["memcpy_to_ids"] < 0
            else f"{nodes['memcpy_to_ids']} into the job's ids, {nodes['memcpy_other']} elsewhere")
+    verdict = ("no copy node the engines do not use" if ok else
+               "expected 1 memcpy (the ids), 1 host node, the kernel, and a counter that sees the copy_ chain's copies")
     ref = counts(reference) if reference else "not counted"
-    return row(name, ok, counts(nodes), f"memcpy nodes: {ids}; no copy node the engines do not use; the copy_ "
-               f"chain of earlier checks counts {ref}")
+    return row(name, ok, counts(nodes), f"memcpy nodes: {ids}; {verdict}; the same chain reading the staging with "
+               f"copy_ counts {ref}")
 
 
 def _stall_rows(lanes, side, ts, chain, prog, ids: _Ids, steps: int) -> list[dict]:
@@ -262,8 +264,8 @@ def _stall_rows(lanes, side, ts, chain, prog, ids: _Ids, steps: int) -> list[dic
     return [row("cached-chain main-stream", ok, f"layers {base:.2f} -> {loaded:.2f} ms ({leak:+.2f})",
                 f"{what}, {steps} steps each way; the fetch p50 {fetch_p50:.2f} / p99 {_p(fetch_ms, 99):.2f} ms, "
                 f"ends p50 {abs(tail):.2f} ms {'after' if tail > 0 else 'before'} the layers do; a stalled main stream "
-                "would add about the "
-                f"fetch's time" + (" (pass: under half of it)" if cuda else "") + f"; rows exact: {exact}")]
+                "would add about the fetch's time" + (" (pass: under half of it)" if cuda else "")
+                + f"; rows exact: {exact}")]
 
 
 def _pair_rows(lanes, side, ts, chain, prog, job0, spec, ids: _Ids, steps: int) -> list[dict]:
