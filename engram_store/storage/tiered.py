@@ -38,7 +38,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -56,6 +56,7 @@ from .integrity import PageHealth
 from .layer_file import LayerFile, open_layer
 from .nvme import DEFAULT_CHUNK_PAGES, DEFAULT_MAX_COALESCE_PAGES, NvmeTier
 from .opening import MAX_QUEUE_DEPTH, check_open_args  # noqa: F401  (MAX_QUEUE_DEPTH: config checks it)
+from .overlap import ReadOverlap
 from .placement import CACHED, RESIDENT, cache_slots, format_placement, plan_store, slot_bytes
 from .plan import Admitter, PlanCounters, PlanLookups
 from .profile import DEFAULT_CAPACITY, AccessSampler, merge_hottest, open_profile, read_profile, write_profile
@@ -100,6 +101,7 @@ class TieredStore(CachedLookups, PlanLookups):
         self._file_ids: dict[int, tuple[str, int, int]] = {}  # layer -> (absolute path, st_dev, st_ino)
         self._layer_files: dict[int, dict] = {}  # layer_files(), computed once per layer
         self._inflight = InFlight()  # NVMe reads of lookups in flight, shared by lookups missing the same rows
+        self._overlap = ReadOverlap(gatherer.threads)  # lookups' reads on helper threads while they copy their hits
 
     # --- opening -------------------------------------------------------
     @classmethod
@@ -228,6 +230,20 @@ class TieredStore(CachedLookups, PlanLookups):
         finally:
             self._exit()
 
+    def lookup_into_deferred(self, layer: int, row_ids: np.ndarray,
+                             out: np.ndarray) -> tuple[LookupStats, Callable[[], None] | None]:
+        """:meth:`lookup_into`, but the rows it read from NVMe are offered to the cache by the callable
+        returned (None when there are none), which the caller runs once its reply is out: the cache's
+        admission (its evictions) then costs the lookup nothing. Any thread may run it, once."""
+        t0 = time.perf_counter()
+        later: list[Callable[[], None]] = []
+        self._enter()
+        try:
+            st = self._lookup_into(layer, row_ids, out, t0, later)
+        finally:
+            self._exit()
+        return st, (later[0] if later else None)
+
     def _enter(self) -> None:
         with self._gate:
             if self._closed:
@@ -240,7 +256,8 @@ class TieredStore(CachedLookups, PlanLookups):
             if self._closed and not self._active:
                 self._gate.notify_all()
 
-    def _lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray, t0: float) -> LookupStats:
+    def _lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray, t0: float,
+                     admit_later: list | None = None) -> LookupStats:
         lf = self._layer(layer)
         flat, out2 = self._check_request(lf, row_ids, out)
         if lf.file is None:
@@ -265,7 +282,7 @@ class TieredStore(CachedLookups, PlanLookups):
         st = LookupStats(rows=n)
         try:
             if n:
-                self._lookup_cached(lf.layer, flat, out2, st)
+                self._lookup_cached(lf.layer, flat, out2, st, admit_later)
         except StorageError:
             self._counters.error()
             raise
@@ -481,6 +498,7 @@ class TieredStore(CachedLookups, PlanLookups):
             self._gate.wait_for(lambda: self._active == 0)
         if self._scrub is not None:
             self._scrub.stop()
+        self._overlap.close()
         self._nvme.close()
         self._nvme.reader.close()
         self._gather.close()
