@@ -13,7 +13,11 @@ A job owns a staging buffer for its life (its address never changes, so a CUDA g
 it stays valid): the ids, then the payload block ``[max_rows, dim]`` and the scale block
 ``[max_rows, scale_bytes]``, the split layout vLLM's and SGLang's kernels read (``weight`` /
 ``weight_scale_inv``) with positional ids. :attr:`FetchJob.staging` is what an engine registers
-with ``cudaHostRegister``.
+with ``cudaHostRegister``. It lives in a memfd of the job's, sealed against shrinking and growing,
+which the job hands to every daemon it connects to (``engram_store/wire/staging.py``): the daemon
+writes each step's rows straight into the two blocks, one host copy per row. A daemon that does not
+take it (an older one) writes the rows into the shared region and the job copies them into the
+blocks (two copies), as ``one_copy=False`` asks.
 
 A job is made from one table-set identity (:class:`~engram_store.client.table_files.TableIdentity`:
 the spec and, per layer, the files the daemon reads and the crc32 of their page checksums), the one
@@ -21,8 +25,10 @@ its engine captured when it connected, or the daemon's at the job's own handshak
 files itself and refuses a daemon that later answers with another identity (restarted on another
 table set), naming both; it then reads its own files.
 
-A step asks the daemon over a connection of its own (one LOOKUP, rows into its shared region,
-copied into the blocks). A daemon that is slow is not waited on for long: once it has not answered
+A step asks the daemon over a connection of its own (one LOOKUP, the rows written into the staging
+under its *gate*: a step that gives up on the daemon revokes its request first, so that no late answer
+ever writes into the staging after the step returned). A daemon that is slow is not waited on for long:
+once it has not answered
 within the *hedge budget* (2 ms plus twice the p99 of its last 128 answers, at most 100 ms or a
 quarter of the deadline; ``hedge`` or ``ENGRAM_STORE_FETCH_HEDGE_SECONDS`` fixes it), the job also
 reads the rows' pages from the table files itself (O_DIRECT, each 4 KiB page checked against the
@@ -52,9 +58,10 @@ from typing import Any
 import numpy as np
 
 from .. import errors
-from ..native import load, shm
+from ..native import load, shm, syscalls
 from ..spec import ModelSpec
 from ..wire import frames as wire
+from ..wire import staging as wst
 from .table_files import TableFiles, TableIdentity
 from .unix_transport import UnixTransport
 
@@ -76,6 +83,11 @@ def native_fetch():
         raise errors.EngineUnsupported("engram_store.native._fetch is not built: engines cannot be served cached "
                                        "Engram layers; reinstall engram-store with a C compiler (pip install .)")
     wire.check_native_layout(module.FRAME_FIELDS, "engram_store/native/_fetch.c")
+    native = (module.FLAG_SPLIT, module.SPLIT_PAD_ID, tuple(module.GATE_STATES))
+    python = (int(wire.Flag.SPLIT), wst.PAD_ID, (wst.GATE_REVOKED, wst.GATE_OPEN, wst.GATE_WRITING, wst.GATE_DONE))
+    if native != python:
+        raise wire.ProtocolError(f"engram_store/native/_fetch.c and engram_store/wire disagree on the staging protocol "
+                                 f"(C {native}, Python {python}); rebuild the native modules (pip install -e .)")
     return module
 
 
@@ -120,11 +132,13 @@ class FetchJob:
     ``identity``: the tables the job reads and accepts a daemon for (an engine's, taken when it
     connected); None: the daemon's at ``address`` now. ``hedge``: a fixed hedge budget in seconds
     instead of the measured one (or ``ENGRAM_STORE_FETCH_HEDGE_SECONDS``; equal to the deadline: no
-    hedging). ``deadline``: the longest a step takes (see the module docstring)."""
+    hedging). ``deadline``: the longest a step takes (see the module docstring). ``one_copy``: hand
+    the staging to the daemon, which then writes the rows there itself (False: the daemon writes them
+    into the shared region and the job copies them into the staging)."""
 
     def __init__(self, address: str, layer: int, max_rows: int, *, deadline: float | None = None,
                  queue_depth: int = QUEUE_DEPTH, connect_timeout: float = 10.0, identity: TableIdentity | None = None,
-                 hedge: float | None = None) -> None:
+                 hedge: float | None = None, one_copy: bool = True) -> None:
         native = native_fetch()
         self.address, self.path, self.layer = address, socket_path(address), int(layer)
         self.deadline = deadline_seconds(deadline)
@@ -144,17 +158,20 @@ class FetchJob:
         self.layer_rows = identity.rows[str(self.layer)]
         self.row_bytes, self.dim, self.scale_bytes = fmt.row_bytes, fmt.dim, fmt.row_bytes - fmt.dim
         files = TableFiles(self.layer, described, native)
+        self.one_copy = bool(one_copy)
         try:
             nbytes = native.staging_bytes(max_rows, self.dim, self.scale_bytes)
-            self.staging = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._staging_fd, self._memory = _staging_memfd(nbytes + syscalls.PAGE)  # the gate: the page after
+            self.staging = memoryview(self._memory)[:nbytes]
             watched = files.take()
         finally:
             files.close()
         self.native = native.Job(self.layer, self.layer_rows, self.row_bytes, self.dim, files.rows_per_page,
                                  self.staging, files.checksums, watched, queue_depth, self.deadline,
-                                 self.hedge or 0.0)
+                                 self.hedge or 0.0, memoryview(self._memory)[nbytes: nbytes + wst.GATE_BYTES])
         self.max_rows = int(self.native.max_rows)
         ids_at, weight_at, scales_at = self.native.offsets
+        self._geometry = wst.StagingGeometry(self.dim, self.scale_bytes, self.max_rows, weight_at, scales_at, nbytes)
         whole = np.frombuffer(self.staging, dtype=np.uint8)
         self.ids = whole[ids_at: ids_at + self.max_rows * 8].view("<i8")
         self.weight = whole[weight_at: weight_at + self.max_rows * self.dim].reshape(self.max_rows, self.dim)
@@ -164,6 +181,7 @@ class FetchJob:
         self._lock = threading.Lock()
         self._closed = False
         self._refused = ""  # why the last daemon reached was not taken (another table set)
+        self._declined = ""  # why the last daemon did not take the staging (one host copy)
         self.reconnects = 0
         try:
             self.connect(connect_timeout)
@@ -187,6 +205,7 @@ class FetchJob:
                     log.error("engram-store fetch job: %s", why)
                     self._refused = why
                 raise errors.ModelMismatch(why)
+            split = self._offer_staging(transport)
             fd, region = transport.hand_over()
         finally:
             transport.close()
@@ -196,9 +215,27 @@ class FetchJob:
                 os.close(fd)
                 shm.release(region)
                 return
-            self.native.attach(fd, region, 0, ids_bytes)  # the job releases the previous region's buffer
+            self.native.attach(fd, region, 0, ids_bytes, split)  # the job releases the previous region's buffer
             old, self._region = self._region, region
         shm.release(old)
+
+    def _offer_staging(self, transport: UnixTransport) -> bool:
+        """Hand the daemon this job's staging memfd: True when it writes the rows there itself."""
+        if not self.one_copy:
+            return False
+        try:
+            transport.attach_staging(self._staging_fd, self._geometry)
+        except errors.EngramStoreError as exc:
+            if transport.broken:
+                raise
+            why = str(exc)
+            if why != self._declined:
+                log.info("engram-store fetch job, layer %d: the daemon at %s writes rows into the shared region, the "
+                         "job copies them into its staging (two host copies): %s", self.layer, self.address, why)
+                self._declined = why
+            return False
+        self._declined = ""
+        return True
 
     @property
     def connected(self) -> bool:
@@ -238,9 +275,27 @@ class FetchJob:
         self.native.close()  # a run in progress ends first (within its deadline); none runs after
         region, self._region = self._region, None
         shm.release(region)
+        fd, self._staging_fd = self._staging_fd, -1
+        if fd >= 0:
+            os.close(fd)  # (the mapping, and so the staging, lives on while anything holds it)
 
 
 MIN_REGION_BYTES = 1 << 16  # the smallest shared region a daemon hands out
+STAGING_SEALS = syscalls.F_SEAL_SHRINK | syscalls.F_SEAL_GROW | syscalls.F_SEAL_SEAL  # what a daemon checks
+
+
+def _staging_memfd(nbytes: int) -> tuple[int, mmap.mmap]:
+    """A zeroed memfd of ``nbytes``, sealed at that size for good, and this process's shared mapping of
+    it (page aligned, registrable with cudaHostRegister)."""
+    fd = os.memfd_create("engram-store-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        syscalls.add_seals(fd, STAGING_SEALS)
+        memory = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, memory
 
 
 def _region_bytes(max_rows: int, row_bytes: int) -> int:

@@ -421,6 +421,25 @@ class UnixTransport:
     def broken(self) -> bool:
         return bool(self._broken)
 
+    def attach_staging(self, fd: int, geometry: Any) -> None:
+        """Hand the daemon a staging memfd (``fd``, sealed against shrinking and growing) for
+        ``Flag.SPLIT`` lookups on this connection (:mod:`engram_store.wire.staging`, ``geometry`` a
+        ``StagingGeometry``); raises the daemon's typed error when it declines (an older daemon:
+        InvalidRequest, unknown op)."""
+        rid = self._next_id()
+        payload = geometry.pack()
+        message = Frame(Op.STAGING, rid).pack(payload)
+        try:
+            with self._send_lock:  # the header alone, then the payload carrying the fd
+                self._sock.sendall(message[: wire.FRAME.size])
+                shm.send_with_fds(self._sock, payload, [fd])
+        except OSError as exc:
+            self._break(f"sending to the daemon failed: {exc}")
+            raise errors.Unavailable(self._broken) from None
+        frame, answer = self._result(rid)
+        if frame.status != Status.OK:
+            raise wire.error_of(frame.status, answer.decode(errors="replace"))
+
     def hand_over(self) -> tuple[int, Any]:
         """Give this connection to a native owner (an engine's fetch job): returns its socket's fd
         (the caller closes it) and the mapped shared region (release it with ``shm.release`` once the

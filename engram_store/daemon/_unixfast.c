@@ -8,6 +8,11 @@
  *     C-contiguous buffers of rows * weight_bytes and rows * (row_bytes -
  *     weight_bytes) bytes. A row is sent as its weights then its scales.
  *
+ * Conn.set_staging(weights, scales, gate)
+ *     The client's staging (daemon/staging.py checked and mapped it): LOOKUPs with FLAG_SPLIT write their
+ *     rows there in the split layout, under its gate (engram_store/wire/staging.py), from the arena or,
+ *     when every row is cached, the row cache; the others go to Python as any lookup it leaves.
+ *
  * Conn.next() -> tuple, without the GIL until it returns:
  *     reads the next frame header (busy-polling the socket for busy_poll_ns first,
  *     when no other connection is polling), and when it is a well-formed int64
@@ -55,7 +60,8 @@
 #include <unistd.h>
 
 #include "../native/_gather_api.h"
-#include "../native/frame.h"  /* frame_t, MAGIC, VERSION, OP_*, DTYPE_INT64, frame_fields() */
+#include "../native/frame.h"  /* frame_t, MAGIC, VERSION, OP_*, DTYPE_INT64, FLAG_SPLIT, frame_fields() */
+#include "../native/staging_gate.h" /* gate_claim, gate_done: a client staging's gate */
 
 #define FAIR_PIECE_ROWS 65536   /* larger lookups are gathered in pieces of this many rows; each piece is a hand-off to the gather pool (a 196,608-row prefill through the daemon: 0.89-0.90x in-process at 65,536, 0.79-0.88x at 16,384) */
 #define MAX_YIELD_NS 2000000LL  /* the longest one piece waits for small lookups to finish */
@@ -129,10 +135,26 @@ typedef struct {
     uint64_t max_rows;
     int64_t busy_poll_ns;
     cache_t cache; /* cached layers (cached_hits.h); none when nlayers is 0 */
+    /* the client's staging (set_staging): Flag.SPLIT lookups write into it */
+    int has_staging;
+    Py_buffer st_weights, st_scales, st_gate;
+    int64_t st_rows;
+    int64_t *pos; /* [ids capacity] staging row of each taken id */
 } Conn;
+
+static void release_staging(Conn *c) {
+    if (!c->has_staging) return;
+    c->has_staging = 0;
+    PyBuffer_Release(&c->st_weights);
+    PyBuffer_Release(&c->st_scales);
+    PyBuffer_Release(&c->st_gate);
+    PyMem_Free(c->pos);
+    c->pos = NULL;
+}
 
 static void release(Conn *c) {
     if (!c->open) return;
+    release_staging(c);
     c->open = 0;
     PyBuffer_Release(&c->region);
     PyBuffer_Release(&c->ids);
@@ -276,12 +298,81 @@ static int send_all(int fd, const void *data, size_t len) {
     return 0;
 }
 
+static void reply_ok(Conn *c, const frame_t *f) {
+    frame_t reply = {.magic = MAGIC, .version = VERSION, .op = OP_RESULT, .layer = f->layer,
+                     .request_id = f->request_id, .count = f->count};
+    if (send_all(c->fd, &reply, sizeof reply) < 0) shutdown(c->fd, SHUT_RDWR);
+}
+
+/* A Flag.SPLIT lookup (engram_store/wire/staging.py): the ids copied and compacted (PAD_ID positions
+   left alone), every one checked, then the rows written into the client's staging at their positions
+   under its gate. 1 if answered (*rows: the ids served, now ids[0..rows)), 0 to leave it to the caller
+   (which answers misses, errors and a request the client gave up on). */
+static int serve_split(Conn *c, const frame_t *f, double *seconds, uint64_t *rows) {
+    const int64_t t0 = now_ns();
+    if (!c->has_staging) return 0;
+    const layer_t *l = NULL;
+    for (Py_ssize_t i = 0; i < c->nlayers; i++)
+        if (c->layers[i].layer == f->layer) l = &c->layers[i];
+    const cached_layer_t *cached = l == NULL ? cache_layer(&c->cache, f->layer) : NULL;
+    const uint64_t n = f->count, size = (uint64_t)c->region.len, first = f->out_offset;
+    if ((l == NULL && cached == NULL) || n == 0 || n > c->max_rows || n > (uint64_t)c->ids.len / 8) return 0;
+    if (f->ids_offset % 8 || f->ids_offset > size || n * 8 > size - f->ids_offset) return 0;
+    if (first > (uint64_t)c->st_rows || n > (uint64_t)c->st_rows - first) return 0;
+    int64_t *ids = c->ids.buf;
+    memcpy(ids, (char *)c->region.buf + f->ids_offset, n * 8);
+    int64_t m = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        if (ids[i] == SPLIT_PAD_ID) continue;
+        ids[m] = ids[i];
+        c->pos[m++] = (int64_t)(first + i);
+    }
+    uint32_t *gate = c->st_gate.buf;
+    char *wout = c->st_weights.buf, *sout = c->st_scales.buf;
+    const size_t wb = c->weight_bytes, sb = c->row_bytes - c->weight_bytes;
+    if (m == 0) { /* all padding: nothing to write, the gate says so all the same */
+        if (!gate_claim(gate, f->request_id)) return 0;
+        gate_done(gate, f->request_id);
+    } else if (cached != NULL) {
+        if (m > FAIR_PIECE_ROWS) return 0;
+        gather_api->prime();
+        atomic_fetch_add(&small_active, 1);
+        const int served = cache_serve_split(&c->cache, cached, ids, m, wout, sout, c->pos, wb, sb, gate,
+                                             f->request_id, c->threads);
+        small_done();
+        if (!served) return 0;
+    } else {
+        const int64_t rows_in = l->weights.len / (Py_ssize_t)wb;
+        for (int64_t i = 0; i < m; i++) /* every id first: on an error nothing is written */
+            if ((uint64_t)ids[i] >= (uint64_t)rows_in) return 0;
+        gather_api->prime();
+        if (!gate_claim(gate, f->request_id)) return 0;
+        for (int64_t at = 0; at < m; at += FAIR_PIECE_ROWS) {
+            const int64_t len = m - at < FAIR_PIECE_ROWS ? m - at : FAIR_PIECE_ROWS;
+            const int small = m <= FAIR_PIECE_ROWS;
+            if (small) atomic_fetch_add(&small_active, 1);
+            else yield_to_small();
+            gather_api->gather_split_to_split(l->weights.buf, l->scales.buf, rows_in, wb, sb, ids + at, len, wout,
+                                              sout, c->pos + at, c->threads);
+            if (small) small_done();
+            else pieces_served++;
+        }
+        gate_done(gate, f->request_id);
+    }
+    reply_ok(c, f);
+    *rows = (uint64_t)m;
+    *seconds = (double)(now_ns() - t0) / 1e9;
+    return 1;
+}
+
 /* Serve *f if it is a lookup this path takes; 1 if answered, 0 to leave it to the caller. */
-static int serve(Conn *c, const frame_t *f, double *seconds) {
+static int serve(Conn *c, const frame_t *f, double *seconds, uint64_t *served_rows) {
     int64_t t0 = now_ns();
     if (f->magic != MAGIC || f->version != VERSION || f->op != OP_LOOKUP || f->payload_bytes != 0 ||
         f->dtype != DTYPE_INT64)
         return 0;
+    if (f->flags & FLAG_SPLIT) return serve_split(c, f, seconds, served_rows);
+    *served_rows = f->count;
     const layer_t *l = NULL;
     for (Py_ssize_t i = 0; i < c->nlayers; i++)
         if (c->layers[i].layer == f->layer) l = &c->layers[i];
@@ -343,16 +434,60 @@ static PyObject *Conn_next(Conn *c, PyObject *Py_UNUSED(args)) {
     ssize_t got;
     int served = 0;
     double seconds = 0.0;
+    uint64_t rows = 0;
     Py_BEGIN_ALLOW_THREADS
     got = read_header(c, &f);
-    if (got == (ssize_t)sizeof f) served = serve(c, &f, &seconds);
+    if (got == (ssize_t)sizeof f) served = serve(c, &f, &seconds, &rows);
     Py_END_ALLOW_THREADS
     if (got < 0) {
         errno = (int)-got;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    if (served) return Py_BuildValue("(iiKd)", SERVED, (int)f.layer, (unsigned long long)f.count, seconds);
+    if (served) return Py_BuildValue("(iiKd)", SERVED, (int)f.layer, (unsigned long long)rows, seconds);
     return Py_BuildValue("(iy#)", got == (ssize_t)sizeof f ? FRAME : PEER_EOF, (const char *)&f, (Py_ssize_t)got);
+}
+
+/* set_staging(weights, scales, gate): the client's staging blocks (uint8 [rows, weight_bytes] and
+   [rows, row_bytes - weight_bytes], writable, C-contiguous) and its gate word (4 writable bytes, aligned),
+   as daemon/staging.py checked and mapped them. */
+static PyObject *Conn_set_staging(Conn *c, PyObject *args) {
+    PyObject *o_w, *o_s, *o_g;
+    if (!c->open) {
+        PyErr_SetString(PyExc_ValueError, "Conn is closed");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OOO", &o_w, &o_s, &o_g)) return NULL;
+    Py_buffer w, s, g;
+    if (PyObject_GetBuffer(o_w, &w, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(o_s, &s, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&w);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(o_g, &g, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&w);
+        PyBuffer_Release(&s);
+        return NULL;
+    }
+    const size_t wb = c->weight_bytes, sb = c->row_bytes - c->weight_bytes;
+    const int64_t rows = (int64_t)((size_t)w.len / wb);
+    int64_t *pos = PyMem_Malloc((size_t)(c->ids.len / 8 + 1) * sizeof(int64_t));
+    if (sb == 0 || rows < 1 || (size_t)s.len < (size_t)rows * sb || g.len < 4 || (uintptr_t)g.buf % 4 || pos == NULL) {
+        PyBuffer_Release(&w);
+        PyBuffer_Release(&s);
+        PyBuffer_Release(&g);
+        PyMem_Free(pos);
+        if (pos == NULL) return PyErr_NoMemory();
+        PyErr_SetString(PyExc_ValueError, "set_staging: blocks of the row format (at least one row) and a 4-byte gate");
+        return NULL;
+    }
+    release_staging(c);
+    c->st_weights = w;
+    c->st_scales = s;
+    c->st_gate = g;
+    c->st_rows = rows;
+    c->pos = pos;
+    c->has_staging = 1;
+    Py_RETURN_NONE;
 }
 
 static PyObject *Conn_close(Conn *c, PyObject *Py_UNUSED(args)) {
@@ -386,6 +521,8 @@ static PyMethodDef module_methods[] = {
 static PyMethodDef Conn_methods[] = {
     {"next", (PyCFunction)Conn_next, METH_NOARGS, "next() -> (SERVED, layer, count, seconds) | (FRAME, header) | (EOF, partial)"},
     {"close", (PyCFunction)Conn_close, METH_NOARGS, "close() -> None: release the buffers (idempotent)"},
+    {"set_staging", (PyCFunction)Conn_set_staging, METH_VARARGS,
+     "set_staging(weights, scales, gate) -> None: the client's staging for Flag.SPLIT lookups (wire/staging.py)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -421,6 +558,8 @@ PyMODINIT_FUNC PyInit__unixfast(void) {
         PyModule_AddIntConstant(m, "MAGIC", MAGIC) < 0 || PyModule_AddIntConstant(m, "VERSION", VERSION) < 0 ||
         PyModule_AddIntConstant(m, "OP_LOOKUP", OP_LOOKUP) < 0 || PyModule_AddIntConstant(m, "OP_RESULT", OP_RESULT) < 0 ||
         PyModule_AddIntConstant(m, "DTYPE_INT64", DTYPE_INT64) < 0 ||
+        PyModule_AddIntConstant(m, "FLAG_SPLIT", FLAG_SPLIT) < 0 ||
+        PyModule_AddIntConstant(m, "SPLIT_PAD_ID", SPLIT_PAD_ID) < 0 ||
         PyModule_AddIntConstant(m, "FAIR_PIECE_ROWS", FAIR_PIECE_ROWS) < 0 ||
         PyModule_AddIntConstant(m, "SERVED", SERVED) < 0 || PyModule_AddIntConstant(m, "FRAME", FRAME) < 0 ||
         PyModule_AddIntConstant(m, "EOF", PEER_EOF) < 0 ||

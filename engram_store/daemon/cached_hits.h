@@ -91,29 +91,55 @@ static const cached_layer_t *cache_layer(const cache_t *k, int32_t layer) {
     return NULL;
 }
 
-/* Rows ids[0..n) of `l` into out when every one is cached: 1, or 0 to leave the lookup to Python. */
-static int cache_serve(const cache_t *k, const cached_layer_t *l, const int64_t *ids, int64_t n, char *out,
-                       size_t row_bytes, int threads) {
+/* When every row of ids[0..n) of `l` is cached: their slots in k->slot, hit counts raised, a reader epoch
+   entered (its token returned; end with guard_leave once the slots are read). -1 to leave the lookup to Python. */
+static int64_t cache_enter(const cache_t *k, const cached_layer_t *l, const int64_t *ids, int64_t n,
+                           size_t row_bytes) {
     const int64_t rows = l->map.len / 4, n_slots = k->slots.len / (Py_ssize_t)row_bytes;
     gather_api->guard_lock(k->guard);
     if (gather_api->take_int32(l->map.buf, rows, ids, n, k->found) >= 0) { /* an id outside the layer */
         gather_api->guard_unlock(k->guard);
-        return 0;
+        return -1;
     }
     for (int64_t i = 0; i < n; i++) {
         if (k->found[i] <= 0 || k->found[i] > n_slots) { /* a miss */
             gather_api->guard_unlock(k->guard);
-            return 0;
+            return -1;
         }
         k->slot[i] = k->found[i] - 1;
     }
     gather_api->bump_counts(k->counts.buf, k->counts.len, k->slot, 8, n, k->count_cap, k->next); /* slots < n_slots */
     const int64_t token = gather_api->guard_enter(k->guard);
     gather_api->guard_unlock(k->guard);
+    return token;
+}
+
+/* Rows ids[0..n) of `l` into out when every one is cached: 1, or 0 to leave the lookup to Python. */
+static int cache_serve(const cache_t *k, const cached_layer_t *l, const int64_t *ids, int64_t n, char *out,
+                       size_t row_bytes, int threads) {
+    const int64_t token = cache_enter(k, l, ids, n, row_bytes);
     if (token < 0) return 0;
-    gather_api->gather(k->slots.buf, n_slots, row_bytes, k->slot, n, out, threads);
+    gather_api->gather(k->slots.buf, k->slots.len / (Py_ssize_t)row_bytes, row_bytes, k->slot, n, out, threads);
     gather_api->guard_leave(k->guard, token);
     return 1;
+}
+
+/* The same into a client's staging (split layout, row i at pos[i]) under its gate (staging_gate.h): 1 served,
+   0 to leave it to Python (a miss, an id outside the layer, or the client gave the request up). */
+static int cache_serve_split(const cache_t *k, const cached_layer_t *l, const int64_t *ids, int64_t n, char *wout,
+                             char *sout, const int64_t *pos, size_t weight_bytes, size_t scale_bytes, uint32_t *gate,
+                             uint64_t request_id, int threads) {
+    const size_t row_bytes = weight_bytes + scale_bytes;
+    const int64_t token = cache_enter(k, l, ids, n, row_bytes);
+    if (token < 0) return 0;
+    const int claimed = gate_claim(gate, request_id);
+    if (claimed) {
+        gather_api->gather_to_split(k->slots.buf, k->slots.len / (Py_ssize_t)row_bytes, weight_bytes, scale_bytes,
+                                    k->slot, n, wout, sout, pos, threads);
+        gate_done(gate, request_id);
+    }
+    gather_api->guard_leave(k->guard, token);
+    return claimed;
 }
 
 #endif

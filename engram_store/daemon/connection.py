@@ -49,6 +49,7 @@ from ..storage.base import PlanningStore
 from ..wire import frames as wire
 from ..wire.frames import DType, Frame, Op, Status
 from . import fastpath, limits
+from . import staging as client_staging
 
 if TYPE_CHECKING:
     from .server import UnixServer
@@ -84,6 +85,8 @@ class Connection:
         self.finished = threading.Event()
         self.connected_at = self.last_active = time.monotonic()
         self.welcomed = False
+        self.staging: client_staging.ClientStaging | None = None  # Op.STAGING: rows into the client's memfd
+        self._staging_request: tuple[bytes, list[int]] = (b"", [])  # a STAGING frame's payload and fds
 
     # --- lifecycle --------------------------------------------------------
     def run(self) -> None:
@@ -128,6 +131,10 @@ class Connection:
         native, self.native = self.native, None
         if native is not None:
             native.close()  # it holds buffers of the region and the arena
+        staging, self.staging = self.staging, None
+        if staging is not None:
+            staging.close()
+            self.server.region_budget.give(staging.budget_bytes)
         self.sock.close()
         self.array = None  # drop our view first: a live view blocks the unmap
         region, self.region = self.region, None
@@ -143,8 +150,17 @@ class Connection:
         frame = Frame.unpack(shm.recv_exact(self.sock, wire.FRAME.size))
         self.last_active = time.monotonic()
         wire.check_header(frame, max_payload)
-        payload = shm.recv_exact(self.sock, frame.payload_bytes) if frame.payload_bytes else b""
+        payload = self._payload(frame)
         return frame, payload
+
+    def _payload(self, frame: Frame) -> bytes:
+        """A frame's payload; a STAGING frame's memfd comes with it (kept for :meth:`_attach_staging`)."""
+        if not frame.payload_bytes:
+            return b""
+        if frame.op != Op.STAGING:
+            return shm.recv_exact(self.sock, frame.payload_bytes)
+        self._staging_request = client_staging.recv_payload(self.sock, frame.payload_bytes)
+        return self._staging_request[0]
 
     def send(self, data: bytes) -> None:
         """Queue a reply; never blocks a worker. Beside the native path (which writes the
@@ -229,7 +245,12 @@ class Connection:
                 frame, _ = self._read_frame(wire.MAX_CLIENT_PAYLOAD)
             elif (frame := self._next_native(native)) is None:
                 continue
-            if frame.op == Op.LOOKUP and frame.flags & wire.Flag.PLAN:
+            if frame.op == Op.LOOKUP and frame.flags & wire.Flag.SPLIT:
+                t0 = time.perf_counter()
+                self._finish(frame, t0, client_staging.serve_split(self, frame))
+            elif frame.op == Op.STAGING:
+                self._attach_staging(frame)
+            elif frame.op == Op.LOOKUP and frame.flags & wire.Flag.PLAN:
                 self._plan_lookup(frame)
             elif frame.op == Op.LOOKUP:
                 self._lookup(frame, pooled=native is None)
@@ -258,8 +279,7 @@ class Connection:
             raise ConnectionError(f"peer closed the connection after {len(got[1])} of {wire.FRAME.size} bytes")
         frame = Frame.unpack(got[1])
         wire.check_header(frame, wire.MAX_CLIENT_PAYLOAD)
-        if frame.payload_bytes:
-            shm.recv_exact(self.sock, frame.payload_bytes)
+        self._payload(frame)
         native.fit(frame)
         return frame
 
@@ -272,6 +292,23 @@ class Connection:
                 shm.spin_until_readable(self.sock, server.busy_poll_seconds)
             finally:
                 server.poll_token.release()
+
+    def _attach_staging(self, frame: Frame) -> None:
+        """Op.STAGING: map the client's staging memfd once it passes every check (daemon/staging.py)."""
+        (payload, fds), self._staging_request = self._staging_request, (b"", [])
+        try:
+            if self.staging is not None:
+                raise errors.InvalidRequest("this connection has a staging already")
+            self.staging = client_staging.attach(self.server, fds, payload)
+        except errors.EngramStoreError as exc:
+            self._reply_error(frame, wire.status_of(exc), str(exc))
+            return
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if self.native is not None:
+            self.native.set_staging(self.staging)
+        self.send(Frame(Op.RESULT, frame.request_id).pack())
 
     # --- lookups ----------------------------------------------------------
     def _reply_error(self, frame: Frame, status: Status, message: str) -> None:

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..storage.base import ResidentStore, RowStore
 from ..wire import frames as wire
+from ..wire import staging
 from .config import DaemonConfig
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ def native_module() -> ModuleType | None:
         return None
     wire.check_native_layout(_unixfast.FRAME_FIELDS, "engram_store/daemon/_unixfast.c")  # raises: a stale build
     expected = {"MAGIC": wire.MAGIC, "VERSION": wire.VERSION, "OP_LOOKUP": wire.Op.LOOKUP, "OP_RESULT": wire.Op.RESULT,
-                "DTYPE_INT64": wire.DType.INT64, "SERVED": SERVED, "FRAME": FRAME, "EOF": EOF}
+                "DTYPE_INT64": wire.DType.INT64, "FLAG_SPLIT": wire.Flag.SPLIT, "SPLIT_PAD_ID": staging.PAD_ID,
+                "SERVED": SERVED, "FRAME": FRAME, "EOF": EOF}
     wrong = {k: (getattr(_unixfast, k), int(v)) for k, v in expected.items() if getattr(_unixfast, k) != v}
     if wrong:
         raise wire.ProtocolError(f"engram_store/daemon/_unixfast.c disagrees with engram_store/wire/frames.py "
@@ -107,13 +109,23 @@ class NativeConn:
     def __init__(self, path: NativePath, sock: socket.socket, region: np.ndarray) -> None:
         self.path, self._sock, self._region = path, sock, region
         self.ids = np.empty(IDS_START_ROWS, dtype=np.int64)
+        self._staging: Any = None
         self._conn = self._open()
 
     def _open(self) -> Any:
         cfg, store = self.path.config, self.path.store
-        return self.path.module.Conn(self._sock.fileno(), self._region, self.ids, self.path.views,
+        conn = self.path.module.Conn(self._sock.fileno(), self._region, self.ids, self.path.views,
                                      store.row_bytes, store.spec.row_format.dim, self.path.threads,
                                      cfg.max_request_rows, cfg.busy_poll_us * 1000, self.path.cached)
+        if self._staging is not None:
+            conn.set_staging(self._staging.weights, self._staging.scales, self._staging.gate)
+        return conn
+
+    def set_staging(self, client_staging: Any) -> None:
+        """The client's staging (``daemon/staging.ClientStaging``): Flag.SPLIT lookups served here write
+        into it. Released with :meth:`close`, before the staging is unmapped."""
+        self._staging = client_staging
+        self._conn.set_staging(client_staging.weights, client_staging.scales, client_staging.gate)
 
     def next(self) -> tuple:
         """``(SERVED, layer, count, seconds)`` after answering a lookup (its ids are
@@ -136,7 +148,7 @@ class NativeConn:
             self._conn = self._open()
 
     def close(self) -> None:
-        """Release the region and arena buffers (before the region is unmapped)."""
+        """Release the region, arena and staging buffers (before the region is unmapped)."""
         self._conn.close()
-        self._region = None
+        self._region = self._staging = None
 

@@ -5,7 +5,7 @@
  *     A layer's page checksums (uint32 per page, in layer page order) copied into private memory,
  *     shared by the jobs given the same object (never a mapping of the .crc file).
  * Job(layer, layer_rows, row_bytes, dim, rows_per_page, staging, checksums, files, queue_depth,
- *     deadline_seconds, hedge_seconds=0)
+ *     deadline_seconds, hedge_seconds=0, gate=None)
  *     `staging` is a writable buffer the job uses for its life (the caller registers it with the GPU):
  *     int64 ids [max_rows], then the payload block uint8 [max_rows, dim], then the scale block
  *     uint8 [max_rows, row_bytes - dim], each starting on a 4 KiB boundary (max_rows is derived
@@ -14,6 +14,8 @@
  *     (fd, path, st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns): the layer's data file (or its
  *     K stripes, opened O_DIRECT), then its checksum file, as the caller checked them (the job takes
  *     the fds and closes them). hedge_seconds > 0 fixes the hedge budget (below); 0 measures it.
+ *     `gate`: the staging memfd's gate word (4 writable bytes, engram_store/wire/staging.py), needed
+ *     for connections whose daemon writes the rows into the staging itself (attach(..., split=True)).
  *
  * engram_fetch_host_fn(void *call) is the run function: `call` (call_address(n)) names the job and
  * the row count n of one step (a captured CUDA graph bakes the pointer in, so there is one call per
@@ -21,7 +23,9 @@
  *   1. rows whose id is outside [0, layer_rows) are zeroed (padding: the engines' kernels read zeros
  *      for ids they do not own); the others are taken;
  *   2. when connected to the daemon (attach()), their ids go into the connection's shared region
- *      with one LOOKUP (fetch_daemon.h); its rows are copied into the two blocks when it answers;
+ *      with one LOOKUP (fetch_daemon.h); its rows are copied into the two blocks when it answers,
+ *      or, when the daemon took the staging (split), written there by the daemon (one host copy,
+ *      under the staging's gate: fetch_run.h);
  *   3. when the daemon has not answered within the hedge budget (a few times its measured p99),
  *      the job also reads the rows directly: its reader thread (fetch_reader.h) reads their 4 KiB
  *      pages from the table files (Linux AIO, queue_depth in flight), checks each against its crc32c
@@ -42,7 +46,7 @@
  * Python: run(n) (the GIL released), run_in_native_thread(n) (a pthread of its own: proof that no
  * GIL is needed), launch_host(stream, n) (cuLaunchHostFunc or hipLaunchHostFunc, whichever GPU runtime
  * torch runs on: gpu_runtime.h; the job needs neither at build time), run_address / call_address(n),
- * attach(fd, region, ids_offset, out_offset), detach(), probe(), close(), connected, stats(), error(),
+ * attach(fd, region, ids_offset, out_offset, split=False), detach(), probe(), close(), connected, stats(), error(),
  * clear_error(). Module: staging_bytes(), and for tests test_hold_reads(flag) (every reader waits
  * before its next request while set: a stuck device), live_cores(), late_calls().
  */
@@ -60,8 +64,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
 
 #define MAX_QD 256
 #define CTX_POOL 8
@@ -69,7 +78,8 @@
 #include "crc32c.h"  /* PAGE, crc_init */
 #include "batch.h"   /* batch_args_t, batch_complete (the page check and row copy) */
 #include "aio.h"     /* batch_t, read_aio, read_sync */
-#include "frame.h"   /* frame_t, MAGIC, VERSION, OP_*, DTYPE_INT64, frame_fields() */
+#include "frame.h"   /* frame_t, MAGIC, VERSION, OP_*, DTYPE_INT64, FLAG_SPLIT, frame_fields() */
+#include "staging_gate.h"  /* the staging's gate: one host copy (wire/staging.py) */
 #include "gpu_runtime.h"  /* gpu_launcher_get: the host-function launch of the GPU runtime torch runs on */
 #include "fetch_core.h"    /* core_t, fetch_call, the lifetime rules */
 #include "fetch_reader.h"  /* the reader thread: direct reads, file checks */
@@ -83,6 +93,9 @@ static void core_release(core_t *c) {
     reader_free(c);
     free(c->pos);
     c->pos = NULL;
+    if (c->peer_pidfd >= 0) close(c->peer_pidfd);
+    if (c->stuck_pidfd >= 0) close(c->stuck_pidfd);
+    c->peer_pidfd = c->stuck_pidfd = -1;
     atomic_fetch_sub(&live_cores, 1);
     if (__atomic_load_n(&c->exposed, __ATOMIC_ACQUIRE)) return;  /* a captured graph may still run a call */
     pthread_mutex_destroy(&c->lock);
@@ -105,6 +118,8 @@ static void core_close(core_t *c) {
     c->region = NULL;
     c->region_len = 0;
     c->board = NULL;
+    c->split = 0;
+    c->gate = NULL;
     pthread_mutex_unlock(&c->lock);
     if (!was) reader_quit(c);
 }
@@ -170,8 +185,8 @@ typedef struct Job {
     PyObject_HEAD
     core_t *core;
     int ready;
-    Py_buffer staging, region, board;
-    int has_region, has_board;
+    Py_buffer staging, region, board, gate;
+    int has_region, has_board, has_gate;
 } Job;
 
 static int64_t up_to_page(int64_t x) { return (x + PAGE - 1) / PAGE * PAGE; }
@@ -185,6 +200,7 @@ static void job_dealloc(Job *j) {
     }
     if (j->has_region) PyBuffer_Release(&j->region);
     if (j->has_board) PyBuffer_Release(&j->board);
+    if (j->has_gate) PyBuffer_Release(&j->gate);
     if (j->staging.obj) PyBuffer_Release(&j->staging);
     if (c) core_release(c);
     Py_TYPE(j)->tp_free((PyObject *)j);
@@ -220,18 +236,18 @@ static int take_files(core_t *c, PyObject *files) {
 
 static int job_init(Job *j, PyObject *args, PyObject *kw) {
     static char *names[] = {"layer", "layer_rows", "row_bytes", "dim", "rows_per_page", "staging", "checksums",
-                            "files", "queue_depth", "deadline_seconds", "hedge_seconds", NULL};
+                            "files", "queue_depth", "deadline_seconds", "hedge_seconds", "gate", NULL};
     int layer, qd;
     long long layer_rows, row_bytes, dim, rpp;
     double deadline, hedge = 0;
-    PyObject *o_staging, *o_files;
+    PyObject *o_staging, *o_files, *o_gate = Py_None;
     Checksums *sums;
     if (j->core) {
         PyErr_SetString(PyExc_RuntimeError, "Job is initialized once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iLLLLOO!Oid|d", names, &layer, &layer_rows, &row_bytes, &dim, &rpp,
-                                     &o_staging, &ChecksumsType, &sums, &o_files, &qd, &deadline, &hedge))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iLLLLOO!Oid|dO", names, &layer, &layer_rows, &row_bytes, &dim, &rpp,
+                                     &o_staging, &ChecksumsType, &sums, &o_files, &qd, &deadline, &hedge, &o_gate))
         return -1;
     core_t *c = j->core = calloc(1, sizeof *c);
     if (!c) {
@@ -244,6 +260,7 @@ static int job_init(Job *j, PyObject *args, PyObject *kw) {
     pthread_mutex_init(&c->msg_lock, NULL);
     c->sock = -1;
     c->rd.efd = -1;
+    c->peer_pidfd = c->stuck_pidfd = -1;
     c->backoff_ns = BACKOFF_MIN_NS;
     if (take_files(c, o_files) < 0) return -1;
     if (!sums->blob) {
@@ -259,6 +276,15 @@ static int job_init(Job *j, PyObject *args, PyObject *kw) {
         return -1;
     }
     if (PyObject_GetBuffer(o_staging, &j->staging, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (o_gate != Py_None) {
+        if (PyObject_GetBuffer(o_gate, &j->gate, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+        j->has_gate = 1;
+        if (j->gate.len < 4 || (uintptr_t)j->gate.buf % 4) {
+            PyErr_SetString(PyExc_ValueError, "gate: 4 writable bytes, 4-byte aligned (the staging memfd's gate word)");
+            return -1;
+        }
+        c->gate = j->gate.buf;
+    }
     c->layer = layer;
     c->layer_rows = layer_rows; c->row_bytes = row_bytes; c->dim = dim; c->scale_bytes = row_bytes - dim;
     c->rows_per_page = rpp;
@@ -391,12 +417,27 @@ static PyObject *job_launch_host(Job *j, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* A pidfd of the process at the other end of a Unix socket, or -1 (unknown: another pid namespace, an old
+   kernel). Its exit ends any write of that daemon into the staging (staging_gate.h). */
+static int peer_pidfd(int fd) {
+    struct ucred cred;
+    socklen_t len = sizeof cred;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.pid <= 0) return -1;
+    const long pidfd = syscall(SYS_pidfd_open, cred.pid, 0);
+    if (pidfd < 0) return -1;
+    fcntl((int)pidfd, F_SETFD, FD_CLOEXEC);
+    return (int)pidfd;
+}
+
 static PyObject *job_attach(Job *j, PyObject *args) {
-    int fd;
+    int fd, split = 0;
     PyObject *o_region;
     long long ids_off, out_off;
-    if (!open_for_runs(j) || !PyArg_ParseTuple(args, "iOLL", &fd, &o_region, &ids_off, &out_off)) return NULL;
+    if (!open_for_runs(j) || !PyArg_ParseTuple(args, "iOLL|p", &fd, &o_region, &ids_off, &out_off, &split))
+        return NULL;
     core_t *c = j->core;
+    if (split && c->gate == NULL)
+        return PyErr_Format(PyExc_ValueError, "attach(split=True): the job was made without a staging gate");
     Py_buffer region;
     if (PyObject_GetBuffer(o_region, &region, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
     if (ids_off < 0 || out_off < 0 || ids_off % 8 || ids_off + c->max_rows * 8 > region.len ||
@@ -410,6 +451,7 @@ static PyObject *job_attach(Job *j, PyObject *args) {
         PyBuffer_Release(&region);
         return PyErr_SetFromErrno(PyExc_OSError);
     }
+    const int pidfd = peer_pidfd(fd);
     Py_buffer old = {0};
     int had = 0, closed;
     Py_BEGIN_ALLOW_THREADS
@@ -427,10 +469,14 @@ static PyObject *job_attach(Job *j, PyObject *args) {
         c->ids_off = ids_off;
         c->out_off = out_off;
         c->pending_id = 0;
+        c->split = split;
+        if (c->peer_pidfd >= 0) close(c->peer_pidfd);
+        c->peer_pidfd = pidfd;
     }
     pthread_mutex_unlock(&c->lock);
     Py_END_ALLOW_THREADS
     if (closed) {
+        if (pidfd >= 0) close(pidfd);
         close(fd);
         PyBuffer_Release(&region);
         PyErr_SetString(PyExc_ValueError, "the fetch job is closed");
@@ -452,6 +498,7 @@ static PyObject *job_detach(Job *j, PyObject *noargs) {
     c->region = NULL;
     c->region_len = 0;
     c->pending_id = 0;
+    c->split = 0;
     had = j->has_region;
     old = j->region;
     j->has_region = 0;
@@ -520,15 +567,19 @@ static PyObject *job_stats(Job *j, PyObject *noargs) {
     const double stuck = reader_stuck_seconds(c);
     PyObject *pending = PyBool_FromLong(__atomic_load_n(&c->pending_id, __ATOMIC_RELAXED) != 0);
     return Py_BuildValue(
-        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsdsdsdsdsdsNss}", "steps", (long long)c->steps, "rows", (long long)c->rows,
+        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsdsdsdsdsdsNsNsNss}", "steps", (long long)c->steps, "rows", (long long)c->rows,
         "daemon_steps", (long long)c->daemon_steps, "direct_steps", (long long)c->direct_steps,
         "direct_pages", (long long)c->direct_pages, "daemon_errors", (long long)c->daemon_errors,
         "drops", (long long)c->drops, "failed_steps", (long long)c->failed_steps, "bad_pages", (long long)c->bad_pages,
         "hedged_steps", (long long)c->hedged_steps, "busy_steps", (long long)c->busy_steps,
         "backoff_steps", (long long)c->backoff_steps, "late_answers", (long long)c->late_answers,
         "timeouts", (long long)c->timeouts, "stuck_steps", (long long)c->stuck_steps,
+        "one_copy_steps", (long long)c->one_copy_steps, "copied_rows", (long long)c->copied_rows,
+        "gate_waits", (long long)c->gate_waits,
         "last_seconds", c->last_ns / 1e9, "max_seconds", c->max_ns / 1e9, "total_seconds", c->total_ns / 1e9,
-        "hedge_seconds", c->hedge_ns / 1e9, "direct_stuck_seconds", stuck, "daemon_pending", pending, "note", note);
+        "hedge_seconds", c->hedge_ns / 1e9, "direct_stuck_seconds", stuck, "daemon_pending", pending,
+        "one_copy", PyBool_FromLong(__atomic_load_n(&c->split, __ATOMIC_RELAXED)),
+        "gate_stuck", PyBool_FromLong(__atomic_load_n(&c->gate_stuck, __ATOMIC_RELAXED) != 0), "note", note);
 }
 
 static PyObject *job_error(Job *j, PyObject *noargs) {
@@ -603,7 +654,8 @@ static PyMethodDef job_methods[] = {
     {"call_address", (PyCFunction)job_call_address, METH_VARARGS,
      "call_address(n) -> the run function's argument for n rows (stable for as long as a graph may run it)"},
     {"attach", (PyCFunction)job_attach, METH_VARARGS,
-     "attach(fd, region, ids_offset, out_offset): take a daemon connection (the job closes fd)"},
+     "attach(fd, region, ids_offset, out_offset, split=False): take a daemon connection (the job closes fd); split: "
+     "its daemon took the staging memfd and writes the rows there itself (one host copy)"},
     {"detach", (PyCFunction)job_detach, METH_NOARGS, "detach(): close the daemon connection"},
     {"close", (PyCFunction)job_close, METH_NOARGS,
      "close(): after a run in progress ends (within its deadline), no run touches the staging again"},
@@ -686,6 +738,10 @@ PyMODINIT_FUNC PyInit__fetch(void) {
         PyModule_AddObject(m, "Checksums", (PyObject *)&ChecksumsType) < 0 ||
         PyModule_AddIntConstant(m, "MAX_ROWS", ((int64_t)1 << KEY_ROW_BITS) - 1) < 0 ||
         PyModule_AddObject(m, "FRAME_FIELDS", frame_fields()) < 0 ||
+        PyModule_AddIntConstant(m, "FLAG_SPLIT", FLAG_SPLIT) < 0 ||
+        PyModule_AddIntConstant(m, "SPLIT_PAD_ID", SPLIT_PAD_ID) < 0 ||
+        PyModule_AddObject(m, "GATE_STATES", Py_BuildValue("(iiii)", GATE_REVOKED, GATE_OPEN, GATE_WRITING,
+                                                           GATE_DONE)) < 0 ||
         PyModule_AddObject(m, "BOARD_OFFSETS", Py_BuildValue(
             "{sisisisisisisisisi}", "bytes", BOARD_BYTES, "failed", BOARD_FAILED, "kind", BOARD_KIND, "pid", BOARD_PID,
             "layer", BOARD_LAYER, "npages", BOARD_NPAGES, "claim", BOARD_CLAIM, "pages", BOARD_PAGES,

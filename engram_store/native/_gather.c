@@ -8,6 +8,9 @@
  *     On the caller's thread, the GIL released.
  * EpochGuard()
  *     The row cache's lock and reader epochs, shared with the daemon's native path (epoch_guard.h).
+ * gather_to_split(...), gather_split_to_split(...), gate_claim(...), gate_done(...)
+ *     Rows into a client's staging in the engines' split layout, row i at positions[i] (one host
+ *     copy: engram_store/wire/staging.py), and the staging's gate (staging_gate.h).
  * gather_split(weights, weight_bytes, scales, scale_bytes, index, out, threads=1) -> None
  *     The same for a table kept in two blocks, the engines' layout (every row's
  *     payload in one block, every row's scales in the other): out[i] is
@@ -48,6 +51,7 @@
 
 #include "_gather_api.h"
 #include "epoch_guard.h"  /* EpochGuard: the row cache's lock and reader epochs */
+#include "staging_gate.h" /* gate_claim, gate_done: a client staging's gate (the daemon's Python path) */
 
 #define BLOCK_ROWS 1024     /* rows per claim: small enough to balance, large enough to amortize */
 #define MIN_SPLIT_ROWS 2048 /* smaller gathers run on the caller's thread */
@@ -74,6 +78,10 @@ typedef struct {
     char *out;         /* row i at out + i * (row_bytes + row_bytes2) */
     size_t row_bytes, row_bytes2;
     int64_t n, rows, nblocks;
+    /* split outputs (a client's staging) instead of out: row i's first row_bytes at wout + pos[i] * row_bytes,
+       the rest at sout + pos[i] * row_bytes2; a packed src then holds rows of row_bytes + row_bytes2 */
+    const int64_t *pos;
+    char *wout, *sout;
 } job_t;
 
 /* The one job in flight. `claim` packs (generation << 32 | next block); a worker
@@ -155,9 +163,52 @@ static inline __attribute__((always_inline)) void copy_split(const job_t *j, int
     }
 }
 
+/* Rows into split outputs at positions (copy_rows with j->pos set). From a split table as copy_split
+   does (payloads of a chunk, then its scales); from packed rows each row's two parts in turn. */
+static inline __attribute__((always_inline)) void copy_to_split(const job_t *j, int64_t lo, int64_t hi, size_t wb,
+                                                                size_t sb) {
+    const int64_t *idx = j->idx, *pos = j->pos;
+    if (j->src2 == NULL) {
+        const size_t rb = wb + sb;
+        for (int64_t i = lo; i < hi; i++) {
+            if (i + PREFETCH_AHEAD < hi) prefetch_row(j->src + (size_t)idx[i + PREFETCH_AHEAD] * rb, rb);
+            const char *row = j->src + (size_t)idx[i] * rb;
+            memcpy(j->wout + (size_t)pos[i] * wb, row, wb);
+            memcpy(j->sout + (size_t)pos[i] * sb, row + wb, sb);
+        }
+        return;
+    }
+    const char *w = j->src, *s = j->src2;
+    for (int64_t c = lo; c < hi; c += SPLIT_CHUNK_ROWS) {
+        const int64_t e = c + SPLIT_CHUNK_ROWS < hi ? c + SPLIT_CHUNK_ROWS : hi;
+        for (int64_t i = c; i < e; i++) {
+            if (i + SPLIT_TOUCH_AHEAD < hi) __builtin_prefetch(w + (size_t)idx[i + SPLIT_TOUCH_AHEAD] * wb, 0, 3);
+            if (i + SPLIT_ROW_AHEAD < hi) {
+                uintptr_t p = (uintptr_t)w + (size_t)idx[i + SPLIT_ROW_AHEAD] * wb;
+                prefetch_lines((p & ~(uintptr_t)63) + 64, p + wb);
+            }
+            memcpy(j->wout + (size_t)pos[i] * wb, w + (size_t)idx[i] * wb, wb);
+        }
+        for (int64_t i = c; i < e; i++) {
+            if (i + SPLIT_SCALES_AHEAD < e) {
+                uintptr_t p = (uintptr_t)s + (size_t)idx[i + SPLIT_SCALES_AHEAD] * sb;
+                prefetch_lines(p, p + sb);
+            }
+            memcpy(j->sout + (size_t)pos[i] * sb, s + (size_t)idx[i] * sb, sb);
+        }
+    }
+}
+
 static void copy_rows(const job_t *j, int64_t lo, int64_t hi) {
     const int64_t *idx = j->idx;
     const size_t rb = j->row_bytes;
+    if (j->pos != NULL) {
+        if (rb == 256 && j->row_bytes2 == 8) /* the V4.1 row */
+            copy_to_split(j, lo, hi, 256, 8);
+        else
+            copy_to_split(j, lo, hi, rb, j->row_bytes2);
+        return;
+    }
     if (j->src2 != NULL) {
         if (rb == 256 && j->row_bytes2 == 8) /* the V4.1 row */
             copy_split(j, lo, hi, 256, 8);
@@ -303,6 +354,22 @@ static int64_t gather_split_rows(const char *weights, const char *scales, int64_
     return run_gather(&j, threads);
 }
 
+static int64_t gather_to_split_rows(const char *src, int64_t rows, size_t weight_bytes, size_t scale_bytes,
+                                    const int64_t *idx, int64_t n, char *weights_out, char *scales_out,
+                                    const int64_t *pos, int threads) {
+    job_t j = {.src = src, .idx = idx, .row_bytes = weight_bytes, .row_bytes2 = scale_bytes, .n = n, .rows = rows,
+               .pos = pos, .wout = weights_out, .sout = scales_out};
+    return run_gather(&j, threads);
+}
+
+static int64_t gather_split_to_split_rows(const char *weights, const char *scales, int64_t rows, size_t weight_bytes,
+                                          size_t scale_bytes, const int64_t *idx, int64_t n, char *weights_out,
+                                          char *scales_out, const int64_t *pos, int threads) {
+    job_t j = {.src = weights, .src2 = scales, .idx = idx, .row_bytes = weight_bytes, .row_bytes2 = scale_bytes,
+               .n = n, .rows = rows, .pos = pos, .wout = weights_out, .sout = scales_out};
+    return run_gather(&j, threads);
+}
+
 
 static PyObject *pool_size(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
     return PyLong_FromLong(n_workers);
@@ -397,6 +464,131 @@ static PyObject *gather_split(PyObject *Py_UNUSED(self), PyObject *args) {
 done:
     for (int i = 0; i < nv; i++) PyBuffer_Release(&v[i]);
     return result;
+}
+
+/* Split outputs of gather_to_split / gather_split_to_split: index, positions (int64, as many), the two
+   output blocks (writable). 0, or -1 with an exception: every position must be a row of both blocks. */
+static int get_split_outs(PyObject *o_idx, PyObject *o_pos, PyObject *o_wout, PyObject *o_sout, long long wb,
+                          long long sb, Py_buffer *v, int *nv) {
+    PyObject *objs[4] = {o_idx, o_pos, o_wout, o_sout};
+    for (int k = 0; k < 4; k++) {
+        if (PyObject_GetBuffer(objs[k], &v[*nv], PyBUF_C_CONTIGUOUS | (k >= 2 ? PyBUF_WRITABLE : 0)) < 0) return -1;
+        (*nv)++;
+    }
+    const Py_buffer *idx = &v[*nv - 4], *pos = &v[*nv - 3], *wout = &v[*nv - 2], *sout = &v[*nv - 1];
+    if (idx->len % 8 || pos->len != idx->len) {
+        PyErr_SetString(PyExc_TypeError, "gather to split: index and positions must be int64 buffers of one length");
+        return -1;
+    }
+    if (wb <= 0 || sb <= 0) {
+        PyErr_SetString(PyExc_ValueError, "gather to split: weight_bytes and scale_bytes must be positive");
+        return -1;
+    }
+    const int64_t out_rows = wout->len / wb < sout->len / sb ? wout->len / wb : sout->len / sb;
+    const int64_t *p = pos->buf, n = pos->len / 8;
+    for (int64_t i = 0; i < n; i++) {
+        if (p[i] < 0 || p[i] >= out_rows) {
+            PyErr_Format(PyExc_IndexError, "gather to split: position %lld (at %lld) is outside the %lld output rows",
+                         (long long)p[i], (long long)i, (long long)out_rows);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* gather_to_split(src, weight_bytes, scale_bytes, index, positions, weights_out, scales_out, threads=1) */
+static PyObject *gather_to_split(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *o_src, *o_idx, *o_pos, *o_wout, *o_sout;
+    long long wb, sb;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "OLLOOOO|i", &o_src, &wb, &sb, &o_idx, &o_pos, &o_wout, &o_sout, &threads))
+        return NULL;
+    Py_buffer v[5];
+    int nv = 0;
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(o_src, &v[nv], PyBUF_C_CONTIGUOUS) < 0) goto done;
+    nv++;
+    if (get_split_outs(o_idx, o_pos, o_wout, o_sout, wb, sb, v, &nv) < 0) goto done;
+    const int64_t n = v[1].len / 8, rows = v[0].len / (wb + sb);
+    const int64_t *idx = v[1].buf;
+    int64_t first_bad;
+    Py_BEGIN_ALLOW_THREADS
+    first_bad = gather_to_split_rows(v[0].buf, rows, (size_t)wb, (size_t)sb, idx, n, v[3].buf, v[4].buf, v[2].buf,
+                                     threads);
+    Py_END_ALLOW_THREADS
+    if (first_bad >= 0 && bad_index(idx, first_bad, rows) < 0) goto done;
+    result = Py_NewRef(Py_None);
+done:
+    for (int i = 0; i < nv; i++) PyBuffer_Release(&v[i]);
+    return result;
+}
+
+/* gather_split_to_split(weights, weight_bytes, scales, scale_bytes, index, positions, weights_out, scales_out,
+   threads=1) */
+static PyObject *gather_split_to_split(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *o_w, *o_s, *o_idx, *o_pos, *o_wout, *o_sout;
+    long long wb, sb;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "OLOLOOOO|i", &o_w, &wb, &o_s, &sb, &o_idx, &o_pos, &o_wout, &o_sout, &threads))
+        return NULL;
+    Py_buffer v[6];
+    int nv = 0;
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(o_w, &v[nv], PyBUF_C_CONTIGUOUS) < 0) goto done;
+    nv++;
+    if (PyObject_GetBuffer(o_s, &v[nv], PyBUF_C_CONTIGUOUS) < 0) goto done;
+    nv++;
+    if (get_split_outs(o_idx, o_pos, o_wout, o_sout, wb, sb, v, &nv) < 0) goto done;
+    const int64_t n = v[2].len / 8, rows = v[0].len / wb;
+    if (rows * sb > v[1].len) {
+        PyErr_SetString(PyExc_ValueError, "gather_split_to_split: scales hold fewer rows than weights");
+        goto done;
+    }
+    const int64_t *idx = v[2].buf;
+    int64_t first_bad;
+    Py_BEGIN_ALLOW_THREADS
+    first_bad = gather_split_to_split_rows(v[0].buf, v[1].buf, rows, (size_t)wb, (size_t)sb, idx, n, v[4].buf,
+                                           v[5].buf, v[3].buf, threads);
+    Py_END_ALLOW_THREADS
+    if (first_bad >= 0 && bad_index(idx, first_bad, rows) < 0) goto done;
+    result = Py_NewRef(Py_None);
+done:
+    for (int i = 0; i < nv; i++) PyBuffer_Release(&v[i]);
+    return result;
+}
+
+/* The staging gate's word at `offset` of a writable buffer (staging_gate.h), for the daemon's Python path. */
+static uint32_t *gate_at(PyObject *args, Py_buffer *b, unsigned long long *rid) {
+    PyObject *o;
+    long long offset;
+    if (!PyArg_ParseTuple(args, "OLK", &o, &offset, rid)) return NULL;
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return NULL;
+    if (offset < 0 || offset + 4 > b->len || ((uintptr_t)b->buf + (uintptr_t)offset) % 4) {
+        PyBuffer_Release(b);
+        PyErr_SetString(PyExc_ValueError, "gate: a 4-byte aligned word inside the buffer");
+        return NULL;
+    }
+    return (uint32_t *)((char *)b->buf + offset);
+}
+
+static PyObject *py_gate_claim(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer b;
+    unsigned long long rid;
+    uint32_t *g = gate_at(args, &b, &rid);
+    if (g == NULL) return NULL;
+    const int claimed = gate_claim(g, rid);
+    PyBuffer_Release(&b);
+    return PyBool_FromLong(claimed);
+}
+
+static PyObject *py_gate_done(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer b;
+    unsigned long long rid;
+    uint32_t *g = gate_at(args, &b, &rid);
+    if (g == NULL) return NULL;
+    gate_done(g, rid);
+    PyBuffer_Release(&b);
+    Py_RETURN_NONE;
 }
 
 /* out[i] = table[index[i]] (int32), prefetching PREFETCH_AHEAD entries ahead: the cache's row-to-slot
@@ -507,7 +699,9 @@ static PyObject *bump_uint8(PyObject *Py_UNUSED(self), PyObject *args) {
 static engram_gather_api c_api = {.gather = gather_rows, .prime = prime_pool, .gather_split = gather_split_rows,
                                   .take_int32 = take_i32, .bump_counts = bump_counts,
                                   .guard_type = &EpochGuardType, .guard_lock = guard_lock, .guard_unlock = guard_unlock,
-                                  .guard_enter = guard_enter, .guard_leave = guard_leave};
+                                  .guard_enter = guard_enter, .guard_leave = guard_leave,
+                                  .gather_to_split = gather_to_split_rows,
+                                  .gather_split_to_split = gather_split_to_split_rows};
 
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS, "gather(src, row_bytes, index, out, threads=1) -> None"},
@@ -517,6 +711,16 @@ static PyMethodDef methods[] = {
      "bump_uint8(counts, index, cap) -> None: counts[index] = min(counts[index], cap - 1) + 1 (uint8, as numpy)"},
     {"gather_split", gather_split, METH_VARARGS,
      "gather_split(weights, weight_bytes, scales, scale_bytes, index, out, threads=1) -> None"},
+    {"gather_to_split", gather_to_split, METH_VARARGS,
+     "gather_to_split(src, weight_bytes, scale_bytes, index, positions, weights_out, scales_out, threads=1) -> None: "
+     "packed row index[i] into row positions[i] of the two output blocks"},
+    {"gather_split_to_split", gather_split_to_split, METH_VARARGS,
+     "gather_split_to_split(weights, weight_bytes, scales, scale_bytes, index, positions, weights_out, scales_out, "
+     "threads=1) -> None"},
+    {"gate_claim", py_gate_claim, METH_VARARGS,
+     "gate_claim(buffer, offset, request_id) -> bool: a staging gate OPEN(request) -> WRITING (staging_gate.h)"},
+    {"gate_done", py_gate_done, METH_VARARGS,
+     "gate_done(buffer, offset, request_id) -> None: WRITING(request) -> DONE, waking the client"},
     {"prime", prime, METH_NOARGS, "prime() -> None: wake idle workers, a gather is coming"},
     {"pool_size", pool_size, METH_NOARGS, "pool_size() -> worker threads started in this process"},
     {NULL, NULL, 0, NULL},

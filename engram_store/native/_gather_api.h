@@ -39,6 +39,16 @@ typedef struct {
     void (*guard_unlock)(void *guard);
     int64_t (*guard_enter)(void *guard); /* lock held; the reader's token, -1 when out of memory */
     void (*guard_leave)(void *guard, int64_t token); /* takes the lock */
+    /* Into a client's staging, split layout (one host copy): row i of a packed table (row_bytes =
+       weight_bytes + scale_bytes) goes to weights_out + pos[i] * weight_bytes and scales_out +
+       pos[i] * scale_bytes. Every idx is checked first (as gather); the caller checks pos. */
+    int64_t (*gather_to_split)(const char *src, int64_t rows, size_t weight_bytes, size_t scale_bytes,
+                               const int64_t *idx, int64_t n, char *weights_out, char *scales_out, const int64_t *pos,
+                               int threads);
+    /* The same from a split table (the resident arena's two blocks). */
+    int64_t (*gather_split_to_split)(const char *weights, const char *scales, int64_t rows, size_t weight_bytes,
+                                     size_t scale_bytes, const int64_t *idx, int64_t n, char *weights_out,
+                                     char *scales_out, const int64_t *pos, int threads);
 } engram_gather_api;
 
 #endif

@@ -99,6 +99,12 @@ struct core {
     int64_t lat[LAT_RING];
     int nlat, lat_next, streak;
     int64_t backoff_ns, backoff_until;
+    /* one host copy (engram_store/wire/staging.py, staging_gate.h): the daemon writes rows into the staging */
+    uint32_t *gate;                    /* the staging memfd's gate word (valid while !closed), or NULL */
+    int split;                         /* this connection's daemon took the staging: Flag.SPLIT lookups */
+    int peer_pidfd;                    /* the connected daemon's process (pidfd), -1 when unknown */
+    uint64_t gate_stuck;               /* a request whose rows the daemon was still writing at a deadline */
+    int stuck_pidfd;                   /* that daemon's process (pidfd), -1 when unknown */
     /* direct reads (fetch_reader.h) */
     reader_t rd;
     /* status: counters are atomics, the messages sit under msg_lock (read by Python while a run goes on) */
@@ -110,7 +116,7 @@ struct core {
     char note[MSG_BYTES];              /* the last fallback's reason */
     _Atomic int64_t steps, rows, daemon_steps, direct_steps, direct_pages, daemon_errors, drops, failed_steps,
         bad_pages, hedged_steps, busy_steps, backoff_steps, late_answers, timeouts, stuck_steps, last_ns, max_ns,
-        total_ns, hedge_ns;
+        total_ns, hedge_ns, one_copy_steps, copied_rows, gate_waits;
     fetch_call **calls;                /* one per distinct row count */
     int ncalls, cap_calls;
     uint8_t *board;                    /* the failure board (fetch_board.h), or NULL; valid while !closed */

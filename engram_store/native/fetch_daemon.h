@@ -5,7 +5,10 @@
  *                             still unanswered (its late answer is read and dropped here, matched by
  *                             request id; unanswered a deadline after it was sent: the connection is
  *                             dropped), not backing off
- *   send_request(c, m)        the taken rows' ids into the region, one LOOKUP; 0 or -1 (dropped)
+ *   send_request(c, m, n)     the taken rows' ids into the region, one LOOKUP; 0 or -1 (dropped). With
+ *                             the staging taken by the daemon (c->split) all n ids go, PAD_ID where a
+ *                             row is not taken, in one LOOKUP with FLAG_SPLIT, the gate opened first:
+ *                             the daemon writes the rows into the staging itself (one host copy)
  *   read_answer(c, deadline)  the RESULT: 1 rows in the region; 0 the daemon answered an error;
  *                             -1 the transport failed (dropped)
  *   hedge_budget(c)           how long a step waits for the daemon before it also reads directly
@@ -36,6 +39,7 @@ static void drop(core_t *c, const char *why) {
     if (c->sock >= 0) close(c->sock);
     c->sock = -1;
     c->pending_id = 0;
+    c->split = 0;
     atomic_fetch_add(&c->drops, 1);
     set_text(c, c->note, "layer %d: the daemon connection was dropped (%s); rows are read from the table files "
              "until it is back", c->layer, why);
@@ -123,16 +127,25 @@ static int daemon_usable(core_t *c, int64_t now) {
     return 1;
 }
 
-static int send_request(core_t *c, int64_t m) {
-    if (c->ids_off + m * 8 > c->region_len || c->out_off + m * c->row_bytes > c->region_len) {
+static int send_request(core_t *c, int64_t m, int64_t n) {
+    const int64_t ids_n = c->split ? n : m;
+    if (c->ids_off + ids_n * 8 > c->region_len || (!c->split && c->out_off + m * c->row_bytes > c->region_len)) {
         set_text(c, c->note, "layer %d: %lld rows do not fit the shared region", c->layer, (long long)m);
         return -1;
     }
     int64_t *ids = (int64_t *)(c->region + c->ids_off);
-    for (int64_t k = 0; k < m; k++) ids[k] = c->ids[c->pos[k]];
+    if (c->split) {  /* every position; the daemon leaves PAD_ID ones alone (zeroed by the run) */
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t id = c->ids[i];
+            ids[i] = id >= 0 && id < c->layer_rows ? id : SPLIT_PAD_ID;
+        }
+        gate_open(c->gate, c->request_id + 1);
+    } else {
+        for (int64_t k = 0; k < m; k++) ids[k] = c->ids[c->pos[k]];
+    }
     frame_t f = {.magic = MAGIC, .version = VERSION, .op = OP_LOOKUP, .dtype = DTYPE_INT64, .layer = c->layer,
-                 .request_id = ++c->request_id, .count = (uint64_t)m, .ids_offset = (uint64_t)c->ids_off,
-                 .out_offset = (uint64_t)c->out_off};
+                 .flags = c->split ? FLAG_SPLIT : 0, .request_id = ++c->request_id, .count = (uint64_t)ids_n,
+                 .ids_offset = (uint64_t)c->ids_off, .out_offset = c->split ? 0 : (uint64_t)c->out_off};
     int rc = io_all(c->sock, &f, sizeof f, now_ns() + c->deadline_ns, 1);
     if (rc != 0) {
         drop(c, transport_why(rc));

@@ -4,6 +4,14 @@
  *
  *   engram_fetch_host_fn(call)   what cuLaunchHostFunc / hipLaunchHostFunc runs: no GIL, no GPU call
  *   job_run(core, n)             the same for n rows: returns at once when the core is closed
+ *
+ * One host copy: when the connection's daemon took the staging (c->split), the request opens the
+ * staging's gate and the daemon writes the rows into the staging itself; the step then copies nothing.
+ * A step that gives up on such a request (hedged, an error, the deadline) revokes the gate before any
+ * row of its own goes in, waiting (at most to its deadline) when the daemon is writing at that moment:
+ * so no daemon writes into the staging after the step returns, and the winner's rows are the ones the
+ * step leaves. A daemon still writing at the deadline (stopped mid-copy) fails the step, and every later
+ * step at once, until its write ends or its process exits (staging_gate.h).
  */
 #ifndef ENGRAM_STORE_FETCH_RUN_H
 #define ENGRAM_STORE_FETCH_RUN_H
@@ -103,6 +111,38 @@ static int take_direct(core_t *c, int64_t m) {
     return r->nbad ? -1 : 0;
 }
 
+/* The step gives up on its one-copy request: no daemon may write it from now on (waiting, to the
+   deadline at most, for a write in progress to end). 0, or -1 when the daemon still writes. */
+static int settle_gate(core_t *c, uint64_t rid, int64_t deadline) {
+    if (gate_revoke(c->gate) != GATE_WRITING) return 0;
+    atomic_fetch_add(&c->gate_waits, 1);
+    if (gate_wait(c->gate, deadline, c->peer_pidfd)) return 0;
+    c->gate_stuck = rid;
+    c->stuck_pidfd = c->peer_pidfd >= 0 ? fcntl(c->peer_pidfd, F_DUPFD_CLOEXEC, 0) : -1;
+    return -1;
+}
+
+/* Whether the daemon stopped writing the request a step gave up on at its deadline (never waits). */
+static int gate_unstuck(core_t *c) {
+    if (!c->gate_stuck) return 1;
+    if (!gate_wait(c->gate, 0, c->stuck_pidfd)) return 0;
+    c->gate_stuck = 0;
+    if (c->stuck_pidfd >= 0) close(c->stuck_pidfd);
+    c->stuck_pidfd = -1;
+    return 1;
+}
+
+/* The daemon is (still) writing an abandoned request into the staging: this step's rows cannot be trusted. */
+static void fail_gate(core_t *c, int64_t m) {
+    zero_rows(c, m);
+    set_io_error(c);
+    set_text(c, c->error, "layer %d: the daemon was still writing request %llu's rows into the staging at a step's "
+             "deadline (%.3g s; stopped mid-copy?); until that write ends no step's rows can be trusted: the %lld rows "
+             "of this step are zero", c->layer, (unsigned long long)c->gate_stuck, c->deadline_ns / 1e9,
+             (long long)m);
+    atomic_fetch_add(&c->stuck_steps, 1);
+}
+
 /* Nothing complete within the deadline, or no source at all: rows zero, the failure recorded. */
 static void fail_step(core_t *c, int64_t m, int asked_daemon, int direct) {
     zero_rows(c, m);
@@ -128,13 +168,21 @@ static void fail_step(core_t *c, int64_t m, int asked_daemon, int direct) {
     atomic_fetch_add(at_once ? &c->stuck_steps : &c->timeouts, 1);
 }
 
-/* One step's taken rows: the daemon, hedged by a direct read, within the deadline. 0, or -1 failed. */
-static int fetch_step(core_t *c, int64_t m, int64_t t0) {
+/* One step's taken rows (m of its n): the daemon, hedged by a direct read, within the deadline. 0, or -1
+   failed. */
+static int fetch_step(core_t *c, int64_t m, int64_t n, int64_t t0) {
     const int64_t deadline = t0 + c->deadline_ns;
-    int daemon = 0, asked = 0, direct = D_NONE, hedged = 0, from_daemon = 0, from_files = 0;
+    int daemon = 0, asked = 0, direct = D_NONE, hedged = 0, from_daemon = 0, from_files = 0, opened = 0;
     uint64_t gen = 0;
     int64_t sent = 0, hedge_at = 0;
-    if (daemon_usable(c, t0) && send_request(c, m) == 0) {
+    int usable = daemon_usable(c, t0);
+    if (usable) {
+        const int split = c->split;
+        const uint64_t before = c->request_id;
+        usable = send_request(c, m, n) == 0;
+        opened = split && c->request_id != before;  /* the gate was opened (even when the send failed) */
+    }
+    if (usable) {
         daemon = asked = 1;
         sent = now_ns();
         const int64_t budget = hedge_budget(c);
@@ -175,7 +223,11 @@ static int fetch_step(core_t *c, int64_t m, int64_t t0) {
         if (ps >= 0 && p[ps].revents) {
             const int a = read_answer(c, deadline);
             daemon = 0;
-            if (a > 0) {
+            if (a > 0 && opened && !gate_is_done(c->gate, c->request_id)) {
+                atomic_fetch_add(&c->daemon_errors, 1);
+                set_text(c, c->note, "layer %d: the daemon answered request %llu without writing it into the staging; "
+                         "its rows are read from the table files", c->layer, (unsigned long long)c->request_id);
+            } else if (a > 0) {
                 from_daemon = 1;
                 break;
             }
@@ -194,7 +246,12 @@ static int fetch_step(core_t *c, int64_t m, int64_t t0) {
     if (!from_daemon && !from_files && direct == D_HELD) from_files = 1;  /* the failed read stands */
     if (from_daemon) {
         if (direct == D_RUNNING) reader_abandon(c, 0);
-        split_rows(c, c->region + c->out_off, m);
+        if (opened) {  /* the daemon wrote them into the staging: one host copy */
+            atomic_fetch_add(&c->one_copy_steps, 1);
+        } else {
+            split_rows(c, c->region + c->out_off, m);
+            atomic_fetch_add(&c->copied_rows, m);
+        }
         daemon_answered(c, end - sent, !hedged);
         if (hedged) daemon_slow(c, end);
         atomic_fetch_add(&c->daemon_steps, 1);
@@ -205,6 +262,11 @@ static int fetch_step(core_t *c, int64_t m, int64_t t0) {
         c->pending_since = sent;
         if (!from_files) drop(c, "no answer within the deadline");
         else daemon_slow(c, end);
+    }
+    if (opened && settle_gate(c, c->request_id, deadline) < 0) {  /* before any row of the step's own goes in */
+        if (direct == D_RUNNING || direct == D_WANT) reader_abandon(c, 0);
+        fail_gate(c, m);
+        return -1;
     }
     if (from_files) {
         atomic_fetch_add(&c->direct_steps, 1);
@@ -234,7 +296,11 @@ static void job_run(core_t *c, int64_t n) {
             memset(c->scales + i * c->scale_bytes, 0, (size_t)c->scale_bytes);
         }
     }
-    if (m && fetch_step(c, m, t0) < 0) {
+    if (c->gate_stuck && !gate_unstuck(c)) {  /* a daemon may still write into the staging */
+        fail_gate(c, m);
+        atomic_fetch_add(&c->failed_steps, 1);
+        board_publish(c);
+    } else if (m && fetch_step(c, m, n, t0) < 0) {
         atomic_fetch_add(&c->failed_steps, 1);
         board_publish(c);  /* before the step's rows are used: every rank's check sees it */
     }

@@ -16,7 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .. import errors
 from . import load
+from .split_out import SplitOut
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +49,13 @@ class Gatherer:
         if self._native is not None and self.threads > 1 and rows >= self._native.MIN_SPLIT_ROWS:
             self._native.prime()
 
-    def take(self, src: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
+    def take(self, src: np.ndarray, index: np.ndarray, out: np.ndarray | SplitOut) -> None:
         index = np.ascontiguousarray(index, dtype=np.int64)
+        if isinstance(out, SplitOut):  # a client's staging: split layout, under its gate
+            native = self._split_native()
+            wb, sb = out.weight_bytes, out.scale_bytes
+            out.write(lambda i, pos, w, s: native.gather_to_split(src, wb, sb, i, pos, w, s, self.threads), index)
+            return
         if self._native is not None:
             self._native.gather(src, src.shape[1], index, out, self.threads)
             return
@@ -70,6 +77,11 @@ class Gatherer:
         engines' two blocks (uint8 ``[rows, wb]`` and ``[rows, sb]``), ``out`` uint8
         ``[n, wb + sb]``. Bounds checked before anything is copied (IndexError)."""
         index = np.ascontiguousarray(index, dtype=np.int64)
+        if isinstance(out, SplitOut):
+            native, wb, sb = self._split_native(), weights.shape[1], scales.shape[1]
+            out.write(lambda i, pos, w, s: native.gather_split_to_split(weights, wb, scales, sb, i, pos, w, s,
+                                                                        self.threads), index)
+            return
         if self._native is not None:
             self._native.gather_split(weights, weights.shape[1], scales, scales.shape[1], index, out, self.threads)
             return
@@ -78,6 +90,11 @@ class Gatherer:
         wb = weights.shape[1]
         out[:, :wb] = weights[index]
         out[:, wb:] = scales[index]
+
+    def _split_native(self):
+        if self._native is None:  # (the daemon takes no staging without it)
+            raise errors.StorageError("rows into a client's staging need the native gather (_gather), not built")
+        return self._native
 
     def close(self) -> None:
         if self._pool is not None:

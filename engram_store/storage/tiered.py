@@ -48,6 +48,7 @@ from ..format.arena_layout import ArenaInfo
 from ..format.checksums import implementation as checksum_implementation
 from ..format.manifest import Manifest
 from ..native.gather import Gatherer
+from ..native.split_out import SplitOut
 from ..native.readers import DEFAULT_QUEUE_DEPTH, open_reader
 from .cached_path import CachedLookups
 from .gds import make_bulk_reader
@@ -74,6 +75,8 @@ def _disk_paths(files: dict[int, LayerFile]) -> dict[int, str | list[str]]:
 
 class TieredStore(CachedLookups, PlanLookups):
     """A table set served from a DRAM tier in front of an NVMe tier. Implements ``RowStore``."""
+
+    accepts_split_out = True  # lookup_into writes a SplitOut (a client's staging) as well as rows
 
     def __init__(self, directory: Path, manifest: Manifest, files: dict[int, LayerFile], nvme: NvmeTier,
                  arena: ResidentArena | None, cache: RowCache | None, sampler: AccessSampler, gatherer: Gatherer,
@@ -222,7 +225,9 @@ class TieredStore(CachedLookups, PlanLookups):
 
     def lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> LookupStats:
         """Fill ``out[i]`` with the bytes of row ``row_ids[i]`` (see ``RowStore``); returns
-        the stats of this call. Raises CorruptRows when a row sits in a corrupt page."""
+        the stats of this call. Raises CorruptRows when a row sits in a corrupt page. ``out`` may
+        be a :class:`~engram_store.native.split_out.SplitOut` (a client's staging, rows written
+        once every one is checked; :attr:`accepts_split_out`)."""
         t0 = time.perf_counter()
         self._enter()
         try:
@@ -264,6 +269,9 @@ class TieredStore(CachedLookups, PlanLookups):
             self._counters.error()
             raise StorageError(f"layer {lf.layer} is unavailable: {lf.error}")
         n = len(flat)
+        if lf.layer in self._resident and isinstance(out2, SplitOut):  # a client's staging: good rows only
+            requests.check_bounds(lf.layer, flat, lf.layout.rows)
+            self._refuse_known_bad(lf.layer, flat)
         if lf.layer in self._resident:
             # The fast path: bounds are checked by the gather itself (no extra pass over
             # the ids), and as little Python as possible runs after it, when the copy
@@ -375,6 +383,9 @@ class TieredStore(CachedLookups, PlanLookups):
         """Dtypes and shapes (bounds come later, with the gather); returns the flat int64 ids
         and ``out`` as rows."""
         ids = requests.row_ids(row_ids)
+        if isinstance(out, SplitOut):  # rows into a client's staging (the daemon's Flag.SPLIT lookups)
+            out.check(ids.size, self.row_bytes)
+            return requests.flat_row_ids(ids), out
         out_rows = requests.rows_out(out, ids.shape, self.row_bytes)
         return requests.flat_row_ids(ids), out_rows
 

@@ -1,0 +1,198 @@
+"""A Unix client's staging (one host copy, ``engram_store/wire/staging.py``): the daemon's side.
+
+A client sends ``STAGING`` with its staging memfd; :func:`attach` checks it before anything of it is
+mapped, so that no client can make the daemon fault on it:
+
+- one fd, a memfd (``F_GET_SEALS`` answers) sealed against shrinking and growing, and without
+  write seals (the daemon writes it);
+- the geometry: the daemon's row format, 1..``max_request_rows`` rows, blocks and gate aligned,
+  apart, inside the file's size;
+- its blocks' bytes taken from the clients' shared-memory budget (``max_total_client_shm_bytes``;
+  at most ``max_client_shm_bytes`` for one client), as a region of that size would be.
+
+Anything else is refused with a typed error (the connection goes on with ordinary lookups). The
+daemon maps only the bytes the geometry needs, writable, until the connection closes.
+
+:func:`serve_split` answers a ``LOOKUP`` with ``Flag.SPLIT`` on the Python path: the ids are copied
+out of the region, ``PAD_ID`` positions left alone, the others looked up by the store into a
+:class:`~engram_store.native.split_out.SplitOut` (every row checked before the first is written,
+under the staging's gate). The native path serves the same requests (``_unixfast.c``).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import stat
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import errors
+from ..format import requests
+from ..native import shm, syscalls
+from ..native.gather import native_gather
+from ..native.split_out import SplitOut
+from ..wire import frames as wire
+from ..wire import staging as wst
+
+if TYPE_CHECKING:
+    from .connection import Connection
+
+log = logging.getLogger(__name__)
+
+BLOCK_ALIGN = 64  # blocks start on a cache line
+NEEDED_SEALS = syscalls.F_SEAL_SHRINK | syscalls.F_SEAL_GROW
+WRITE_SEALS = syscalls.F_SEAL_WRITE | syscalls.F_SEAL_FUTURE_WRITE
+
+
+class ClientStaging:
+    """A client's staging memfd, mapped by the daemon: ``weights`` / ``scales`` (uint8 ``[rows, *]``
+    views) and the gate word at ``gate_offset`` of ``mapping``. ``budget_bytes`` were taken from the
+    clients' budget; :meth:`close` gives nothing back (the connection does)."""
+
+    def __init__(self, mapping: mmap.mmap, geometry: wst.StagingGeometry, budget_bytes: int) -> None:
+        self.mapping, self.geometry, self.budget_bytes = mapping, geometry, budget_bytes
+        g = geometry
+        whole = np.frombuffer(mapping, dtype=np.uint8)
+        self.weights = whole[g.weight_offset: g.weight_offset + g.rows * g.weight_bytes].reshape(g.rows, g.weight_bytes)
+        self.scales = whole[g.scale_offset: g.scale_offset + g.rows * g.scale_bytes].reshape(g.rows, g.scale_bytes)
+        self.gate = whole[g.gate_offset: g.gate_offset + wst.GATE_BYTES]
+        self.rows = g.rows
+
+    def close(self) -> None:
+        self.weights = self.scales = self.gate = None  # type: ignore[assignment]
+        try:
+            self.mapping.close()
+        except BufferError:  # a view still held (the native path's, released first): freed with it
+            log.warning("a client staging is still referenced after its connection closed; it is unmapped later")
+
+
+def usable(store: Any) -> bool:
+    """Whether this daemon takes stagings: a store that writes SplitOut and the native gather."""
+    return bool(getattr(store, "accepts_split_out", False)) and native_gather() is not None
+
+
+def recv_payload(sock: socket.socket, size: int) -> tuple[bytes, list[int]]:
+    """A STAGING frame's payload and the fds sent with it (at most 2 kept: more end the connection)."""
+    data, fds = shm.recv_with_fds(sock, size, 2)
+    if len(data) < size:
+        data += shm.recv_exact(sock, size - len(data))
+    return data, fds
+
+
+def attach(server: Any, fds: list[int], payload: bytes) -> ClientStaging:
+    """Check and map a client's staging for ``server`` (its store, config and clients' budget; see the
+    module docstring). The fds stay the caller's to close."""
+    if not usable(server.store):
+        raise errors.InvalidRequest("this daemon writes no client staging (its store or native gather cannot); use "
+                                    "ordinary lookups")
+    cfg, store = server.config, server.store
+    return map_staging(fds, payload, row_bytes=store.row_bytes, dim=store.spec.row_format.dim,
+                       max_rows=cfg.max_request_rows, max_bytes=cfg.max_client_shm_bytes, budget=server.region_budget)
+
+
+def map_staging(fds: list[int], payload: bytes, *, row_bytes: int, dim: int, max_rows: int, max_bytes: int,
+                budget: Any) -> ClientStaging:
+    """The checks and the mapping of :func:`attach`; the blocks' bytes are taken from ``budget``
+    (a ``limits.ByteBudget``)."""
+    if len(fds) != 1:
+        raise errors.InvalidRequest(f"STAGING carries one memfd, got {len(fds)} file descriptors")
+    try:
+        g = wst.StagingGeometry.unpack(payload)
+    except ValueError as exc:
+        raise errors.InvalidRequest(f"STAGING: {exc}") from None
+    if (g.weight_bytes, g.scale_bytes) != (dim, row_bytes - dim):
+        raise errors.InvalidRequest(f"STAGING: blocks of {g.weight_bytes} + {g.scale_bytes} bytes a row; this daemon's "
+                                    f"rows are {dim} + {row_bytes - dim}")
+    if not 1 <= g.rows <= max_rows:
+        raise errors.InvalidRequest(f"STAGING: {g.rows} rows; 1..{max_rows} (max_request_rows)")
+    if g.weight_offset % BLOCK_ALIGN or g.scale_offset % BLOCK_ALIGN or g.gate_offset % wst.GATE_ALIGN:
+        raise errors.InvalidRequest(f"STAGING: blocks start on {BLOCK_ALIGN}-byte boundaries and the gate on "
+                                    f"{wst.GATE_ALIGN}")
+    spans = sorted((start, end, what) for what, start, end in g.extents())
+    for (_, end, what), (start, _, other) in zip(spans, spans[1:]):
+        if start < end:
+            raise errors.InvalidRequest(f"STAGING: the {what} and the {other} overlap")
+    fd = fds[0]
+    try:
+        seals = syscalls.seals(fd)
+        st = os.fstat(fd)
+    except OSError as exc:
+        raise errors.InvalidRequest(f"STAGING: the fd is not a sealable memfd ({exc.strerror})") from None
+    if not stat.S_ISREG(st.st_mode) or seals & NEEDED_SEALS != NEEDED_SEALS:
+        raise errors.InvalidRequest(f"STAGING: the memfd must be sealed against shrinking and growing (F_SEAL_SHRINK | "
+                                    f"F_SEAL_GROW); its seals are {seals:#x}")
+    if seals & WRITE_SEALS:
+        raise errors.InvalidRequest(f"STAGING: the memfd is sealed against writes (seals {seals:#x}); the daemon "
+                                    "writes the rows into it")
+    if st.st_size < g.end:
+        raise errors.InvalidRequest(f"STAGING: the memfd holds {st.st_size} bytes, its geometry needs {g.end}")
+    nbytes = g.rows * row_bytes
+    if nbytes > max_bytes:
+        raise errors.ResourceExhausted(f"STAGING: {nbytes} bytes of rows; at most {max_bytes} (max_client_shm_bytes)")
+    if not budget.take(nbytes):
+        raise errors.ResourceExhausted(budget.refusal(nbytes, "client staging"))
+    try:
+        mapping = mmap.mmap(fd, syscalls.round_up(g.end, mmap.PAGESIZE), mmap.MAP_SHARED,
+                            mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, ValueError) as exc:
+        budget.give(nbytes)
+        raise errors.InvalidRequest(f"STAGING: the memfd cannot be mapped for writing ({exc})") from None
+    return ClientStaging(mapping, g, nbytes)
+
+
+def serve_split(conn: "Connection", frame: wire.Frame) -> BaseException | None:
+    """Answer a Flag.SPLIT lookup on the Python path: None once every row is in the staging, else the
+    error as a value."""
+    staging, server = conn.staging, conn.server
+    try:
+        if staging is None:
+            raise errors.InvalidRequest("a LOOKUP with Flag.SPLIT needs a staging: send STAGING first")
+        requests.check_layer(frame.layer, server.layers)
+        if frame.dtype != wire.DType.INT64:
+            raise errors.InvalidRequest(f"a Flag.SPLIT lookup's ids are int64 (dtype {int(wire.DType.INT64)}), "
+                                        f"got dtype code {frame.dtype}")
+        requests.check_count(frame.count, server.config.max_request_rows)
+        n, region = frame.count, conn.array
+        if frame.ids_offset % 8 or frame.ids_offset + n * 8 > len(region):
+            raise errors.InvalidRequest(f"ids [{frame.ids_offset}, {frame.ids_offset + n * 8}) fall outside the "
+                                        f"{len(region)}-byte shared region or are not 8-byte aligned")
+        if frame.out_offset + n > staging.rows:
+            raise errors.InvalidRequest(f"staging rows [{frame.out_offset}, {frame.out_offset + n}) fall outside its "
+                                        f"{staging.rows} rows")
+        ids = region[frame.ids_offset: frame.ids_offset + n * 8].view("<i8").copy()  # the client may rewrite them
+        taken = np.flatnonzero(ids != wst.PAD_ID)
+        out = SplitOut(staging.weights, staging.scales, taken + frame.out_offset, staging.gate, 0,
+                       frame.request_id, native_gather())
+        if taken.size:
+            try:
+                server.store.lookup_into(frame.layer, ids[taken], out)
+            finally:
+                ok = out.finish()
+            revoked = out.revoked
+        else:  # all padding: nothing to write, the gate still says so
+            revoked = not _close_empty(staging, frame.request_id)
+            ok = not revoked
+        if not ok:
+            if revoked:
+                raise errors.Unavailable(f"request {frame.request_id}: the client gave up on it before its rows "
+                                         "were written; nothing was written")
+            raise errors.StorageError(f"request {frame.request_id}: not every row reached the staging exactly once")
+    except errors.EngramStoreError as exc:
+        return exc.with_traceback(None)  # the traceback would pin views of the region
+    except Exception as exc:  # a store bug must not kill the connection's other requests
+        log.exception("split lookup failed")
+        return errors.StorageError(f"internal error: {exc}")
+    return None
+
+
+def _close_empty(staging: ClientStaging, request_id: int) -> bool:
+    """An all-padding request: claim and end the gate (True when the client had not given up)."""
+    native = native_gather()
+    if native.gate_claim(staging.gate, 0, request_id):
+        native.gate_done(staging.gate, 0, request_id)
+        return True
+    return False
