@@ -110,8 +110,9 @@ def map_staging(fds: list[int], payload: bytes, *, row_bytes: int, dim: int, max
     if not 1 <= g.rows <= max_rows:
         raise errors.InvalidRequest(f"STAGING: {g.rows} rows; 1..{max_rows} (max_request_rows)")
     if g.weight_offset % BLOCK_ALIGN or g.scale_offset % BLOCK_ALIGN or g.gate_offset % wst.GATE_ALIGN:
-        raise errors.InvalidRequest(f"STAGING: blocks start on {BLOCK_ALIGN}-byte boundaries and the gate on "
-                                    f"{wst.GATE_ALIGN}")
+        raise errors.InvalidRequest(f"STAGING: the blocks must be {BLOCK_ALIGN}-byte aligned and the gate "
+                                    f"{wst.GATE_ALIGN}-byte aligned (offsets {g.weight_offset}, {g.scale_offset}, "
+                                    f"{g.gate_offset})")
     spans = sorted((start, end, what) for what, start, end in g.extents())
     for (_, end, what), (start, _, other) in zip(spans, spans[1:]):
         if start < end:
