@@ -17,6 +17,8 @@
 #define OP_LOOKUP 3
 #define OP_RESULT 4
 #define OP_STAGING 7
+#define OP_HINT 8      /* wire.Op.HINT: answered by the Python reader (the native path hands it over) */
+#define OP_WITHDRAW 9  /* wire.Op.WITHDRAW: likewise */
 #define DTYPE_INT64 1
 #define FLAG_SPLIT 4      /* LOOKUP: rows into the connection's staging, split layout (wire/staging.py) */
 #define SPLIT_PAD_ID (-1) /* wire.staging.PAD_ID: a position of a Flag.SPLIT lookup the daemon leaves alone */

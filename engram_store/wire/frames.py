@@ -13,6 +13,10 @@ A connection goes::
     client  STAGING (payload: :data:`~engram_store.wire.staging.STAGING` geometry; SCM_RIGHTS:
                      the client's sealed staging memfd) -> daemon RESULT; then LOOKUP with
                      :attr:`Flag.SPLIT` writes rows into that staging (see :mod:`.staging`)
+    client  HINT    (layer, dtype, count ids at ids_offset of the region, out_offset = the hint's
+                     key) -> daemon RESULT (count = rows queued), as soon as the ids are copied:
+                     rows the client will look up soon, read ahead behind the lookups
+    client  WITHDRAW (out_offset = a key) -> daemon RESULT (count = queued rows dropped)
 
 A LOOKUP with :attr:`Flag.PLAN` asks for a *read plan* (cached layers): the daemon
 writes the rows it holds in DRAM into the region as usual and answers RESULT with
@@ -55,7 +59,8 @@ FRAME_FIELDS = (  # (name, struct code), in order: the one declaration of the fr
     ("request_id", "Q"),  # chosen by the client, echoed in the RESULT
     ("count", "Q"),  # row ids (LOOKUP / RESULT) or region bytes (HELLO / WELCOME)
     ("ids_offset", "Q"),  # byte offset of the row ids in the shared region
-    ("out_offset", "Q"),  # byte offset where the rows go in the shared region (Flag.SPLIT: first staging row)
+    ("out_offset", "Q"),  # byte offset where the rows go in the shared region (Flag.SPLIT: first staging row;
+    #                      HINT / WITHDRAW: the hint's key, the same from every rank sending it)
     ("payload_bytes", "I"),  # bytes following this header
     ("reserved", "I"),  # 0
 )
@@ -93,6 +98,8 @@ class Op(enum.IntEnum):
     INFO = 5
     STATS = 6
     STAGING = 7  # the client's staging memfd for Flag.SPLIT lookups (engram_store.wire.staging)
+    HINT = 8  # rows the client will look up soon (a prompt's later chunks): read ahead, fire and forget
+    WITHDRAW = 9  # the hints of a key are no longer needed (its request finished): their queued rows dropped
 
 
 class Status(enum.IntEnum):
@@ -156,6 +163,12 @@ def pack_lookup(request_id: int, layer: int, count: int, ids_offset: int, out_of
     ``flags=Flag.PLAN`` asks for a read plan of the rows not in DRAM."""
     return FRAME.pack(MAGIC, VERSION, Op.LOOKUP, Status.OK, DType.INT64, flags, layer, request_id, count,
                       ids_offset, out_offset, 0, 0)
+
+
+def pack_hint(request_id: int, layer: int, count: int, ids_offset: int, key: int) -> bytes:
+    """A HINT header of ``count`` int64 ids at ``ids_offset`` of the region, for the hint ``key``."""
+    return FRAME.pack(MAGIC, VERSION, Op.HINT, Status.OK, DType.INT64, 0, layer, request_id, count, ids_offset,
+                      key, 0, 0)
 
 
 def pack_result(request_id: int, layer: int, count: int) -> bytes:
