@@ -116,6 +116,16 @@ def with_geometry(**change) -> bytes:
     return wst.StagingGeometry(**fields).pack()
 
 
+def huge_memfd() -> int:
+    try:
+        fd = os.memfd_create("hostile-huge", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB)
+        os.ftruncate(fd, 2 << 20)
+        syscalls.add_seals(fd, SEALED)
+    except OSError as exc:
+        pytest.skip(f"no huge-page memfd on this host ({exc})")
+    return fd
+
+
 def tmp_file_fd(tmp_path) -> int:
     path = tmp_path / "not-a-memfd"
     path.write_bytes(b"\0" * SIZE)
@@ -131,6 +141,7 @@ REFUSED = [  # (name, fds maker, payload, message)
                                              syscalls.F_SEAL_FUTURE_WRITE)], GEOMETRY.pack(), "sealed against writes"),
     ("too small", lambda t: [memfd(size=GEOMETRY.gate_offset)], GEOMETRY.pack(), "its geometry needs"),
     ("a pipe", lambda t: [os.pipe()[0]], GEOMETRY.pack(), "not a sealable memfd"),
+    ("huge pages", lambda t: [huge_memfd()], GEOMETRY.pack(), "only ordinary pages"),
     ("a regular file", lambda t: [tmp_file_fd(t)], GEOMETRY.pack(), "memfd"),
     ("no fd", lambda t: [], GEOMETRY.pack(), "one memfd, got 0"),
     ("two fds", lambda t: [memfd(), memfd()], GEOMETRY.pack(), "one memfd, got 2"),

@@ -3,7 +3,8 @@
 A client sends ``STAGING`` with its staging memfd; :func:`attach` checks it before anything of it is
 mapped, so that no client can make the daemon fault on it:
 
-- one fd, a memfd (``F_GET_SEALS`` answers) sealed against shrinking and growing, and without
+- one fd, a memfd (``F_GET_SEALS`` answers) of ordinary pages (no hugetlbfs: a hole punched in
+  it could meet a fault no huge page serves), sealed against shrinking and growing, and without
   write seals (the daemon writes it);
 - the geometry: the daemon's row format, 1..``max_request_rows`` rows, blocks and gate aligned,
   apart, inside the file's size;
@@ -126,6 +127,9 @@ def map_staging(fds: list[int], payload: bytes, *, row_bytes: int, dim: int, max
     if not stat.S_ISREG(st.st_mode) or seals & NEEDED_SEALS != NEEDED_SEALS:
         raise errors.InvalidRequest(f"STAGING: the memfd must be sealed against shrinking and growing (F_SEAL_SHRINK | "
                                     f"F_SEAL_GROW); its seals are {seals:#x}")
+    if st.st_blksize != mmap.PAGESIZE:  # hugetlbfs: a hole the client punches could leave a fault no page serves
+        raise errors.InvalidRequest(f"STAGING: a memfd of {st.st_blksize}-byte pages; only ordinary pages "
+                                    f"({mmap.PAGESIZE} bytes) are taken")
     if seals & WRITE_SEALS:
         raise errors.InvalidRequest(f"STAGING: the memfd is sealed against writes (seals {seals:#x}); the daemon "
                                     "writes the rows into it")
