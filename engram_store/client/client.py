@@ -109,6 +109,12 @@ def _submit(transport: Any, layer: int, row_ids: np.ndarray) -> Any:
     return transport.lookup_into(layer, ids, out)  # gRPC: done by the time submit returns
 
 
+def _key(key: int) -> int:
+    if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or not 0 <= int(key) < 1 << 64:
+        raise errors.InvalidRequest(f"a hint key is an unsigned 64-bit integer, got {key!r}")
+    return int(key)
+
+
 class EngramClient:
     """A connection to one engram-store daemon. Build it with :meth:`connect`."""
 
@@ -242,6 +248,21 @@ class EngramClient:
             return t.planned.info()
 
         return self._with_transport(info)
+
+    def hint(self, layer: int, row_ids: Any, key: int) -> int:
+        """Tell the daemon that ``row_ids`` of ``layer`` will be looked up soon, in that order (e.g. a
+        prompt's chunks not computed yet): it reads them behind the lookups into its cache. ``key`` (an
+        unsigned 64-bit number, the same from every rank sending this hint: a hash of the request's id)
+        names the hint for :meth:`withdraw`; identical hints of one key are read once. Returns the rows
+        the daemon queued (0 for a resident layer, rows already queued, past the daemon's bounds). Waits
+        for the daemon to take the ids, never for a read."""
+        ids = np.asarray(row_ids)
+        return self._with_transport(lambda t: t.hint(layer, ids, _key(key)))
+
+    def withdraw(self, key: int) -> int:
+        """The hints of ``key`` are no longer needed (the request finished or was aborted): the daemon
+        drops what it still had queued for this client. Returns the rows dropped."""
+        return self._with_transport(lambda t: t.withdraw(_key(key)))
 
     def submit(self, layer: int, row_ids: Any) -> LookupHandle:
         """Start a lookup and return at once (unix); ``handle.wait()`` gives the rows."""

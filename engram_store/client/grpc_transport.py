@@ -172,6 +172,26 @@ class GrpcTransport:
             self._raise(exc)
         return out
 
+    def hint(self, layer: int, row_ids: np.ndarray, key: int) -> int:
+        """The Hint RPC (see ``EngramClient.hint``): rows queued."""
+        ids = requests.row_ids(row_ids).reshape(-1)
+        requests.check_count(ids.size, self.max_request_rows)
+        request = pb.HintRequest(layer=layer, row_ids=np.ascontiguousarray(ids, dtype="<i8").tobytes(), dtype=pb.INT64,
+                                 key=key)
+        try:
+            return self._stub.Hint(request, timeout=self.call_timeout, metadata=self._metadata).rows_queued
+        except grpc.RpcError as exc:
+            self._raise(exc)
+            raise  # unreachable
+
+    def withdraw(self, key: int) -> int:
+        try:
+            return self._stub.Withdraw(pb.WithdrawRequest(key=key), timeout=self.call_timeout,
+                                       metadata=self._metadata).rows_dropped
+        except grpc.RpcError as exc:
+            self._raise(exc)
+            raise  # unreachable
+
     def info(self) -> dict[str, Any]:
         try:
             return _info_dict(self._stub.Info(pb.InfoRequest(), timeout=self.call_timeout, metadata=self._metadata))

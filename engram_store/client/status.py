@@ -129,8 +129,20 @@ def collect(address: str, connect: Callable[[], Any], timeout: float = METRICS_T
         "clients": int(samples.get(PREFIX + 'connected_clients{transport="unix"}', 0)) - (transport == "unix"),
         "hit_ratio": samples.get(PREFIX + "hit_ratio"),
         "lookups": int(samples.get(PREFIX + "lookups_total", 0)),
+        "hints": _hints(samples, slots),
         "engines": {"names": list(ENGINES)} | fit.to_dict(),
     }
+
+
+def _hints(samples: dict[str, float], slots: float) -> dict[str, Any]:
+    """Hinted rows since start (received, read ahead, hit by a lookup, dropped), queued now, and the share
+    of the cache's slots they hold (and may hold)."""
+    get = lambda name: int(samples.get(PREFIX + name, 0))  # noqa: E731
+    return {"received": get("hint_rows_received_total"), "read": get("hint_rows_read_total"),
+            "hit": get("hint_rows_hit_total"), "queued": get("hint_rows_queued"),
+            "dropped": int(sum(_labelled(samples, PREFIX + "hint_rows_dropped_total", "reason").values())),
+            "share": get("hint_cache_slots_used") / slots if slots else None,
+            "share_limit": get("hint_cache_slots_limit") / slots if slots else None}
 
 
 def _bad_entry(value: Any) -> dict[str, Any]:
@@ -194,6 +206,11 @@ def render(doc: dict[str, Any]) -> str:
     hit = doc["hit_ratio"]
     lines.append(f"{'hit rate':<12}{'-' if hit is None else f'{hit:.3f}'} of rows from DRAM over "
                  f"{doc['lookups']:,} lookups since start")
+    hints = doc.get("hints") or {}
+    if hints.get("share_limit"):  # a cached layer: hints are read into its cache
+        lines.append(f"{'hints':<12}{hints['received']:,} rows received, {hints['read']:,} read ahead, {hints['hit']:,} "
+                     f"hit, {hints['dropped']:,} dropped, {hints['queued']:,} queued; {hints['share']:.1%} of the "
+                     f"cache's slots hinted (at most {hints['share_limit']:.0%})")
     fit = doc["engines"]
     lines.append(f"{'engines':<12}{' / '.join(fit['names'])}: {fit['summary']}")
     lines.extend(f"{'':<12}note: {w}" for w in fit["warnings"])

@@ -336,6 +336,41 @@ class UnixTransport:
         finally:
             p.release()
 
+    # --- hints --------------------------------------------------------------------------
+    def hint(self, layer: int, row_ids: np.ndarray, key: int) -> int:
+        """Tell the daemon it will be asked for ``row_ids`` of ``layer`` soon (in that order), as the hint
+        ``key`` (the same from every rank sending it); returns the rows it queued. Waits only for the
+        daemon to copy the ids out of the region (its RESULT), never for a read. Ids go in pieces of at
+        most a quarter of the region, all under the same key."""
+        ids = requests.row_ids(row_ids).reshape(-1)
+        requests.check_count(ids.size, self.max_request_rows)
+        piece = max(1, (self._extents.size // 4) // 8)
+        queued = 0
+        for start in range(0, ids.size, piece):
+            part = ids[start: start + piece]
+            need = max(wire.align(part.size * 8), wire.ALIGN)
+            off = self._extents.alloc(need)
+            try:
+                np.copyto(self.region[off: off + part.size * 8].view("<i8"), part, casting="unsafe")
+                rid = self._next_id()
+                self._send(wire.pack_hint(rid, layer, part.size, off, key))
+                frame, payload = self._result(rid)
+            finally:
+                self._extents.release(off, need)  # the daemon copied the ids before it answered
+            if frame.status != Status.OK:
+                raise wire.error_of(frame.status, payload.decode(errors="replace"))
+            queued += frame.count
+        return queued
+
+    def withdraw(self, key: int) -> int:
+        """The hints of ``key`` are no longer needed; returns the queued rows the daemon dropped."""
+        rid = self._next_id()
+        self._send(Frame(Op.WITHDRAW, rid, out_offset=key).pack())
+        frame, payload = self._result(rid)
+        if frame.status != Status.OK:
+            raise wire.error_of(frame.status, payload.decode(errors="replace"))
+        return frame.count
+
     def _call_json(self, op: Op) -> Any:
         rid = self._next_id()
         self._send(Frame(op, rid).pack())

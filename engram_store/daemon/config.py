@@ -44,6 +44,8 @@ MAX_REQUEST_ROWS = 1 << 26  # 512 MiB of int64 ids: gRPC's message limit is a si
 MAX_GRPC_CHUNK_BYTES = 128 << 20  # the client accepts messages up to 256 MiB
 MAX_NVME_QUEUE_DEPTH = 256  # TieredStore's MAX_QUEUE_DEPTH (a test keeps the two equal)
 MAX_SOCKET_PATH_BYTES = 107  # sun_path holds 108 bytes with the terminating NUL
+MAX_HINT_CACHE_SHARE = 0.9  # hinted rows never take the whole cache: the rows decode steps hit keep the rest
+MAX_HINT_ROWS = 1 << 30  # hint_rows_per_second and hint_max_queued_rows at most (8 GiB of queued ids)
 MIN_TOKEN_CHARS = 16
 # Variables the clients read, not the daemon: an engine pod sets them for its plugins, and a daemon
 # started in the same environment must not take them for unknown keys. (ENGRAM_STORE_GRPC_TOKEN_FILE,
@@ -119,6 +121,11 @@ class DaemonConfig:
     warmup_profile: str = ""  # access profile loaded into the cache at start ("" = none)
     save_profile: str = ""  # cached mode: the hottest rows written here at stop, atomically ("" = never)
     scrub_bytes_per_second: int = 32 << 20  # cached mode: background page check rate; 0 = no scrub
+    hint_cache_share: float = 0.25  # cached layers: share of the cache hinted rows (read ahead) may hold; 0 = off
+    hint_queue_depth: int = 16  # NVMe reads in flight for hinted rows at most; lookups' reads go first
+    hint_max_age_seconds: float = 30.0  # hinted rows unread by then are dropped; read but not looked up, freed
+    hint_rows_per_second: int = 2_000_000  # hinted rows one client may send a second (a second's worth at once)
+    hint_max_queued_rows: int = 8 << 20  # hinted rows waiting to be read, all clients (8 bytes each; a quarter per client)
     socket: str = "/run/engram-store/engram-store.sock"  # Unix socket path; "" disables it
     socket_mode: int = 0o660  # permission bits of the socket file
     socket_group: str = ""  # group owning the socket ("" keeps the daemon's group)
@@ -235,6 +242,16 @@ class DaemonConfig:
             raise bad("drain_seconds", "must not be negative")
         if self.scrub_bytes_per_second < 0:
             raise bad("scrub_bytes_per_second", "must be 0 (no scrub) or a rate such as \"32MiB\"")
+        if not 0 <= self.hint_cache_share <= MAX_HINT_CACHE_SHARE:
+            raise bad("hint_cache_share", f"must be in 0..{MAX_HINT_CACHE_SHARE} (a share of the cache's slots; 0 = off)")
+        if not 1 <= self.hint_queue_depth <= self.nvme_queue_depth:
+            raise bad("hint_queue_depth", f"must be in 1..nvme_queue_depth ({self.nvme_queue_depth}): a share of it")
+        if not 0 < self.hint_max_age_seconds <= 3600:
+            raise bad("hint_max_age_seconds", "must be in (0, 3600] seconds")
+        if not 0 <= self.hint_rows_per_second <= MAX_HINT_ROWS:
+            raise bad("hint_rows_per_second", f"must be in 0..{MAX_HINT_ROWS} (0: hints are refused)")
+        if not 0 <= self.hint_max_queued_rows <= MAX_HINT_ROWS:
+            raise bad("hint_max_queued_rows", f"must be in 0..{MAX_HINT_ROWS} (8 bytes of memory each)")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise bad("log_level", "must be DEBUG, INFO, WARNING or ERROR")
 

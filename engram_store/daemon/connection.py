@@ -48,7 +48,7 @@ from ..native import shm, syscalls
 from ..storage.base import PlanningStore
 from ..wire import frames as wire
 from ..wire.frames import DType, Frame, Op, Status
-from . import fastpath, limits
+from . import fastpath, hint_requests, limits
 from . import staging as client_staging
 
 if TYPE_CHECKING:
@@ -84,6 +84,9 @@ class Connection:
         self.inflight = 0
         self.finished = threading.Event()
         self.connected_at = self.last_active = time.monotonic()
+        self.holder = hint_requests.holder_name(uid)  # HINT / WITHDRAW: this connection's name as a hint holder
+        self.hint_rate = limits.TokenBucket(server.config.hint_rows_per_second)
+        self.hinted = False
         self.welcomed = False
         self.staging: client_staging.ClientStaging | None = None  # Op.STAGING: rows into the client's memfd
         self._staging_request: tuple[bytes, list[int]] = (b"", [])  # a STAGING frame's payload and fds
@@ -122,6 +125,7 @@ class Connection:
         with self.cond:
             while self.inflight:
                 self.cond.wait()
+        hint_requests.withdraw_all(self)
         # The replies of the last requests, unless the client does not read them (the sender
         # drops it after client_send_timeout_seconds) or the daemon gives up on it (abort).
         self.outbox.wait_empty(self.server.config.client_send_timeout_seconds)
@@ -254,6 +258,10 @@ class Connection:
                 self._plan_lookup(frame)
             elif frame.op == Op.LOOKUP:
                 self._lookup(frame, pooled=native is None)
+            elif frame.op == Op.HINT:
+                hint_requests.serve_hint(self, frame)
+            elif frame.op == Op.WITHDRAW:
+                hint_requests.serve_withdraw(self, frame)
             elif frame.op in (Op.INFO, Op.STATS):
                 try:
                     body = self.server.info() if frame.op == Op.INFO else self.server.stats_snapshot()

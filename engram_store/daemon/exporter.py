@@ -77,6 +77,8 @@ class DaemonCollector:
         if slots:
             yield GaugeMetricFamily(PREFIX + "cache_occupancy_ratio", "Share of DRAM cache slots in use",
                                     value=float(store.get("cache_slots_used", 0)) / slots)
+            yield GaugeMetricFamily(PREFIX + "hint_cache_share_ratio", "Share of DRAM cache slots holding hinted rows "
+                                    "no lookup has read yet", value=float(store.get("hint_cache_slots_used", 0)) / slots)
         for collector in self._process:
             yield from collector.collect()
 

@@ -1,4 +1,4 @@
-"""The gRPC service (grpc.aio): Lookup, LookupStream, Info, Stats and the standard health service.
+"""The gRPC service (grpc.aio): Lookup, LookupStream, Info, Stats, Hint, Withdraw and the standard health service.
 
 Row ids arrive as one raw little-endian buffer; rows leave as one raw buffer,
 or as a stream of messages of at most ``grpc_chunk_bytes`` row bytes (the
@@ -25,6 +25,7 @@ ends quietly: each is one log line, never a traceback.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -38,7 +39,7 @@ from google.protobuf.message import DecodeError
 
 from .. import errors
 from ..format import requests
-from ..storage.base import RowStore
+from ..storage.base import HintingStore, RowStore
 from ..version import __version__
 from ..wire import frames as wire
 from ..wire import grpc_codec as lookup_codec
@@ -135,6 +136,7 @@ class EngramStoreService:
         self.draining = False
         self.token_check: TokenCheck | None = None  # set by GrpcServer when grpc_token_file is configured
         self.slots = limits.CallSlots(max(64, config.max_clients), config.grpc_max_calls_per_peer)
+        self.hint_rates = limits.PeerBuckets(config.hint_rows_per_second)  # hinted rows a peer host may send a second
         self._refusals_logged = 0
 
     def attach(self, store: RowStore) -> None:
@@ -269,6 +271,33 @@ class EngramStoreService:
                 if fut is not None:
                     fut.cancel()
         self.stats.record(ids.size, store.row_bytes, time.perf_counter() - t0)
+
+    async def Hint(self, request: pb.HintRequest, context: grpc.aio.ServicerContext) -> pb.HintReply:
+        """Queue rows the peer will look up soon (the store reads them behind its lookups); answered at once.
+        The peer's host is the hint's holder: withdrawals from any of its connections count."""
+        try:
+            store, ids = self._request(request)
+            host = limits.CallSlots.peer_host(context.peer())
+            granted = self.hint_rates.take(host, ids.size)
+            queued = 0
+            if isinstance(store, HintingStore):  # the ids are copied: the queue keeps them past this request
+                hint = functools.partial(store.hint, request.layer, ids[:granted].copy(), request.key, f"grpc:{host}",
+                                         rate_limited=ids.size - granted)
+                queued = await asyncio.get_running_loop().run_in_executor(self.pool, hint)
+        except Exception as exc:
+            await self._fail(context, exc, time.perf_counter())
+            raise
+        return pb.HintReply(rows_queued=queued)
+
+    async def Withdraw(self, request: pb.WithdrawRequest, context: grpc.aio.ServicerContext) -> pb.WithdrawReply:
+        try:
+            store = self._serving()
+            host = limits.CallSlots.peer_host(context.peer())
+            dropped = store.withdraw(request.key, f"grpc:{host}") if isinstance(store, HintingStore) else 0
+        except Exception as exc:
+            await self._fail(context, exc, time.perf_counter())
+            raise
+        return pb.WithdrawReply(rows_dropped=dropped)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
         try:

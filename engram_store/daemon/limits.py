@@ -10,6 +10,8 @@
   drains. So no worker ever blocks on a client's socket; a connection whose
   outbox passes its bound, or whose socket takes nothing for ``stall_seconds``,
   is dropped.
+* :class:`TokenBucket` (and :class:`PeerBuckets`, one per gRPC peer host): hinted rows
+  one client may send a second (``hint_rows_per_second``); rows past it are dropped.
 * :class:`RoundRobin`: lookups of many connections share the worker pool in
   turns. Each connection (a :class:`Lane`) has at most ``per_lane`` pieces in the
   pool at once and goes to the back of the line after each piece, so a large
@@ -217,6 +219,45 @@ class Sender:
             for ob in waiting:
                 if not ob.closed and now - ob.progress_at > self.stall_seconds:
                     ob.close(f"it read no reply for {self.stall_seconds:g}s (client_send_timeout_seconds)", slow=True)
+
+
+# --- hint rates --------------------------------------------------------------------------
+class TokenBucket:
+    """``rate`` units a second, at most ``burst`` (default: a second's worth) saved up: :meth:`take`
+    grants what the bucket holds, never blocks."""
+
+    def __init__(self, rate: float, burst: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.clock = float(rate), float(rate if burst is None else burst), clock
+        self._level, self._at = self.burst, clock()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> int:
+        """Up to ``n`` units now; returns how many were granted (the rest are refused)."""
+        with self._lock:
+            now = self.clock()
+            self._level = min(self.burst, self._level + (now - self._at) * self.rate)
+            self._at = now
+            granted = int(min(n, self._level))
+            self._level -= granted
+            return granted
+
+
+class PeerBuckets:
+    """A :class:`TokenBucket` per peer (gRPC host), the ``max_peers`` most recently seen kept: a
+    forgotten peer starts again with a full bucket, so the map stays bounded whoever connects."""
+
+    def __init__(self, rate: float, max_peers: int = 4096) -> None:
+        self.rate, self.max_peers = rate, max_peers
+        self._buckets: collections.OrderedDict[str, TokenBucket] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def take(self, peer: str, n: int) -> int:
+        with self._lock:
+            bucket = self._buckets.pop(peer, None) or TokenBucket(self.rate)
+            self._buckets[peer] = bucket
+            while len(self._buckets) > self.max_peers:
+                self._buckets.popitem(last=False)
+        return bucket.take(n)
 
 
 # --- worker time -----------------------------------------------------------------------

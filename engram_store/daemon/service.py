@@ -69,14 +69,17 @@ def open_store(config: DaemonConfig, warmup: np.ndarray | None = None) -> RowSto
         raise errors.ConfigError("config key 'tables' is empty: give --tables DIR (a table-set directory)")
     if config.verify:
         TableSet.open(config.tables).close()
+    from ..storage.hints import HintSettings
     from ..storage.tiered import TieredStore  # the engine is loaded only by the daemon
 
+    hints = HintSettings(cache_share=config.hint_cache_share, queue_depth=config.hint_queue_depth,
+                         max_age_seconds=config.hint_max_age_seconds, max_queued_rows=config.hint_max_queued_rows)
     store = TieredStore.open(config.tables, dram_bytes=config.dram_bytes, mode=config.store_mode,
                              placement=parse_placement(config.placement),
                              policy=config.cache_policy, queue_depth=config.nvme_queue_depth,
                              huge_pages=config.huge_pages,
                              warmup=warmup,
-                             scrub_bytes_per_second=config.scrub_bytes_per_second)
+                             scrub_bytes_per_second=config.scrub_bytes_per_second, hints=hints)
     for layer, ranges in store.bad_pages().items():
         log.error("layer %d: %d corrupt pages (page ranges %s) are refused; the rest is served. Engine plugins "
                   "reading the arena in place must skip them (info 'bad_pages'); repair the table set",

@@ -10,6 +10,7 @@
   profile (the daemon's ``save_profile``, read back by ``warmup_profile``).
 - :class:`PlanningStore`: a store that can answer with a read plan of its cold rows.
 - :class:`DeferringStore`: a store whose lookups can leave their cache admission until after the reply.
+- :class:`HintingStore`: a store that reads ahead the rows it is told lookups will ask for soon.
 
 The other seams of the engine sit with their implementations: the page readers
 (:class:`engram_store.native.readers.PageReader`, one module per backend) and the cache policies
@@ -26,8 +27,8 @@ from ..format.arena_layout import ArenaInfo, ArenaLayer, ArenaLayout
 from ..spec import ModelSpec
 from .stats import LookupStats
 
-__all__ = ["ArenaInfo", "ArenaLayer", "ArenaLayout", "DeferringStore", "LookupStats", "PlanningStore", "ProfiledStore",
-           "ResidentStore", "RowStore"]
+__all__ = ["ArenaInfo", "ArenaLayer", "ArenaLayout", "DeferringStore", "HintingStore", "LookupStats", "PlanningStore",
+           "ProfiledStore", "ResidentStore", "RowStore"]
 
 
 @runtime_checkable
@@ -157,6 +158,31 @@ class DeferringStore(RowStore, Protocol):
     """
 
     def lookup_into_deferred(self, layer: int, row_ids: np.ndarray, out: np.ndarray): ...
+
+
+@runtime_checkable
+class HintingStore(RowStore, Protocol):
+    """A :class:`RowStore` that reads ahead rows it is told lookups will ask for soon (hints).
+
+    - ``hint(layer, row_ids, key, holder, rate_limited=0) -> int``: queue ``row_ids`` (any integer
+      array, in the order they will be asked for) of ``layer`` as hint ``key`` of ``holder`` (a
+      client's name); returns the rows queued (0: none needed, a resident layer, hints off, bounds
+      reached). ``rate_limited``: more rows of the hint the caller dropped (counted). Never waits for
+      a read. Raises ``UnknownLayer`` / ``RowOutOfRange`` / ``InvalidRequest`` for bad input,
+      ``StorageError`` for an unavailable layer or a closed store. The store reads the rows later,
+      behind its lookups, within its own bounds (memory, queue depth, a share of its cache).
+    - ``withdraw(key, holder) -> int``: ``holder`` no longer needs ``key``'s hints; returns the queued
+      rows dropped (those no other holder holds). ``withdraw_holder(holder)``: all of its hints.
+    - ``hints_idle() -> bool``: nothing queued and nothing being read.
+    """
+
+    def hint(self, layer: int, row_ids: np.ndarray, key: int, holder: str, *, rate_limited: int = 0) -> int: ...
+
+    def withdraw(self, key: int, holder: str) -> int: ...
+
+    def withdraw_holder(self, holder: str) -> int: ...
+
+    def hints_idle(self) -> bool: ...
 
 
 @runtime_checkable

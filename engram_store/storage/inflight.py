@@ -9,6 +9,10 @@ whose missing rows are being read by another waits for that read and copies the 
 Vectorized: a claim compares the sorted rows with each read in flight of the layer (a
 ``searchsorted``; there are at most as many reads in flight as lookup workers), never row by row.
 A read that fails, or a wait past :data:`WAIT_SECONDS`, leaves the waiter to read those rows itself.
+
+The hint reader (:mod:`.hint_reader`) claims its rows too (``hint=True``): a lookup missing rows it
+is reading waits for them as for any read, and its claims never wait: rows a lookup is reading are
+left out (``skip_taken``). It reads only while no lookup reads (:meth:`InFlight.wait_for_lookups`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class Read:
     bad_pages: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # pages that failed their check
     failed: bool = False
     finished: threading.Event = field(default_factory=threading.Event)
+    hint: bool = False  # the hint reader's (lookups' reads go first)
 
 
 @dataclass
@@ -54,12 +59,15 @@ class InFlight:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._quiet = threading.Condition(self._lock)  # notified whenever a read ends
         self._reads: list[Read] = []
+        self._lookups = 0  # reads in flight that are lookups' (not the hint reader's)
         self.shared_rows = 0  # rows a lookup took from another's read instead of reading them
 
-    def claim(self, layer: int, rows: np.ndarray) -> tuple[Read | None, np.ndarray, list[Wait]]:
+    def claim(self, layer: int, rows: np.ndarray, *, hint: bool = False) -> tuple[Read | None, np.ndarray, list[Wait]]:
         """For sorted distinct ``rows`` of ``layer``: (the read of the rows nobody is reading, or None;
-        their positions in ``rows``; the waits for the others)."""
+        their positions in ``rows``; the waits for the others). ``hint``: the hint reader's claim: no
+        waits (the rows others are reading are simply not in the read)."""
         taken = np.zeros(len(rows), dtype=bool)
         waits = []
         with self._lock:
@@ -73,9 +81,12 @@ class InFlight:
                     waits.append(Wait(read, at, pos[at]))
                     taken |= hit
             mine = np.flatnonzero(~taken)
-            read = Read(layer, rows[mine]) if len(mine) else None
+            read = Read(layer, rows[mine], hint=hint) if len(mine) else None
             if read is not None:
                 self._reads.append(read)
+                self._lookups += not hint
+            if hint:
+                return read, mine, []
             self.shared_rows += int(np.count_nonzero(taken))
         return read, mine, waits
 
@@ -87,4 +98,15 @@ class InFlight:
             read.bad_pages = bad_pages
         with self._lock:
             self._reads.remove(read)
+            self._lookups -= not read.hint
+            self._quiet.notify_all()
         read.finished.set()
+
+    def wait_for_lookups(self, timeout: float) -> bool:
+        """Block until no lookup is reading (True) or ``timeout`` seconds pass (False)."""
+        with self._quiet:
+            return self._quiet.wait_for(lambda: not self._lookups, timeout)
+
+    @property
+    def lookups_reading(self) -> int:
+        return self._lookups

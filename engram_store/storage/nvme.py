@@ -112,18 +112,18 @@ class NvmeTier:
         self._pool: ThreadPoolExecutor | None = None  # the stripe readers, made on the first striped read
         self._pool_lock = threading.Lock()
 
-    def read_rows(self, layer: int, rows: np.ndarray, out: np.ndarray) -> ReadStats:
+    def read_rows(self, layer: int, rows: np.ndarray, out: np.ndarray, queue_depth: int | None = None) -> ReadStats:
         """Fill ``out[i]`` (C-contiguous uint8 ``[n, row_bytes]``) with row ``rows[i]``;
-        ``rows`` int64, sorted ascending and distinct. Raises StorageError when the layer
-        cannot be read."""
+        ``rows`` int64, sorted ascending and distinct. ``queue_depth``: reads in flight at most
+        (default: the reader's). Raises StorageError when the layer cannot be read."""
         lf = self.files[layer]
         if lf.file is None:
             raise StorageError(f"layer {layer} is unavailable: {lf.error}")
         if lf.stripes and len(rows):
-            return self._read_striped(lf, rows, out)
-        return self._read_file(lf, rows, out)
+            return self._read_striped(lf, rows, out, queue_depth)
+        return self._read_file(lf, rows, out, queue_depth)
 
-    def _read_striped(self, lf: LayerFile, rows: np.ndarray, out: np.ndarray) -> ReadStats:
+    def _read_striped(self, lf: LayerFile, rows: np.ndarray, out: np.ndarray, queue_depth: int | None) -> ReadStats:
         t0 = time.perf_counter()
         rpp = lf.layout.rows_per_page
         k_total = len(lf.stripes)
@@ -135,7 +135,7 @@ class NvmeTier:
 
         def read(view: LayerFile, at: np.ndarray) -> ReadStats:
             part = np.empty((len(at), lf.layout.row_bytes), dtype=np.uint8)
-            got = self._read_file(view, local[at] * rpp + slot[at], part)
+            got = self._read_file(view, local[at] * rpp + slot[at], part, queue_depth)
             out[at] = part
             got.bad_pages = view.layer_pages(got.bad_pages)
             return got
@@ -161,7 +161,7 @@ class NvmeTier:
                 self._pool = ThreadPoolExecutor(max(1, self._stripe_threads), thread_name_prefix="engram-stripe")
             return self._pool
 
-    def _read_file(self, lf: LayerFile, rows: np.ndarray, out: np.ndarray) -> ReadStats:
+    def _read_file(self, lf: LayerFile, rows: np.ndarray, out: np.ndarray, queue_depth: int | None = None) -> ReadStats:
         stats = ReadStats()
         if not len(rows):
             return stats
@@ -180,12 +180,13 @@ class NvmeTier:
             """Distinct pages i0..i1-1 and their rows (OSError when a read fails)."""
             r0, r1 = int(row_start[i0]), int(row_start[i1])
             if self.reader.streams_rows:
-                self._read_native(lf, distinct[i0:i1], page_index[r0:r1] - i0, slot[r0:r1], out[r0:r1], into)
+                self._read_native(lf, distinct[i0:i1], page_index[r0:r1] - i0, slot[r0:r1], out[r0:r1], into,
+                                  queue_depth)
                 return
             for lo in range(i0, i1, self.chunk_pages):
                 hi = min(lo + self.chunk_pages, i1)
                 a, b = int(row_start[lo]), int(row_start[hi])
-                self._read_chunk(lf, distinct[lo:hi], page_index[a:b] - lo, slot[a:b], out[a:b], into)
+                self._read_chunk(lf, distinct[lo:hi], page_index[a:b] - lo, slot[a:b], out[a:b], into, queue_depth)
 
         try:
             read_span(0, len(distinct), stats)
@@ -199,7 +200,7 @@ class NvmeTier:
         return stats
 
     def _read_native(self, lf: LayerFile, pages: np.ndarray, page_index: np.ndarray, slot: np.ndarray,
-                     out: np.ndarray, stats: ReadStats) -> None:
+                     out: np.ndarray, stats: ReadStats, queue_depth: int | None = None) -> None:
         begin, npages = extents(pages, self.max_coalesce_pages)
         read_of_page = np.repeat(np.arange(len(begin)), npages)
         read_of_row = read_of_page[page_index]
@@ -208,7 +209,8 @@ class NvmeTier:
         scratch = self.buffers.get()
         try:
             got, bad = self.reader.read_rows(lf.file.fd, out, lf.layout.row_bytes, pages[begin] * PAGE_BYTES,
-                                             npages * PAGE_BYTES, first_row, row_off, scratch, page_crcs=lf.crcs)
+                                             npages * PAGE_BYTES, first_row, row_off, scratch, queue_depth=queue_depth,
+                                             page_crcs=lf.crcs)
         finally:
             self.buffers.put(scratch)
         stats.pages += len(pages)
@@ -218,12 +220,13 @@ class NvmeTier:
             stats.bad_pages = np.concatenate([stats.bad_pages, bad])
 
     def _read_chunk(self, lf: LayerFile, pages: np.ndarray, page_pos: np.ndarray, slot: np.ndarray,
-                    out: np.ndarray, stats: ReadStats) -> None:
+                    out: np.ndarray, stats: ReadStats, queue_depth: int | None = None) -> None:
         n = len(pages)
         begin, npages = extents(pages, self.max_coalesce_pages)
         buf = self.buffers.get()
         try:
-            got = self.reader.read(lf.file.fd, buf, pages[begin] * PAGE_BYTES, npages * PAGE_BYTES, begin * PAGE_BYTES)
+            got = self.reader.read(lf.file.fd, buf, pages[begin] * PAGE_BYTES, npages * PAGE_BYTES, begin * PAGE_BYTES,
+                                   queue_depth=queue_depth)
             if lf.crcs is not None:
                 bad = pages[check_pages(buf, lf.crcs[pages])]
                 if len(bad):

@@ -110,7 +110,7 @@ def _fits(plan: Mapping[int, str], layer_rows: Mapping[int, int], dram_bytes: in
     return cached_rows == 0 or (dram_bytes - need) // slot_bytes >= max(1, int(cached_rows * min_fraction))
 
 
-CACHE_BYTES_PER_SLOT = 8 + 4  # slot key + free-stack entry, besides the policy's own
+CACHE_BYTES_PER_SLOT = 8 + 4 + 1  # slot key + free-stack entry + hint state, besides the policy's own
 
 
 

@@ -5,6 +5,12 @@ A slot arena of ``n_slots`` rows, one int32 row-to-slot array per layer
 cost no memory; on transparent huge pages where the host allows, as every
 lookup reads them at random rows), and an eviction policy (:mod:`.policies`).
 
+Hinted rows (:mod:`.hints`: rows an engine will ask for soon, read ahead) take slots too, at most
+a bounded share of them (:meth:`RowCache.admit_hinted`). The eviction policy does not track them, so
+they neither push hot rows out one by one nor get evicted before they are used; a lookup finds them
+like any row. :meth:`RowCache.settle_hints` hands the ones a lookup read to the policy (as if a lookup
+had just admitted them) and frees those that aged unread.
+
 Slots are never reused under a reader, by epochs: a lookup registers the
 current epoch while it copies out of slots; evicted slots are retired with the
 epoch of their eviction and go back to the free stack only once every lookup
@@ -33,6 +39,8 @@ LAYER_SHIFT = 40  # cache key = layer_index << LAYER_SHIFT | row
 
 ROW_MASK = (1 << LAYER_SHIFT) - 1
 ADMIT_DIVISOR = 4  # one lookup admits at most n_slots // ADMIT_DIVISOR new rows
+HINT_BUCKET_SECONDS = 1.0  # hinted rows admitted within this long share one age bucket
+HINTED, HINTED_READ = 1, 2  # RowCache.hint_state of a slot holding a hinted row (0: any other slot)
 _NATIVE = load("_gather", "the cache's row-to-slot lookups use numpy indexing")
 
 
@@ -102,6 +110,11 @@ class RowCache:
         self.admitted = 0
         self.evicted = 0
         self.not_admitted = 0
+        # per slot: 0, or a hinted row not handed to the policy yet: HINTED, HINTED_READ once a lookup read it
+        # (the native path raises the policy's counts instead: see settle_hints)
+        self.hint_state = np.zeros(n_slots, dtype=np.uint8)
+        self.hinted_count = 0
+        self._hint_buckets: collections.deque[list] = collections.deque()  # [admitted at, [slots], [keys]]
 
     # --- readers -------------------------------------------------------
     def begin(self, layer: int, rows: np.ndarray) -> tuple[int, np.ndarray]:
@@ -116,6 +129,11 @@ class RowCache:
             else:
                 found = self.maps[li][rows]
             hit = found[found > 0] - 1
+            if len(hit) and self.hinted_count:
+                hinted = self.hint_state[hit] != 0
+                if hinted.any():  # hinted slots are not the policy's: mark them read instead
+                    self.hint_state[hit[hinted]] = HINTED_READ
+                    hit = hit[~hinted]
             if len(hit):
                 self.policy.on_hit(hit)
         return token, found
@@ -149,6 +167,72 @@ class RowCache:
             self.admitted += len(slots)
             return len(slots)
 
+    # --- hinted rows ---------------------------------------------------------------------
+    def admit_hinted(self, layer: int, rows: np.ndarray, data: np.ndarray, limit: int, now: float) -> int:
+        """Put hinted rows just read (``rows`` distinct int64, ``data`` their bytes) into slots, while fewer
+        than ``limit`` slots hold hinted rows; rows cached already are skipped. Slots come from the free
+        stack, else from the policy's evictions. Returns how many were put in."""
+        li = self.layer_index[layer]
+        with self.lock:
+            new = np.flatnonzero(self.maps[li][rows] == 0)[: max(0, limit - self.hinted_count)]
+            if not len(new):
+                return 0
+            slots = self._take_free(len(new))
+            if len(slots) < len(new):
+                self._retire(self.policy.evict(len(new) - len(slots), self.slot_key))
+                slots = np.concatenate([slots, self._take_free(len(new) - len(slots))])
+            new = new[: len(slots)]
+            keys = np.int64(li << LAYER_SHIFT) | rows[new]
+            self.slots[slots] = data[new]
+            self.slot_key[slots] = keys
+            self.maps[li][rows[new]] = slots + 1
+            self.hint_state[slots] = HINTED
+            counts = self.policy.hit_counts()
+            if counts is not None:
+                counts[0][slots] = 0  # the native path raises them when it serves the slot
+            self.hinted_count += len(slots)
+            if not self._hint_buckets or now - self._hint_buckets[-1][0] > HINT_BUCKET_SECONDS:
+                self._hint_buckets.append([now, [], []])
+            self._hint_buckets[-1][1].append(slots)
+            self._hint_buckets[-1][2].append(keys)
+            return len(slots)
+
+    def settle_hints(self, now: float, max_age: float) -> tuple[int, int]:
+        """Hand the hinted rows a lookup has read to the policy (they stay cached as any row a lookup
+        admitted) and free those admitted more than ``max_age`` seconds before ``now`` and never read.
+        Returns (rows handed over, rows freed)."""
+        with self.lock:
+            if not self.hinted_count:
+                self._hint_buckets.clear()
+                return 0, 0
+            counts = self.policy.hit_counts()
+            handed = freed = 0
+            kept: collections.deque[list] = collections.deque()
+            for at, slot_parts, key_parts in self._hint_buckets:
+                slots, keys = np.concatenate(slot_parts), np.concatenate(key_parts)
+                live = (self.hint_state[slots] != 0) & (self.slot_key[slots] == keys)  # not settled, not reused
+                slots, keys = slots[live], keys[live]
+                read = self.hint_state[slots] == HINTED_READ
+                if counts is not None:
+                    read |= counts[0][slots] > 0
+                if read.any():
+                    self._unhint(slots[read])
+                    self.policy.insert(slots[read], keys[read])
+                    handed += int(np.count_nonzero(read))
+                slots, keys = slots[~read], keys[~read]
+                if now - at > max_age:
+                    self._unhint(slots)
+                    self._retire(slots, evicted=False)
+                    freed += len(slots)
+                elif len(slots):
+                    kept.append([at, [slots], [keys]])
+            self._hint_buckets = kept
+            return handed, freed
+
+    def _unhint(self, slots: np.ndarray) -> None:  # lock held
+        self.hint_state[slots] = 0
+        self.hinted_count -= len(slots)
+
     def _take_free(self, n: int) -> np.ndarray:
         self._reclaim()
         n = min(n, self.free_top)
@@ -156,7 +240,7 @@ class RowCache:
         self.free_top -= n
         return taken
 
-    def _retire(self, victims: np.ndarray) -> None:
+    def _retire(self, victims: np.ndarray, evicted: bool = True) -> None:
         if not len(victims):
             return
         keys = self.slot_key[victims]
@@ -166,7 +250,7 @@ class RowCache:
         self.slot_key[victims] = -1
         self.limbo.append((self.lock.advance(), victims))
         self.limbo_slots += len(victims)
-        self.evicted += len(victims)
+        self.evicted += len(victims) if evicted else 0
 
     def _reclaim(self) -> None:
         oldest = self.lock.oldest()
@@ -204,7 +288,7 @@ class RowCache:
 
     def metadata_bytes(self) -> int:
         """Bytes of bookkeeping per slot (slot keys, free stack, policy)."""
-        return self.slot_key.nbytes + self.free.nbytes + self.policy.metadata_bytes()
+        return self.slot_key.nbytes + self.free.nbytes + self.hint_state.nbytes + self.policy.metadata_bytes()
 
     def map_bytes(self) -> int:
         return sum(m.nbytes for m in self.maps)

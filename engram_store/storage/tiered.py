@@ -52,6 +52,8 @@ from ..native.split_out import SplitOut
 from ..native.readers import DEFAULT_QUEUE_DEPTH, open_reader
 from .cached_path import CachedLookups
 from .gds import make_bulk_reader
+from .hinted import StoreHints
+from .hints import HintSettings
 from .inflight import InFlight
 from .integrity import PageHealth
 from .layer_file import LayerFile, open_layer
@@ -73,14 +75,15 @@ def _disk_paths(files: dict[int, LayerFile]) -> dict[int, str | list[str]]:
     return {k: [part.path for part in lf.stripes] if lf.stripes else lf.path for k, lf in files.items()}
 
 
-class TieredStore(CachedLookups, PlanLookups):
+class TieredStore(CachedLookups, PlanLookups, StoreHints):
     """A table set served from a DRAM tier in front of an NVMe tier. Implements ``RowStore``."""
 
     accepts_split_out = True  # lookup_into writes a SplitOut (a client's staging) as well as rows
 
     def __init__(self, directory: Path, manifest: Manifest, files: dict[int, LayerFile], nvme: NvmeTier,
                  arena: ResidentArena | None, cache: RowCache | None, sampler: AccessSampler, gatherer: Gatherer,
-                 health: PageHealth | None = None, placement: Mapping[int, str] | None = None) -> None:
+                 health: PageHealth | None = None, placement: Mapping[int, str] | None = None,
+                 hints: HintSettings | None = None) -> None:
         self.directory = directory
         self.manifest = manifest
         self._files = files
@@ -105,6 +108,7 @@ class TieredStore(CachedLookups, PlanLookups):
         self._layer_files: dict[int, dict] = {}  # layer_files(), computed once per layer
         self._inflight = InFlight()  # NVMe reads of lookups in flight, shared by lookups missing the same rows
         self._overlap = ReadOverlap(gatherer.threads)  # lookups' reads on helper threads while they copy their hits
+        self._init_hints(hints)  # rows engines will ask for soon, read behind the lookups (storage/hints.py)
 
     # --- opening -------------------------------------------------------
     @classmethod
@@ -113,7 +117,7 @@ class TieredStore(CachedLookups, PlanLookups):
              gds: str = "auto", reader: str = "auto", max_coalesce_pages: int = DEFAULT_MAX_COALESCE_PAGES,
              warmup: str | os.PathLike | np.ndarray | None = None, profile_capacity: int = DEFAULT_CAPACITY,
              gather_threads: int | None = None, scrub_bytes_per_second: int = 0,
-             placement: Mapping[int, str] | None = None) -> "TieredStore":
+             placement: Mapping[int, str] | None = None, hints: HintSettings | None = None) -> "TieredStore":
         """Open the table set in ``directory``.
 
         ``dram_bytes``: DRAM budget of the DRAM tier. ``mode``: ``auto`` (layers resident,
@@ -126,7 +130,8 @@ class TieredStore(CachedLookups, PlanLookups):
         ``warmup``: an access profile (a file, or its pairs) to load into the cache at start.
         ``gather_threads``: threads copying rows of one large request (default: CPU count, at most 8).
         ``scrub_bytes_per_second``: cached mode, read and check every page in the background at
-        this rate (0: no scrub; pages are checked when read either way).
+        this rate (0: no scrub; pages are checked when read either way). ``hints``: how hinted rows
+        are read and kept (:class:`~.hints.HintSettings`; default: its defaults).
         """
         check_open_args(mode=mode, policy=policy, gds=gds, dram_bytes=dram_bytes, queue_depth=queue_depth,
                         max_coalesce_pages=max_coalesce_pages, scrub_bytes_per_second=scrub_bytes_per_second)
@@ -164,7 +169,7 @@ class TieredStore(CachedLookups, PlanLookups):
         total_rows = sum(e.rows for e in manifest.layers)
         sampler = AccessSampler(min(profile_capacity, max(1024, total_rows // 64)))
         threads = gather_threads if gather_threads is not None else min(8, os.cpu_count() or 1)
-        store = cls(directory, manifest, files, nvme, arena, cache, sampler, Gatherer(threads), health, plan)
+        store = cls(directory, manifest, files, nvme, arena, cache, sampler, Gatherer(threads), health, plan, hints)
         store.bulk_reader = bulk_name
         if scrub_bytes_per_second and cache is not None:
             store._scrub = Scrubber([lf for lf in healthy if plan[lf.layer] == CACHED], page_reader, health,
@@ -475,6 +480,7 @@ class TieredStore(CachedLookups, PlanLookups):
         d["cache_evicted_rows"] = c.evicted if c is not None else 0
         d["cache_not_admitted_rows"] = c.not_admitted if c is not None else 0
         d.update(self._plan_counters.snapshot())
+        d.update(self.hint_stats())
         d.update(self.memory())
         d["dram_bytes"] = d["arena_bytes"] + d["cache_bytes"] + d["cache_metadata_bytes"]
         return d
@@ -502,6 +508,7 @@ class TieredStore(CachedLookups, PlanLookups):
         """Wait for the lookups in flight, then release files and memory; later lookups raise
         StorageError("the store is closed")."""
         self._admitter.stop()  # drops queued admissions, waits for the one being read
+        self._hint_reader.stop()  # drops queued hints, waits for the chunk being read
         with self._gate:
             if self._closed:
                 return

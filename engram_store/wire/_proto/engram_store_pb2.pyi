@@ -76,6 +76,36 @@ class InfoReply(_message.Message):
     placement_json: str
     def __init__(self, layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., row_bytes: _Optional[int] = ..., mode: _Optional[str] = ..., spec_json: _Optional[str] = ..., max_request_rows: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., protocol_version: _Optional[int] = ..., version: _Optional[str] = ..., bad_pages_json: _Optional[str] = ..., token_map_json: _Optional[str] = ..., placement_json: _Optional[str] = ...) -> None: ...
 
+class HintRequest(_message.Message):
+    __slots__ = ("layer", "row_ids", "dtype", "key")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    ROW_IDS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    row_ids: bytes
+    dtype: RowIdType
+    key: int
+    def __init__(self, layer: _Optional[int] = ..., row_ids: _Optional[bytes] = ..., dtype: _Optional[_Union[RowIdType, str]] = ..., key: _Optional[int] = ...) -> None: ...
+
+class HintReply(_message.Message):
+    __slots__ = ("rows_queued",)
+    ROWS_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    rows_queued: int
+    def __init__(self, rows_queued: _Optional[int] = ...) -> None: ...
+
+class WithdrawRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    def __init__(self, key: _Optional[int] = ...) -> None: ...
+
+class WithdrawReply(_message.Message):
+    __slots__ = ("rows_dropped",)
+    ROWS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    rows_dropped: int
+    def __init__(self, rows_dropped: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

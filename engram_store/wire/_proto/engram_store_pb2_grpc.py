@@ -54,6 +54,16 @@ class EngramStoreStub:
                 request_serializer=engram__store__pb2.StatsRequest.SerializeToString,
                 response_deserializer=engram__store__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Hint = channel.unary_unary(
+                '/engram_store.v1.EngramStore/Hint',
+                request_serializer=engram__store__pb2.HintRequest.SerializeToString,
+                response_deserializer=engram__store__pb2.HintReply.FromString,
+                _registered_method=True)
+        self.Withdraw = channel.unary_unary(
+                '/engram_store.v1.EngramStore/Withdraw',
+                request_serializer=engram__store__pb2.WithdrawRequest.SerializeToString,
+                response_deserializer=engram__store__pb2.WithdrawReply.FromString,
+                _registered_method=True)
 
 
 class EngramStoreServicer:
@@ -85,6 +95,19 @@ class EngramStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hint(self, request, context):
+        """Fire and forget: answered once the ids are queued, never after a read.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Withdraw(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngramStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +130,16 @@ def add_EngramStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=engram__store__pb2.StatsRequest.FromString,
                     response_serializer=engram__store__pb2.StatsReply.SerializeToString,
+            ),
+            'Hint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hint,
+                    request_deserializer=engram__store__pb2.HintRequest.FromString,
+                    response_serializer=engram__store__pb2.HintReply.SerializeToString,
+            ),
+            'Withdraw': grpc.unary_unary_rpc_method_handler(
+                    servicer.Withdraw,
+                    request_deserializer=engram__store__pb2.WithdrawRequest.FromString,
+                    response_serializer=engram__store__pb2.WithdrawReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +250,60 @@ class EngramStore:
             '/engram_store.v1.EngramStore/Stats',
             engram__store__pb2.StatsRequest.SerializeToString,
             engram__store__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engram_store.v1.EngramStore/Hint',
+            engram__store__pb2.HintRequest.SerializeToString,
+            engram__store__pb2.HintReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Withdraw(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engram_store.v1.EngramStore/Withdraw',
+            engram__store__pb2.WithdrawRequest.SerializeToString,
+            engram__store__pb2.WithdrawReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,95 @@
+"""The hint reader: one background thread that reads queued hints (:mod:`.hints`) behind the lookups.
+
+It takes a batch of a hint's rows at a time (holders in turns, :meth:`~.hints.HintQueue.take`) and
+hands it to the store (``read_batch``), which reads its pages in chunks of a few pages each:
+
+- **behind lookups**: before each chunk it waits until no lookup is reading
+  (:meth:`~.inflight.InFlight.wait_for_lookups`), at most :data:`STARVE_SECONDS` (then one chunk goes
+  anyway, so hints still move under a steady stream of lookups); a lookup that starts meanwhile
+  shares the device with at most one chunk of hint reads;
+- **with a share of the queue depth**: a chunk has ``queue_depth`` reads in flight at most
+  (:class:`~.hints.HintSettings`), never the lookups' full depth;
+- **shared**: a chunk claims its rows as a read in flight (:mod:`.inflight`), so a lookup missing
+  them waits for it rather than reading them again, and rows a lookup is reading are left out.
+
+Every :data:`SETTLE_SECONDS` it settles the cache's hinted share (``settle``: rows a lookup read go
+to the policy, rows that aged unread are freed) and drops queued hints that aged. When the hinted
+share is full it settles and waits rather than read rows it could not keep.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from .hints import HintQueue
+
+log = logging.getLogger(__name__)
+
+BATCH_ROWS = 4096  # rows of a hint taken at a time (read in chunks of CHUNK_READS pages)
+STARVE_SECONDS = 0.05  # the longest the reader defers a chunk to lookups before reading it anyway
+SETTLE_SECONDS = 0.25  # how often the hinted share is settled and aged hints dropped
+FULL_PAUSE_SECONDS = 0.05  # the hinted share is full: pause this long before looking again
+
+
+class HintReader:
+    """The thread. ``room()``: slots the hinted share has free; ``read_batch(layer, rows)``: read and admit
+    a batch; ``settle()``: settle the hinted share. Started by :meth:`start` (the first hint), stopped by
+    :meth:`stop` (the store's close), which waits for the batch being read."""
+
+    def __init__(self, queue: HintQueue, room: Callable[[], int], read_batch: Callable[[int, object], None],
+                 settle: Callable[[], None]) -> None:
+        self.queue, self._room, self._read_batch, self._settle = queue, room, read_batch, settle
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.busy = False  # a batch is being read
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None and not self.stopping.is_set():
+                self._thread = threading.Thread(target=self._run, name="engram-hint-reader", daemon=True)
+                self._thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.queue.close()
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def idle(self) -> bool:
+        """Nothing queued and no batch being read."""
+        return self.queue.empty and not self.busy
+
+    def _run(self) -> None:
+        next_settle = 0.0
+        clock = self.queue.clock
+        while not self.stopping.is_set():
+            try:
+                if clock() >= next_settle:
+                    self._settle()
+                    self.queue.drop_aged()
+                    next_settle = clock() + SETTLE_SECONDS
+                room = self._room()
+                if room <= 0:
+                    self._settle()
+                    next_settle = clock() + SETTLE_SECONDS
+                    if self._room() <= 0:
+                        self.stopping.wait(FULL_PAUSE_SECONDS)
+                        continue
+                    room = self._room()
+                self.busy = True  # before the take: idle() never sees a batch taken but not read yet
+                try:
+                    got = self.queue.take(min(BATCH_ROWS, room))
+                    if got is not None:
+                        self._read_batch(*got)
+                finally:
+                    self.busy = False
+                if got is None:
+                    self.queue.wait(SETTLE_SECONDS)
+            except Exception:  # a failed batch must not end the reader; its rows were only a hint
+                log.exception("reading a batch of hinted rows failed")
+                self.stopping.wait(FULL_PAUSE_SECONDS)

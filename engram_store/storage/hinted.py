@@ -1,0 +1,148 @@
+"""Hints inside :class:`~.tiered.TieredStore` (mixed into it): the store's side of :mod:`.hints`.
+
+``hint(layer, rows, key, holder)`` queues rows an engine will look up soon; the store's hint reader
+(:mod:`.hint_reader`) reads their pages behind the lookups and puts the rows into the cache's
+hinted share (:meth:`~.row_cache.RowCache.admit_hinted`), every page checked against its crc32c as
+any read. ``withdraw(key, holder)`` drops what a finished request still had queued. A hint for a
+resident layer, or a store with hints off (``HintSettings.cache_share`` 0), queues nothing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..errors import StorageError
+from ..format import requests
+from .hint_reader import STARVE_SECONDS, HintReader
+from .hints import HintCounters, HintQueue, HintSettings
+
+CHUNK_READS = 4  # a chunk of a hint batch is this many times the hint queue depth in pages
+
+
+class StoreHints:
+    """The hint methods of :class:`~.tiered.TieredStore`. They use the store's own parts: ``_files``,
+    ``_resident``, ``_cache``, ``_nvme``, ``_inflight``, ``_health``, ``_clear_good``, ``_enter`` /
+    ``_exit`` (the close gate), ``_layer`` and ``row_bytes``; :meth:`_init_hints` makes theirs."""
+
+    def _init_hints(self, settings: HintSettings | None) -> None:
+        self.hint_settings = settings or HintSettings()
+        self._hint_counters = HintCounters()
+        self._hints = HintQueue(self.hint_settings, self._hint_counters)
+        self._hint_reader = HintReader(self._hints, self._hint_room, self._read_hinted, self._settle_hints)
+
+    # --- the daemon's side -------------------------------------------------------------------
+    def hint(self, layer: int, row_ids: np.ndarray, key: int, holder: str, *, rate_limited: int = 0) -> int:
+        """Queue ``row_ids`` of ``layer`` (any integer array; in the order the engine will ask for them)
+        as the hint ``key`` of ``holder`` (a client); returns the rows queued. Never waits for NVMe.
+        ``rate_limited``: rows of this hint the caller dropped for the client's rate (counted). Raises
+        UnknownLayer, RowOutOfRange or InvalidRequest for bad input, StorageError when the layer is
+        unavailable or the store closed."""
+        lf = self._layer(layer)
+        rows = requests.flat_row_ids(requests.row_ids(row_ids))
+        requests.check_bounds(lf.layer, rows, lf.layout.rows)
+        if lf.file is None:
+            raise StorageError(f"layer {lf.layer} is unavailable: {lf.error}")
+        self._enter()
+        try:
+            if lf.layer in self._resident or self._cache is None or not self.hint_settings.enabled or not len(rows):
+                self._hint_counters.add(requests=1, rows_received=len(rows) + rate_limited, rows_skipped=len(rows))
+                self._hint_counters.drop("rate", rate_limited)
+                return 0
+            queued = self._hints.add(lf.layer, rows, int(key), holder, rate_limited)
+            if queued:
+                self._hint_reader.start()
+            return queued
+        finally:
+            self._exit()
+
+    def withdraw(self, key: int, holder: str) -> int:
+        """``holder`` no longer needs hint ``key`` (its request finished or was aborted): rows no other
+        holder holds are dropped unread. Returns those rows."""
+        return self._hints.withdraw(int(key), holder)
+
+    def withdraw_holder(self, holder: str) -> int:
+        """``holder`` is gone: every hint it holds is withdrawn."""
+        return self._hints.withdraw_holder(holder)
+
+    def hints_idle(self) -> bool:
+        """No hint queued and none being read (rows read are in the cache's hinted share)."""
+        return self._hint_reader.idle()
+
+    def hint_stats(self) -> dict[str, int | float]:
+        d = self._hint_counters.snapshot()
+        d["hint_rows_queued"] = self._hints.queued_rows
+        d["hint_queued_bytes"] = self._hints.queued_rows * 8
+        d["hint_cache_slots_used"] = self._cache.hinted_count if self._cache is not None else 0
+        d["hint_cache_slots_limit"] = self._hint_limit()
+        return d
+
+    # --- the hint reader's side ---------------------------------------------------------------
+    def _hint_limit(self) -> int:
+        return int(self._cache.n_slots * self.hint_settings.cache_share) if self._cache is not None else 0
+
+    def _hint_room(self) -> int:
+        return self._hint_limit() - self._cache.hinted_count
+
+    def _settle_hints(self) -> None:
+        if self._cache is None:
+            return
+        handed, freed = self._cache.settle_hints(time.monotonic(), self.hint_settings.max_age_seconds)
+        self._hint_counters.add(rows_hit=handed)
+        self._hint_counters.drop("expired", freed)
+
+    def _read_hinted(self, layer: int, rows: np.ndarray) -> None:
+        """One batch of a hint: the rows not in DRAM, read in chunks of a few pages behind the lookups,
+        checked, and put into the hinted share."""
+        try:
+            self._enter()
+        except StorageError:
+            return  # closing
+        try:
+            cache, lf, settings = self._cache, self._files[layer], self.hint_settings
+            want = np.unique(rows[self._not_cached(layer, rows)])
+            skipped = len(rows) - len(want)
+            pages = want // lf.layout.rows_per_page
+            first = np.flatnonzero(np.diff(pages, prepend=-1))  # the first row of each distinct page
+            per_chunk = CHUNK_READS * settings.queue_depth
+            for lo in range(0, len(first), per_chunk):
+                if self._hint_reader.stopping.is_set():  # closing: the rest is dropped
+                    self._hint_counters.drop("withdrawn", len(want) - int(first[lo]))
+                    break
+                a = int(first[lo])
+                b = int(first[lo + per_chunk]) if lo + per_chunk < len(first) else len(want)
+                self._inflight.wait_for_lookups(STARVE_SECONDS)
+                part = want[a:b]
+                part = part[self._not_cached(layer, part)]  # a lookup may have brought some meanwhile
+                read, mine, _ = self._inflight.claim(layer, part, hint=True)
+                skipped += len(part) - len(mine) + (b - a - len(part))
+                if read is not None:
+                    self._read_hint_chunk(cache, lf, read, settings)
+            self._hint_counters.add(rows_skipped=skipped)
+        finally:
+            self._exit()
+
+    def _read_hint_chunk(self, cache, lf, read, settings: HintSettings) -> None:
+        data = np.empty((len(read.rows), self.row_bytes), dtype=np.uint8)
+        try:
+            rs = self._nvme.read_rows(lf.layer, read.rows, data, queue_depth=settings.queue_depth)
+        except BaseException:
+            self._inflight.done(read, None)
+            raise
+        self._inflight.done(read, data, rs.bad_pages)
+        rows = read.rows
+        self._clear_good(lf.layer, rows, rs.bad_pages, "a hint read")
+        if len(rs.bad_pages):  # their rows are not kept (counted as skipped); a lookup of them is refused
+            self._health.mark(lf.layer, rs.bad_pages, "a hint read")
+            good = ~np.isin(rows // lf.layout.rows_per_page, rs.bad_pages)
+            self._hint_counters.add(rows_skipped=int(np.count_nonzero(~good)))
+            rows, data = rows[good], data[good]
+        put = cache.admit_hinted(lf.layer, rows, data, self._hint_limit(), time.monotonic())
+        self._hint_counters.add(rows_read=put, pages_read=rs.pages, bytes_read=rs.bytes, read_seconds=rs.seconds)
+        self._hint_counters.drop("share_full", len(rows) - put)  # the hinted share filled up meanwhile
+
+    def _not_cached(self, layer: int, rows: np.ndarray) -> np.ndarray:
+        cache = self._cache
+        with cache.lock:
+            return cache.maps[cache.layer_index[layer]][rows] == 0
