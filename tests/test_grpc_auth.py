@@ -209,7 +209,7 @@ def test_a_reply_that_does_not_cover_the_request_raises(plan, words):
             copy_chunks([bad], flat, total, row_bytes)
 
 
-class _ShortStreamServer:
+class _ShortStreamServer(pb_grpc.EngramStoreServicer):  # the generated base answers the RPCs it leaves out
     """A fake daemon whose streams stop after their first chunk (and whose unary replies lack a row)."""
 
     row_bytes, chunk_bytes = 8, 64
