@@ -9,13 +9,15 @@ daemon on a synthetic V4.1 table set at ``--scale`` and runs both jobs on it, al
 first alternates too), ``--repeats`` times per case and step size. Cases:
 
 - ``resident``: layer 1 resident; the daemon's native path gathers from the arena;
-- ``cached-hit``: layer 14 cached, every row of the step in the daemon's DRAM cache (each measured step
-  is fetched once untimed first); the native path's cache hits;
+- ``cached-hit``: layer 14 cached, every row of the step in the daemon's DRAM cache: the steps draw
+  their ids from a hot set of twice their rows, fetched three times first (the JSON gives the rows
+  the daemon read from NVMe while the steps were measured: 0); the native path's cache hits up to
+  65,536 rows, its Python path above;
 - ``python``: the same cached hits through a daemon started with ``--no-unix-native`` (its Python path).
 
 Step sizes: a prefill chunk of ``--chunk-tokens`` tokens (8,192 x 24 = 196,608 rows) and a decode step
 of ``--decode-batch`` tokens (256 x 24 = 6,144 rows); ids drawn uniformly over the layer (new ones each
-repeat). Measured: the job's own clock of the step (``last_seconds``: from its ids to its rows in the
+repeat; from the hot set for the cached cases). Measured: the job's own clock of the step (``last_seconds``: from its ids to its rows in the
 staging), per mode median, p10..p90 and min..max; the paired ratio two/one per repeat, median and
 min..max. Every measured step's rows are compared with ``TableSet.read_rows``.
 
@@ -44,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import JsonReport, add_report_args, ensure_tables, stop_process  # noqa: E402
 
 CASES = ("resident", "cached-hit", "python")
+HOT_FACTOR = 2  # the cached cases' hot set: this many times a step's rows
 MODES = ("one copy", "two copies")
 
 
@@ -75,6 +78,12 @@ class Daemon:
             time.sleep(0.05)
         self.unix = f"unix://{sock}"
 
+    def store_stats(self) -> dict:
+        from engram_store.client.client import EngramClient
+
+        with EngramClient.connect(self.unix) as client:
+            return {k[len("store_"):]: v for k, v in client.stats().items() if k.startswith("store_")}
+
     def stop(self) -> None:
         stop_process(self.proc, 60)
         self.log.close()
@@ -105,17 +114,23 @@ def measure(args, spec, tables, daemon: Daemon, case: str, rows: int) -> dict:
             if job.stats()["one_copy"] != (mode == "one copy"):
                 raise SystemExit(f"{mode}: the daemon did not take the staging as asked ({job.stats()['note']})")
         rng = np.random.default_rng(args.seed)
+        hot = None
+        if case != "resident":  # a hot set the daemon's cache holds: fetched three times first
+            hot = np.unique(rng.integers(0, spec.rows(layer), HOT_FACTOR * rows))
+            for _ in range(3):
+                for at in range(0, hot.size, rows):
+                    run_step(jobs[MODES[0]], hot[at: at + rows])
+        nvme_before = daemon.store_stats()["rows_nvme"]
         for r in range(args.repeats + args.warm):
-            ids = rng.integers(0, spec.rows(layer), rows)
+            ids = rng.integers(0, spec.rows(layer), rows) if hot is None else rng.choice(hot, rows)
             order = MODES if r % 2 == 0 else MODES[::-1]
-            if case != "resident":  # every row in the daemon's cache before the timed steps
-                run_step(jobs[order[0]], ids)
             for mode in order:
                 job = jobs[mode]
                 run_step(job, ids)
                 if r >= args.warm:
                     ms[mode].append(job.stats()["last_seconds"] * 1e3)
                     wrong += not exact(job, tables, layer, ids, spec)
+        nvme_rows = daemon.store_stats()["rows_nvme"] - nvme_before
         counters = {mode: {k: job.stats()[k] for k in ("daemon_steps", "direct_steps", "one_copy_steps",
                                                         "copied_rows", "failed_steps")} for mode, job in jobs.items()}
     finally:
@@ -123,7 +138,8 @@ def measure(args, spec, tables, daemon: Daemon, case: str, rows: int) -> dict:
             job.close()
     paired = [two / one for one, two in zip(ms["one copy"], ms["two copies"])]
     return {"case": case, "layer": layer, "rows": rows, "ms": {m: spread(v) for m, v in ms.items()},
-            "step_ms": ms, "ratio_two_over_one": spread(paired), "wrong_steps": wrong, "counters": counters}
+            "step_ms": ms, "ratio_two_over_one": spread(paired), "wrong_steps": wrong, "counters": counters,
+            "nvme_rows_while_measured": int(nvme_rows)}
 
 
 def run_step(job, ids: np.ndarray) -> None:
@@ -151,7 +167,9 @@ def print_table(doc: dict) -> None:
             print(f"{r['case']:<11} {r['rows']:>8,} {mode:<11} {s['median']:>10.2f} "
                   f"{s['p10']:>8.2f}..{s['p90']:<8.2f} {s['min']:>8.2f}..{s['max']:<8.2f} {extra:>17}")
     bad = sum(r["wrong_steps"] for r in doc["results"])
-    print(f"rows compared with TableSet.read_rows: {'all exact' if not bad else f'{bad} steps WRONG'}")
+    print(f"rows compared with TableSet.read_rows: {'all exact' if not bad else f'{bad} steps WRONG'}; rows read "
+          f"from NVMe while measured: {sum(r['nvme_rows_while_measured'] for r in doc['results'] if r['case'] != 'resident')}"
+          " (cached cases)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     ap.add_argument("--chunk-tokens", type=int, default=8192, help="prefill chunk tokens (x24 rows)")
     ap.add_argument("--decode-batch", type=int, default=256, help="decode step tokens (x24 rows); 0: none")
-    ap.add_argument("--repeats", type=int, default=20, help="measured steps per mode, case and size")
+    ap.add_argument("--repeats", type=int, default=30, help="measured steps per mode, case and size")
     ap.add_argument("--warm", type=int, default=2, help="unmeasured steps first")
     ap.add_argument("--deadline", type=float, default=30.0, help="the jobs' deadline and hedge budget (no hedging)")
     ap.add_argument("--model", default="deepseek-v4.1-flash")
@@ -203,7 +221,8 @@ def run(args) -> dict:
         cases = [c for c in args.cases if (c == "python") == (daemon_kind == "python")]
         if not cases:
             continue
-        daemon = Daemon(tables_dir, spec, 2 * max(sizes), *(["--no-unix-native"] if daemon_kind == "python" else []))
+        daemon = Daemon(tables_dir, spec, 2 * HOT_FACTOR * max(sizes),
+                        *(["--no-unix-native"] if daemon_kind == "python" else []))
         try:
             for case in cases:
                 for rows in sizes:
