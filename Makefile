@@ -191,8 +191,12 @@ BUILD_BASE ?= $(BASE)
 CONTAINER_WORK ?= build/container
 # pip in the build stage trusts this CA bundle too (networks that intercept TLS); default: pip's own setting here.
 PIP_CERT ?= $(shell $(PYTHON) -m pip config get global.cert 2>/dev/null)
-IMAGE_BASE = $(or $(BASE),localhost/engram-store-base:bookworm)
-IMAGE_BUILD_BASE = $(or $(BUILD_BASE),localhost/engram-store-build-base:bookworm)
+# IMAGE_ARCH: the image of another architecture, amd64 or arm64 (Grace), e.g. `make image IMAGE_ARCH=arm64
+# IMAGE=engram-store:$(VERSION)-arm64` (podman build --arch, its bases made for it; on an x86-64 machine it runs
+# under qemu-user-static registered in binfmt_misc with flag F). Empty: this machine's. Multi-arch: the Dockerfile.
+IMAGE_ARCH ?=
+IMAGE_BASE = $(or $(BASE),localhost/engram-store-base:bookworm$(if $(IMAGE_ARCH),-$(IMAGE_ARCH)))
+IMAGE_BUILD_BASE = $(or $(BUILD_BASE),localhost/engram-store-build-base:bookworm$(if $(IMAGE_ARCH),-$(IMAGE_ARCH)))
 SDIST := dist/engram_store-$(VERSION).tar.gz
 
 $(SDIST): $(DIST_STAMP) $(wildcard $(shell git ls-files 2>/dev/null))
@@ -200,8 +204,10 @@ $(SDIST): $(DIST_STAMP) $(wildcard $(shell git ls-files 2>/dev/null))
 	$(DIST_VENV)/bin/python -m build --sdist --outdir dist .
 
 image: $(SDIST)
-	$(if $(BASE),,PODMAN="$(PODMAN)" deploy/container/debian-bases.sh $(CONTAINER_WORK) $(IMAGE_BASE) $(IMAGE_BUILD_BASE))
-	$(PODMAN) build --network host --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 \
+	$(if $(BASE),,PODMAN="$(PODMAN)" ARCH=$(IMAGE_ARCH) deploy/container/debian-bases.sh $(CONTAINER_WORK) \
+		$(IMAGE_BASE) $(IMAGE_BUILD_BASE))
+	$(PODMAN) build $(if $(IMAGE_ARCH),--arch $(IMAGE_ARCH)) --network host --ulimit nofile=1024:1024 \
+		--ulimit nproc=1024:1024 \
 		--build-arg BASE=$(IMAGE_BASE) --build-arg BUILD_BASE=$(IMAGE_BUILD_BASE) \
 		$(if $(PIP_CERT),--volume $(PIP_CERT):/run/pip-cert.pem:ro --build-arg PIP_CERT=/run/pip-cert.pem) \
 		--file deploy/container/Dockerfile --tag $(IMAGE) dist

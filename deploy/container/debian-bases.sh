@@ -7,13 +7,16 @@
 # the same plus gcc and the Python headers. Each is a root filesystem made by mmdebstrap
 # (tarball in WORKDIR) and imported with `podman import`, labelled with its package list; an
 # image with the same list is kept.
-# Environment: PODMAN (default "podman"), MIRROR (default http://deb.debian.org/debian).
+# Environment: PODMAN (default "podman"), MIRROR (default http://deb.debian.org/debian), ARCH (a Debian
+# architecture, amd64 or arm64: bases for an image of that architecture; default this machine's; another
+# one runs its packages' scripts under qemu-user-static registered in binfmt_misc).
 set -euo pipefail
 workdir=${1:?usage: $0 WORKDIR [RUNTIME_TAG BUILD_TAG]}
 runtime_tag=${2:-localhost/engram-store-base:bookworm}
 build_tag=${3:-localhost/engram-store-build-base:bookworm}
 podman=${PODMAN:-podman}
 mirror=${MIRROR:-http://deb.debian.org/debian}
+arch=${ARCH:-$(dpkg --print-architecture)}
 mkdir -p "$workdir"
 
 make_base() {  # TAG NAME PACKAGES
@@ -23,8 +26,10 @@ make_base() {  # TAG NAME PACKAGES
         echo "$tag: present"
         return
     fi
-    mmdebstrap --quiet --variant=essential --include="$packages" bookworm "$workdir/$name.tar" "$mirror"
-    $podman import --quiet --change "LABEL engram-store.packages=$packages" "$workdir/$name.tar" "$tag" >/dev/null
+    mmdebstrap --quiet --variant=essential --architectures="$arch" --include="$packages" bookworm \
+        "$workdir/$name.tar" "$mirror"
+    $podman import --quiet --arch "$arch" --change "LABEL engram-store.packages=$packages" "$workdir/$name.tar" "$tag" \
+        >/dev/null
     rm -f "$workdir/$name.tar"
     echo "$tag: imported ($packages)"
 }
