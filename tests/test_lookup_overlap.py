@@ -1,4 +1,4 @@
-"""A cached layer's lookup with hits and misses: its reads run on a helper thread while it copies its hits
+"""A cached layer's lookup with hits and misses: a helper thread copies its hits while it reads its misses
 (storage/overlap.py), and ``lookup_into_deferred`` leaves the cache's admission of the rows read to the
 caller. Bytes against both references; admission counted only once the caller runs it."""
 
@@ -37,19 +37,20 @@ def hits_and_misses(store, rng, n_hit: int, n_miss: int) -> np.ndarray:
     return rng.permutation(ids)
 
 
-def test_reads_overlap_the_hits_and_rows_are_exact(tables):
+def test_hits_are_copied_during_the_reads_and_rows_are_exact(tables):
     rng = np.random.default_rng(1)
     with open_store(tables) as store:
         ids = hits_and_misses(store, rng, 2 * OVERLAP_MIN_HITS, 700)
         before = store._overlap.started
         out = np.empty((len(ids), FLASH.row_bytes), np.uint8)
         st = store.lookup_into(LAYER, ids, out)
-        assert store._overlap.started == before + 1  # the misses were read on a helper
+        assert store._overlap.started == before + 1  # the hits were copied on a helper
+        assert store._cache.lock.readers == 0  # and it ended the lookup's cache read
         assert st.rows_dram == 2 * OVERLAP_MIN_HITS and st.rows_nvme == len(ids) - st.rows_dram
         check_rows(store, tables, FLASH, LAYER, ids, out)
 
 
-def test_few_hits_read_on_the_calling_thread(tables):
+def test_few_hits_are_copied_on_the_calling_thread(tables):
     rng = np.random.default_rng(2)
     with open_store(tables) as store:
         ids = hits_and_misses(store, rng, OVERLAP_MIN_HITS // 4, 300)
@@ -60,7 +61,7 @@ def test_few_hits_read_on_the_calling_thread(tables):
         check_rows(store, tables, FLASH, LAYER, ids, out)
 
 
-def test_busy_helpers_leave_the_read_to_the_caller(tables):
+def test_busy_helpers_leave_the_work_to_the_caller(tables):
     overlap = ReadOverlap(1)
     release, started = threading.Event(), threading.Event()
 
@@ -71,7 +72,7 @@ def test_busy_helpers_leave_the_read_to_the_caller(tables):
     try:
         first = overlap.start(hold)
         assert first is not None and started.wait(10)
-        assert overlap.start(lambda: None) is None  # never queued behind another lookup's read
+        assert overlap.start(lambda: None) is None  # never queued behind another lookup's work
         release.set()
         first.result(10)
         assert overlap.start(lambda: 7).result(10) == 7

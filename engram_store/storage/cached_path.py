@@ -6,7 +6,6 @@ corrupt pages refused with CorruptRows."""
 from __future__ import annotations
 
 import functools
-from concurrent.futures import wait
 
 import numpy as np
 
@@ -14,7 +13,7 @@ from ..errors import StorageError
 from .nvme import ReadStats
 from .stats import LookupStats
 
-OVERLAP_MIN_HITS = 256  # a lookup with fewer hits reads its misses on its own thread (a hand-off costs more)
+OVERLAP_MIN_HITS = 256  # a lookup with fewer hits copies them itself, before its reads (a hand-off costs more)
 
 
 class CachedLookups:
@@ -25,15 +24,16 @@ class CachedLookups:
     def _lookup_cached(self, layer: int, flat: np.ndarray, out2: np.ndarray, st: LookupStats,
                        admit_later: list | None = None) -> None:
         """Rows in DRAM gathered from the cache's slots, the others read from NVMe (shared with
-        lookups reading them now) and offered to the cache. With both kinds, the misses' reads start
-        first, on a helper thread (:mod:`.overlap`), while this thread gathers the hits into a block;
-        the rows read land in the same block behind them, and one native gather from that block fills
-        ``out2`` (numpy's fancy indexing of 264-byte rows costs several times a gather). With
-        ``admit_later`` (a list) the rows read are offered to the cache by a callable appended to it,
-        for the caller to run once its reply is out, instead of before returning."""
+        lookups reading them now) and offered to the cache. With both kinds, a helper thread
+        (:mod:`.overlap`) copies the hits into a block (and ends the cache read) while this thread
+        reads the misses, which land in the same block behind them; one native gather from that
+        block then fills ``out2`` (numpy's fancy indexing of 264-byte rows costs several times a
+        gather). The reads never wait for a thread hand-off: the copy is long done when they end.
+        With ``admit_later`` (a list) the rows read are offered to the cache by a callable appended
+        to it, for the caller to run once its reply is out, instead of before returning."""
         cache, n, rb = self._cache, len(flat), self.row_bytes
         token, found = cache.begin(layer, flat)
-        reading = None
+        copying = None
         try:
             hit = found > 0
             n_hit = st.rows_dram = int(np.count_nonzero(hit))
@@ -42,20 +42,20 @@ class CachedLookups:
                 return
             miss = np.flatnonzero(~hit) if n_hit else None
             block = np.empty((n, rb), dtype=np.uint8)  # [hits; distinct rows read] (at most n rows)
-            missed = flat[miss] if n_hit else flat
-            if n_hit >= OVERLAP_MIN_HITS:  # the reads start before the hits are copied
-                reading = self._overlap.start(self._read_misses, layer, missed, block[n_hit:])
             if n_hit:
                 at = np.flatnonzero(hit)
-                self._gather.take(cache.slots, found[at] - 1, block[:n_hit])
-        except BaseException:
-            if reading is not None:
-                wait([reading])  # its read lands in block and holds a claim on its rows: let it end first
-            raise
+                if n_hit >= OVERLAP_MIN_HITS:  # copied by a helper during the reads; it ends the cache read
+                    copying = self._overlap.start(self._copy_hits, token, found[at] - 1, block[:n_hit])
+                if copying is None:
+                    self._gather.take(cache.slots, found[at] - 1, block[:n_hit])
         finally:
-            cache.end(token)  # slots read above may be reused from here on
-        distinct, inverse, rs, shared = (reading.result() if reading is not None
-                                         else self._read_misses(layer, missed, block[n_hit:]))
+            if copying is None:
+                cache.end(token)  # slots read above may be reused from here on
+        try:
+            distinct, inverse, rs, shared = self._read_misses(layer, flat[miss] if n_hit else flat, block[n_hit:])
+        finally:
+            if copying is not None:
+                copying.result()  # done long before the reads (raises what the copy raised)
         data = block[n_hit: n_hit + len(distinct)]
         self._clear_good(layer, distinct, rs.bad_pages, "an NVMe read")
         if len(rs.bad_pages):
@@ -75,6 +75,13 @@ class CachedLookups:
             st.cache_admitted = cache.admit(layer, distinct, data)
         else:
             admit_later.append(functools.partial(self._admit_read, layer, distinct, data))
+
+    def _copy_hits(self, token: int, slots: np.ndarray, into: np.ndarray) -> None:
+        """A lookup's hits (``slots``) into ``into``, on a helper; then the lookup's cache read ends."""
+        try:
+            self._gather.take(self._cache.slots, slots, into)
+        finally:
+            self._cache.end(token)
 
     def _read_misses(self, layer: int, missed: np.ndarray, into: np.ndarray) -> tuple[np.ndarray, np.ndarray,
                                                                                       ReadStats, int]:

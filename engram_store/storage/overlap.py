@@ -1,14 +1,14 @@
-"""A lookup's NVMe reads on a helper thread, so that its CPU work runs while the pages come.
+"""Helper threads for the CPU work a lookup can do beside its NVMe reads.
 
-A cached-layer lookup with both hits and misses has CPU work that does not depend on its reads:
-copying the hits out of the row cache's slots. :class:`ReadOverlap` runs the reads (which release
-the GIL for their whole batch) on one of a few helper threads while the calling thread copies the
-hits; the caller then waits for the reads (:meth:`Future.result`). Each helper thread keeps its own
-ring of the page reader, as every reading thread does.
+A cached-layer lookup with both hits and misses has work that does not depend on its reads:
+copying the hits out of the row cache's slots. :class:`ReadOverlap` runs it on one of a few helper
+threads (the copy is a native gather that releases the GIL) while the calling thread reads the
+misses, so the reads start at once and the caller never waits for a thread hand-off after them: the
+copy is long done when they end (:meth:`Future.result` returns at once).
 
-Bounded: at most ``threads`` reads run on helpers at once. :meth:`start` never queues a read
-behind another lookup's: with every helper busy it returns None and the caller reads on its own
-thread, as it would without helpers.
+Bounded: at most ``threads`` tasks run on helpers at once. :meth:`start` never queues a task
+behind another lookup's: with every helper busy it returns None and the caller does the work on its
+own thread, as it would without helpers.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 
 class ReadOverlap:
-    """Up to ``threads`` helper threads for reads a lookup overlaps with its own work. Thread-safe."""
+    """Up to ``threads`` helper threads for work a lookup overlaps with its reads. Thread-safe."""
 
     def __init__(self, threads: int) -> None:
         self.threads = max(1, threads)
@@ -27,7 +27,7 @@ class ReadOverlap:
         self._lock = threading.Lock()
         self._busy = 0
         self._closed = False
-        self.started = 0  # reads run on a helper (for tests and stats)
+        self.started = 0  # tasks run on a helper (for tests and stats)
 
     def start(self, fn: Callable[..., Any], *args: Any) -> Future | None:
         """Run ``fn(*args)`` on an idle helper and return its future, or None (every helper busy, or
@@ -57,7 +57,7 @@ class ReadOverlap:
             self._busy -= 1
 
     def close(self) -> None:
-        """Wait for the reads running on helpers, then end the threads. Idempotent."""
+        """Wait for the tasks running on helpers, then end the threads. Idempotent."""
         with self._lock:
             self._closed = True
             pool, self._pool = self._pool, None
