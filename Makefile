@@ -172,8 +172,8 @@ dist-test: dist $(STAMP)
 	ENGRAM_STORE_TEST_WHEEL="$$(ls $(CURDIR)/dist/*_$(HOST_ARCH).whl)" $(BIN)/python -m pytest -q tests/test_dist.py
 
 # The aarch64 wheel run for real under emulation (tools/arm64/emulated-test.sh: qemu-user-static through
-# binfmt_misc, an arm64 Debian root kept in build/arm64-root; as root, as CI runs; about 3 minutes, the root and the
-# aarch64 dependencies made once): the native unit tests (crc32c through the ARMv8 instructions, gathers, batch
+# binfmt_misc, an arm64 Debian root kept in build/arm64-root; as root, as CI runs; about 5 minutes from a clean
+# machine, 2-3 once the root and the aarch64 dependencies are made): the native unit tests (crc32c through the ARMv8 instructions, gathers, batch
 # readers, a fetch job in a native thread), daemons serving exact lookups over the Unix socket, and the crc32c
 # paths' instruction counts. The wheel is cross-built from the sdist as `make dist` builds it.
 arm64-test: $(SDIST)
