@@ -63,7 +63,7 @@ def lookup_by_parts(store, layer: int, ids: np.ndarray, out: np.ndarray, parts: 
         t.lap("cache.end")
     admit = None
     if n_hit < n:
-        distinct, inverse, _, _ = store._read_misses(layer, flat[miss] if n_hit else flat, block[n_hit:])
+        distinct, inverse, _, _, held = store._read_misses(layer, flat[miss] if n_hit else flat, block[n_hit:])
         t.lap("unique misses + NVMe reads")
         if copying is not None:
             copying.result()
@@ -87,6 +87,8 @@ def lookup_by_parts(store, layer: int, ids: np.ndarray, out: np.ndarray, parts: 
     if admit is not None:
         cache.admit(layer, *admit)
         t.lap(AFTER_REPLY)
+        for read in held:
+            store._inflight.release(read)
     return len(flat) - n_hit
 
 

@@ -104,7 +104,8 @@ def test_hinted_share_is_bounded_kept_from_the_policy_handed_over_once_read(poli
         for lo in range(0, n_slots, cache.admit_limit):  # a full cache of looked-up rows
             cache.admit(14, plain[lo:lo + cache.admit_limit], data(plain[lo:lo + cache.admit_limit]))
         hinted = rows(40)
-        assert cache.admit_hinted(14, hinted, data(hinted), limit=30, now=0.0) == 30  # the share's bound
+        assert cache.admit_hinted(14, hinted, data(hinted), limit=30, now=0.0) == (30, 0)  # the share's bound
+        assert cache.admit_hinted(14, hinted[:5], data(hinted[:5]), limit=99, now=0.0) == (0, 5)  # cached already
         assert cache.hinted_count == 30 and cache.used == n_slots
         for lo in range(0, 300, cache.admit_limit):  # lookups churning: the policy never evicts a hinted row
             more = rows(cache.admit_limit, 7000 + lo)

@@ -64,7 +64,7 @@ def test_claims_split_rows_between_a_reader_and_its_waiters():
     assert flight.claim(LAYER - 1, np.array([5]))[0] is not None  # another layer: nothing shared
     out = np.zeros((4, 2), np.uint8)
     flight.done(first, np.arange(8, dtype=np.uint8).reshape(4, 2))
-    assert wait.take(out) and out[1].tolist() == [2, 3] and out[2].tolist() == [6, 7]
+    assert wait.take(out).all() and out[1].tolist() == [2, 3] and out[2].tolist() == [6, 7]
     flight.done(second, None)  # a failed read: its waiters read for themselves
     third, _, waits3 = flight.claim(LAYER, np.array([40]))
     assert third is not None and not waits3

@@ -9,7 +9,7 @@
  *     is then False).
  *
  * ring.read_rows(fd, out, row_bytes, file_offsets, lengths, first_row, row_offsets,
- *                page_crcs=None, bad=None, *, queue_depth=None) -> (bytes read, bad pages)
+ *                page_crcs=None, bad=None, *, queue_depth=None, stop=None) -> (bytes read, bad pages)
  *     _pread.read_rows without its scratch and queue_depth arguments: extent i
  *     (lengths[i] <= slot_bytes bytes at file_offsets[i]) is read into a free slot
  *     and, as soon as it completes, rows first_row[i] .. first_row[i+1]-1 are copied
@@ -18,7 +18,10 @@
  *     is checked before any row is copied out of it; failing page numbers go into
  *     bad (int64) and their rows are not copied; the second item counts them.
  *     Checked extents must be whole pages, at most 64 each. queue_depth (at most the
- *     ring's, which is the default) caps this call's reads in flight.
+ *     ring's, which is the default) caps this call's reads in flight. With stop (a buffer whose first
+ *     int32 another thread may set non-zero: a reader that must give way), no read is queued once it
+ *     is set; the reads in flight are waited for and the call returns (bytes read, bad pages, extents
+ *     read): extents 0 .. that number - 1 were read (and their rows copied), the others not.
  * ring.read_batch(fd, buf, file_offsets, lengths, buf_offsets, *, queue_depth=None) -> bytes read
  *     _pread.read_batch without queue_depth: lengths[i] bytes at file_offsets[i]
  *     into buf[buf_offsets[i]:], queue_depth in flight (IORING_OP_READ: buf is the
@@ -139,7 +142,13 @@ typedef struct {
     int64_t total;                   /* bytes read */
     int err; int64_t err_off; int short_read;  /* the first failure */
     int sys_err;                     /* a ring syscall failed (not a read): errno */
+    const int32_t *stop;             /* NULL, or a flag another thread raises: queue no more reads */
+    Py_ssize_t queued;               /* extents queued (in order: 0 .. queued - 1) */
 } batch_t;
+
+static int stop_raised(const batch_t *b) {
+    return b->stop != NULL && __atomic_load_n(b->stop, __ATOMIC_RELAXED) != 0;
+}
 
 static void fail(batch_t *b, int err, int64_t off, int is_short) {
     if (!b->err) { b->err = err; b->err_off = off; b->short_read = is_short; }
@@ -191,10 +200,11 @@ static void ring_run(Ring *r, batch_t *b) {
     int inflight = 0;     /* submitted, not yet completed */
     unsigned pending = 0; /* queued in the SQ, not yet consumed by io_uring_enter */
     for (;;) {
-        while (next < b->a.n && nfree > 0 && !b->err) {
+        while (next < b->a.n && nfree > 0 && !b->err && !stop_raised(b)) {
             queue_read(r, b, next++, r->free_slots[--nfree]);
             pending++;
         }
+        b->queued = next;
         if (pending) __atomic_store_n(r->sq_tail, r->tail, __ATOMIC_RELEASE);
         if (sqpoll) { inflight += pending; pending = 0; }  /* the polling thread takes them from the ring */
         if (inflight + pending == 0) break;
@@ -454,23 +464,40 @@ static PyObject *ring_read_batch(Ring *r, PyObject *args, PyObject *kwds) {
     return result;
 }
 
+/* stop=None: none; else a buffer holding at least one int32, read (never written) while the batch runs. */
+static int stop_view(batch_t *b, PyObject *o_stop) {
+    if (o_stop == Py_None) return 0;
+    if (batch_view(&b->a, o_stop, 0, 0, "stop") < 0) return -1;
+    const Py_buffer *v = &b->a.views[b->a.nviews - 1];
+    if (v->len < (Py_ssize_t)sizeof(int32_t) || (uintptr_t)v->buf % sizeof(int32_t)) {
+        PyErr_SetString(PyExc_ValueError, "stop must be an aligned buffer of at least one int32");
+        return -1;
+    }
+    b->stop = v->buf;
+    return 0;
+}
+
 static PyObject *ring_read_rows(Ring *r, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"fd", "out", "row_bytes", "file_offsets", "lengths", "first_row", "row_offsets",
-                             "page_crcs", "bad", "queue_depth", NULL};
+                             "page_crcs", "bad", "queue_depth", "stop", NULL};
     int fd;
     long long row_bytes;
     PyObject *o_out, *o_off, *o_len, *o_first, *o_roff, *o_crcs = Py_None, *o_bad = Py_None, *o_qd = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOLOOOO|OO$O", kwlist, &fd, &o_out, &row_bytes, &o_off, &o_len,
-                                     &o_first, &o_roff, &o_crcs, &o_bad, &o_qd))
+    PyObject *o_stop = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOLOOOO|OO$OO", kwlist, &fd, &o_out, &row_bytes, &o_off, &o_len,
+                                     &o_first, &o_roff, &o_crcs, &o_bad, &o_qd, &o_stop))
         return NULL;
     batch_t b = {.fd = fd};
     PyObject *result = NULL;
     if (batch_views_rows(&b.a, o_out, row_bytes, o_off, o_len, o_first, o_roff) == 0 && call_qd(r, o_qd, &b.qd) == 0 &&
         batch_check_extents(&b.a, r->slot_bytes) == 0 && batch_check_rows(&b.a, 0, -1) == 0 &&
-        batch_check_pages(&b.a, o_crcs, o_bad) == 0 && ring_acquire(r) == 0) {
+        batch_check_pages(&b.a, o_crcs, o_bad) == 0 && stop_view(&b, o_stop) == 0 && ring_acquire(r) == 0) {
         b.a.scratch = r->scratch; b.a.slot = r->slot_bytes;
         PyObject *got = ring_batch(r, &b);
-        if (got != NULL) result = Py_BuildValue("(NL)", got, (long long)b.a.nbad);
+        if (got != NULL && b.stop != NULL)
+            result = Py_BuildValue("(NLn)", got, (long long)b.a.nbad, b.queued);
+        else if (got != NULL)
+            result = Py_BuildValue("(NL)", got, (long long)b.a.nbad);
     }
     batch_release(&b.a);
     return result;
@@ -568,7 +595,7 @@ static PyObject *ring_get_setup(Ring *r, void *Py_UNUSED(c)) {
 static PyMethodDef ring_methods[] = {
     {"read_rows", (PyCFunction)(void (*)(void))ring_read_rows, METH_VARARGS | METH_KEYWORDS,
      "read_rows(fd, out, row_bytes, file_offsets, lengths, first_row, row_offsets, page_crcs=None, bad=None, *, "
-     "queue_depth=None) -> (bytes read, bad pages)"},
+     "queue_depth=None, stop=None) -> (bytes read, bad pages[, extents read when stop is given])"},
     {"read_batch", (PyCFunction)(void (*)(void))ring_read_batch, METH_VARARGS | METH_KEYWORDS,
      "read_batch(fd, buf, file_offsets, lengths, buf_offsets, *, queue_depth=None) -> bytes read"},
     {"register_files", (PyCFunction)ring_register_files, METH_O,

@@ -14,6 +14,7 @@ from .nvme import ReadStats
 from .stats import LookupStats
 
 OVERLAP_MIN_HITS = 256  # a lookup with fewer hits copies them itself, before its reads (a hand-off costs more)
+MAX_RECLAIMS = 3  # rows a read that gave way left: claimed again this many times at most, then read unclaimed
 
 
 class CachedLookups:
@@ -32,6 +33,7 @@ class CachedLookups:
         With ``admit_later`` (a list) the rows read are offered to the cache by a callable appended
         to it, for the caller to run once its reply is out, instead of before returning."""
         cache, n, rb = self._cache, len(flat), self.row_bytes
+        hinted = cache.hint_admissions  # hinted rows put in after this: the misses are looked up again
         token, found = cache.begin(layer, flat)
         copying = None
         try:
@@ -51,30 +53,38 @@ class CachedLookups:
         finally:
             if copying is None:
                 cache.end(token)  # slots read above may be reused from here on
+        held: list = []
         try:
-            distinct, inverse, rs, shared = self._read_misses(layer, flat[miss] if n_hit else flat, block[n_hit:])
+            distinct, inverse, rs, shared, held = self._read_misses(layer, flat[miss] if n_hit else flat,
+                                                                    block[n_hit:], hinted)
         finally:
             if copying is not None:
                 copying.result()  # done long before the reads (raises what the copy raised)
-        data = block[n_hit: n_hit + len(distinct)]
-        self._clear_good(layer, distinct, rs.bad_pages, "an NVMe read")
-        if len(rs.bad_pages):
-            self._refuse_read(layer, distinct, inverse, data, rs.bad_pages)
-        if not n_hit:
-            self._gather.take(data, inverse, out2)
-        else:
-            source = np.empty(n, dtype=np.int64)  # row i of out2: block[source[i]]
-            source[at] = np.arange(n_hit)
-            source[miss] = n_hit + inverse
-            self._gather.take(block, source, out2)
-        st.rows_nvme = n - n_hit
-        st.nvme_rows_distinct = len(distinct) - shared
-        st.nvme_rows_shared = shared
-        st.nvme_pages_read, st.nvme_reads, st.nvme_bytes_read, st.nvme_read_seconds = rs.pages, rs.reads, rs.bytes, rs.seconds
-        if admit_later is None:
-            st.cache_admitted = cache.admit(layer, distinct, data)
-        else:
-            admit_later.append(functools.partial(self._admit_read, layer, distinct, data))
+        try:  # until its rows are in the cache, the read stays claimed: nobody reads them again meanwhile
+            data = block[n_hit: n_hit + len(distinct)]
+            self._clear_good(layer, distinct, rs.bad_pages, "an NVMe read")
+            if len(rs.bad_pages):
+                self._refuse_read(layer, distinct, inverse, data, rs.bad_pages)
+            if not n_hit:
+                self._gather.take(data, inverse, out2)
+            else:
+                source = np.empty(n, dtype=np.int64)  # row i of out2: block[source[i]]
+                source[at] = np.arange(n_hit)
+                source[miss] = n_hit + inverse
+                self._gather.take(block, source, out2)
+            st.rows_nvme = n - n_hit
+            st.nvme_rows_distinct = len(distinct) - shared
+            st.nvme_rows_shared = shared
+            st.nvme_pages_read, st.nvme_reads, st.nvme_bytes_read = rs.pages, rs.reads, rs.bytes
+            st.nvme_read_seconds = rs.seconds
+            if admit_later is None:
+                st.cache_admitted = cache.admit(layer, distinct, data)
+            else:
+                admit_later.append(functools.partial(self._admit_read, layer, distinct, data, held))
+                held = []  # the admission releases them
+        finally:
+            for read in held:
+                self._inflight.release(read)
 
     def _copy_hits(self, token: int, slots: np.ndarray, into: np.ndarray) -> None:
         """A lookup's hits (``slots``) into ``into``, on a helper; then the lookup's cache read ends."""
@@ -83,59 +93,111 @@ class CachedLookups:
         finally:
             self._cache.end(token)
 
-    def _read_misses(self, layer: int, missed: np.ndarray, into: np.ndarray) -> tuple[np.ndarray, np.ndarray,
-                                                                                      ReadStats, int]:
+    def _read_misses(self, layer: int, missed: np.ndarray, into: np.ndarray, hinted: int | None = None) -> tuple:
         """The distinct rows of ``missed`` read into the first rows of ``into`` (C-contiguous, at least
         as many rows as ``missed``): (distinct rows, the position of each of ``missed`` among them,
-        what was read, rows taken from another lookup's read)."""
+        what was read, rows taken from another read, the reads held claimed: release them once their
+        rows are admitted). ``hinted``: the cache's ``hint_admissions`` when the misses were found."""
         distinct, inverse = np.unique(missed, return_inverse=True)
-        rs, shared = self._read_missing(layer, distinct, into[: len(distinct)])
-        return distinct, inverse, rs, shared
+        with self._inflight.reading():  # the hint reader gives way from here to the last wait
+            rs, shared, held = self._read_missing(layer, distinct, into[: len(distinct)], hinted=hinted)
+        return distinct, inverse, rs, shared, held
 
-    def _admit_read(self, layer: int, rows: np.ndarray, data: np.ndarray) -> None:
+    def _admit_read(self, layer: int, rows: np.ndarray, data: np.ndarray, held: list = ()) -> None:
         """A lookup's rows read from NVMe offered to the cache after its reply (``admit_later``); nothing
-        once the store is closing."""
+        once the store is closing. Then its reads (``held``) are no longer claimed."""
         try:
-            self._enter()
-        except StorageError:
-            return
-        try:
-            self._counters.admitted(self._cache.admit(layer, rows, data))
+            try:
+                self._enter()
+            except StorageError:
+                return
+            try:
+                self._counters.admitted(self._cache.admit(layer, rows, data))
+            finally:
+                self._exit()
         finally:
-            self._exit()
+            for read in held:
+                self._inflight.release(read)
 
-    def _read_missing(self, layer: int, distinct: np.ndarray, data: np.ndarray) -> tuple[ReadStats, int]:
+    def _read_missing(self, layer: int, distinct: np.ndarray, data: np.ndarray, depth: int = 0,
+                      hinted: int | None = None) -> tuple:
         """The bytes of sorted distinct ``distinct`` from NVMe into ``data`` (C-contiguous uint8
         ``[len(distinct), row_bytes]``): rows another lookup is reading now are taken from its read
         (:mod:`.inflight`), the others read here. Returns (what was read here, with every bad page
-        met; rows taken from another read)."""
+        met; rows taken from another read; this lookup's reads, kept claimed until released). Rows the hint
+        reader put into the cache since ``hinted`` (its ``hint_admissions`` then) are copied from there."""
         read, mine, waits = self._inflight.claim(layer, distinct)
         rs = ReadStats()
+        from_cache = 0
         if read is not None:
             part = data if not waits else np.empty((len(mine), self.row_bytes), dtype=np.uint8)
             try:
-                rs = self._nvme.read_rows(layer, read.rows, part)
+                have = None
+                if hinted is not None and self._cache.hint_admissions != hinted:  # a hint read ended meanwhile
+                    have = self._copy_cached(layer, read.rows, part)
+                    from_cache = int(np.count_nonzero(have))
+                if from_cache:
+                    rest = np.empty((len(read.rows) - from_cache, self.row_bytes), dtype=np.uint8)
+                    rs = self._nvme.read_rows(layer, read.rows[~have], rest)
+                    part[~have] = rest
+                else:
+                    rs = self._nvme.read_rows(layer, read.rows, part)
             except BaseException:
                 self._inflight.done(read, None)
                 raise
-            self._inflight.done(read, part, rs.bad_pages)
+            self._inflight.done(read, part, rs.bad_pages, keep=True)
             if waits:
                 data[mine] = part
+        held = [read] if read is not None else []
+        try:
+            shared = from_cache + self._take_waits(layer, distinct, data, waits, rs, held, depth)
+        except BaseException:
+            for kept in held:
+                self._inflight.release(kept)
+            raise
+        return rs, shared, held
+
+    def _copy_cached(self, layer: int, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Copy those of ``rows`` the cache holds now into ``out`` (same positions); returns which they were."""
+        token, found = self._cache.begin(layer, rows)
+        try:
+            have = found > 0
+            if have.any():
+                got = np.empty((int(np.count_nonzero(have)), self.row_bytes), dtype=np.uint8)
+                self._gather.take(self._cache.slots, found[have] - 1, got)
+                out[have] = got
+        finally:
+            self._cache.end(token)
+        return have
+
+    def _take_waits(self, layer: int, distinct: np.ndarray, data: np.ndarray, waits: list, rs: ReadStats,
+                    held: list, depth: int) -> int:
+        """Rows others' reads bring, into ``data``; those a failed read or one that gave way did not bring are
+        claimed and read here (added to ``rs``, their reads to ``held``). Returns the rows taken from
+        others' reads."""
         shared = 0
         for wait in waits:
-            if wait.take(data):
-                shared += len(wait.at)
+            took = wait.take(data)
+            if took.any():
+                shared += int(np.count_nonzero(took))
                 rpp = self._files[layer].layout.rows_per_page
-                met = np.intersect1d(wait.read.bad_pages, distinct[wait.at] // rpp)
+                met = np.intersect1d(wait.read.bad_pages, distinct[wait.at[took]] // rpp)
                 rs.bad_pages = np.union1d(rs.bad_pages, met).astype(np.int64)
-                continue
-            part = np.empty((len(wait.at), self.row_bytes), dtype=np.uint8)  # that read failed: read them here
-            got = self._nvme.read_rows(layer, distinct[wait.at], part)
-            data[wait.at] = part
+                if took.all():
+                    continue
+            left = wait.at[~took]  # that read failed, or gave way before them: read them here, claimed
+            part = np.empty((len(left), self.row_bytes), dtype=np.uint8)
+            if depth < MAX_RECLAIMS:
+                got, again, kept = self._read_missing(layer, distinct[left], part, depth + 1)
+                shared += again
+                held.extend(kept)
+            else:
+                got = self._nvme.read_rows(layer, distinct[left], part)
+            data[left] = part
             rs.pages, rs.reads, rs.bytes = rs.pages + got.pages, rs.reads + got.reads, rs.bytes + got.bytes
             rs.seconds += got.seconds
             rs.bad_pages = np.union1d(rs.bad_pages, got.bad_pages).astype(np.int64)
-        return rs, shared
+        return shared
 
     def _refuse_known_bad(self, layer: int, flat: np.ndarray) -> None:
         """CorruptRows when any of ``flat`` sits in a page already known corrupt (rows read in place)."""

@@ -1,16 +1,19 @@
 """The hint reader: one background thread that reads queued hints (:mod:`.hints`) behind the lookups.
 
 It takes a batch of a hint's rows at a time (holders in turns, :meth:`~.hints.HintQueue.take`) and
-hands it to the store (``read_batch``), which reads its pages in chunks of a few pages each:
+hands it to the store (``read_batch``), which reads its pages:
 
-- **behind lookups**: before each chunk it waits until no lookup is reading
-  (:meth:`~.inflight.InFlight.wait_for_lookups`), at most :data:`STARVE_SECONDS` (then one chunk goes
-  anyway, so hints still move under a steady stream of lookups); a lookup that starts meanwhile
-  shares the device with at most one chunk of hint reads;
-- **with a share of the queue depth**: a chunk has ``queue_depth`` reads in flight at most
+- **behind lookups**: it starts reading only once no lookup is reading
+  (:meth:`~.inflight.InFlight.wait_for_lookups`), and a lookup that starts reading raises a stop flag
+  (:attr:`~.inflight.InFlight.hint_stop`) on which the hint read queues no more pages: the lookup
+  shares the device with at most the hint reads already in flight, and the hint read resumes after
+  it. A stream of lookups that never pauses holds the reader back :data:`STARVE_SECONDS` at most; then
+  a few pages go anyway (``STARVED_READS`` times its queue depth), so hints still move;
+- **with a share of the queue depth**: ``queue_depth`` reads in flight at most
   (:class:`~.hints.HintSettings`), never the lookups' full depth;
-- **shared**: a chunk claims its rows as a read in flight (:mod:`.inflight`), so a lookup missing
-  them waits for it rather than reading them again, and rows a lookup is reading are left out.
+- **shared**: its rows are claimed as a read in flight (:mod:`.inflight`), so a lookup missing them
+  waits for it (which then gives way at once) rather than reading them twice, and rows a lookup is
+  reading are left out.
 
 Every :data:`SETTLE_SECONDS` it settles the cache's hinted share (``settle``: rows a lookup read go
 to the policy, rows that aged unread are freed) and drops queued hints that aged. When the hinted
@@ -27,7 +30,7 @@ from .hints import HintQueue
 
 log = logging.getLogger(__name__)
 
-BATCH_ROWS = 4096  # rows of a hint taken at a time (read in chunks of CHUNK_READS pages)
+BATCH_ROWS = 4096  # rows of a hint taken at a time (one read, which a lookup interrupts)
 STARVE_SECONDS = 0.05  # the longest the reader defers a chunk to lookups before reading it anyway
 SETTLE_SECONDS = 0.25  # how often the hinted share is settled and aged hints dropped
 FULL_PAUSE_SECONDS = 0.05  # the hinted share is full: pause this long before looking again

@@ -18,8 +18,7 @@ from ..format import requests
 from .hint_reader import STARVE_SECONDS, HintReader
 from .hints import HintCounters, HintQueue, HintSettings
 
-CHUNK_READS = 4  # a chunk of a hint batch is this many times the hint queue depth in pages
-
+STARVED_READS = 4  # lookups read for STARVE_SECONDS on end: this many times the hint queue depth in rows go anyway
 
 class StoreHints:
     """The hint methods of :class:`~.tiered.TieredStore`. They use the store's own parts: ``_files``,
@@ -93,54 +92,61 @@ class StoreHints:
         self._hint_counters.drop("expired", freed)
 
     def _read_hinted(self, layer: int, rows: np.ndarray) -> None:
-        """One batch of a hint: the rows not in DRAM, read in chunks of a few pages behind the lookups,
-        checked, and put into the hinted share."""
+        """One batch of a hint: its rows not in DRAM, read behind the lookups (a read that a lookup interrupts
+        resumes once no lookup reads), checked, and put into the hinted share."""
         try:
             self._enter()
         except StorageError:
             return  # closing
         try:
-            cache, lf, settings = self._cache, self._files[layer], self.hint_settings
             want = np.unique(rows[self._not_cached(layer, rows)])
             skipped = len(rows) - len(want)
-            pages = want // lf.layout.rows_per_page
-            first = np.flatnonzero(np.diff(pages, prepend=-1))  # the first row of each distinct page
-            per_chunk = CHUNK_READS * settings.queue_depth
-            for lo in range(0, len(first), per_chunk):
+            while len(want):
                 if self._hint_reader.stopping.is_set():  # closing: the rest is dropped
-                    self._hint_counters.drop("withdrawn", len(want) - int(first[lo]))
+                    self._hint_counters.drop("withdrawn", len(want))
                     break
-                a = int(first[lo])
-                b = int(first[lo + per_chunk]) if lo + per_chunk < len(first) else len(want)
-                self._inflight.wait_for_lookups(STARVE_SECONDS)
-                part = want[a:b]
-                part = part[self._not_cached(layer, part)]  # a lookup may have brought some meanwhile
-                read, mine, _ = self._inflight.claim(layer, part, hint=True)
-                skipped += len(part) - len(mine) + (b - a - len(part))
-                if read is not None:
-                    self._read_hint_chunk(cache, lf, read, settings)
+                quiet = self._inflight.wait_for_lookups(STARVE_SECONDS)
+                self._inflight.hint_stop[0] = 0
+                # lookups kept reading all along: a few pages go anyway, whatever they do (hints still move)
+                candidates = want if quiet else want[: STARVED_READS * self.hint_settings.queue_depth]
+                rest = want[len(candidates):]
+                read, mine, _ = self._inflight.claim(layer, candidates, hint=True,  # rows in DRAM now left out too
+                                                     cached=lambda r: ~self._not_cached(layer, r))
+                skipped += len(candidates) - len(mine)  # in DRAM now, or being read by a lookup
+                want = rest if read is None else np.concatenate([self._read_hint_rows(layer, read, quiet), rest])
             self._hint_counters.add(rows_skipped=skipped)
         finally:
             self._exit()
 
-    def _read_hint_chunk(self, cache, lf, read, settings: HintSettings) -> None:
+    def _read_hint_rows(self, layer: int, read, give_way: bool) -> np.ndarray:
+        """Read ``read``'s rows (with ``give_way``, until a lookup raises the stop flag); put those read into
+        the hinted share. Returns the rows not read (a lookup interrupted the read)."""
+        lf, settings = self._files[layer], self.hint_settings
         data = np.empty((len(read.rows), self.row_bytes), dtype=np.uint8)
         try:
-            rs = self._nvme.read_rows(lf.layer, read.rows, data, queue_depth=settings.queue_depth)
+            rs = self._nvme.read_rows(layer, read.rows, data, queue_depth=settings.queue_depth,
+                                      stop=self._inflight.hint_stop if give_way else None)
         except BaseException:
             self._inflight.done(read, None)
             raise
-        self._inflight.done(read, data, rs.bad_pages)
-        rows = read.rows
-        self._clear_good(lf.layer, rows, rs.bad_pages, "a hint read")
-        if len(rs.bad_pages):  # their rows are not kept (counted as skipped); a lookup of them is refused
-            self._health.mark(lf.layer, rs.bad_pages, "a hint read")
-            good = ~np.isin(rows // lf.layout.rows_per_page, rs.bad_pages)
-            self._hint_counters.add(rows_skipped=int(np.count_nonzero(~good)))
-            rows, data = rows[good], data[good]
-        put = cache.admit_hinted(lf.layer, rows, data, self._hint_limit(), time.monotonic())
-        self._hint_counters.add(rows_read=put, pages_read=rs.pages, bytes_read=rs.bytes, read_seconds=rs.seconds)
-        self._hint_counters.drop("share_full", len(rows) - put)  # the hinted share filled up meanwhile
+        done = len(read.rows) if rs.rows_read is None else rs.rows_read
+        # kept claimed until its rows are in the cache: a lookup that misses them meanwhile takes them from here
+        self._inflight.done(read, data, rs.bad_pages, None if done == len(read.rows) else done, keep=True)
+        try:
+            rows, data = read.rows[:done], data[:done]
+            self._clear_good(layer, rows, rs.bad_pages, "a hint read")
+            if len(rs.bad_pages):  # their rows are not kept (counted as skipped); a lookup of them is refused
+                self._health.mark(layer, rs.bad_pages, "a hint read")
+                good = ~np.isin(rows // lf.layout.rows_per_page, rs.bad_pages)
+                self._hint_counters.add(rows_skipped=int(np.count_nonzero(~good)))
+                rows, data = rows[good], data[good]
+            put, cached = self._cache.admit_hinted(layer, rows, data, self._hint_limit(), time.monotonic())
+        finally:
+            self._inflight.release(read)
+        self._hint_counters.add(rows_read=put, rows_skipped=cached, pages_read=rs.pages, bytes_read=rs.bytes,
+                                read_seconds=rs.seconds)  # cached: a lookup that shared the read admitted them
+        self._hint_counters.drop("share_full", len(rows) - put - cached)  # the hinted share filled up meanwhile
+        return read.rows[done:]
 
     def _not_cached(self, layer: int, rows: np.ndarray) -> np.ndarray:
         cache = self._cache

@@ -62,6 +62,7 @@ class ReadStats:
     bytes: int = 0
     seconds: float = 0.0
     bad_pages: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, dtype=np.int64))  # failed crc32c
+    rows_read: int | None = None  # with a stop flag raised: the rows read, from the first (None: all of them)
 
 
 class BufferPool:
@@ -112,16 +113,19 @@ class NvmeTier:
         self._pool: ThreadPoolExecutor | None = None  # the stripe readers, made on the first striped read
         self._pool_lock = threading.Lock()
 
-    def read_rows(self, layer: int, rows: np.ndarray, out: np.ndarray, queue_depth: int | None = None) -> ReadStats:
+    def read_rows(self, layer: int, rows: np.ndarray, out: np.ndarray, queue_depth: int | None = None,
+                  stop: np.ndarray | None = None) -> ReadStats:
         """Fill ``out[i]`` (C-contiguous uint8 ``[n, row_bytes]``) with row ``rows[i]``;
         ``rows`` int64, sorted ascending and distinct. ``queue_depth``: reads in flight at most
-        (default: the reader's). Raises StorageError when the layer cannot be read."""
+        (default: the reader's). ``stop``: an int32 flag another thread may raise to end the read
+        early (the io_uring reader watches it; the stats' ``rows_read`` then says how many rows, from
+        the first, were read). Raises StorageError when the layer cannot be read."""
         lf = self.files[layer]
         if lf.file is None:
             raise StorageError(f"layer {layer} is unavailable: {lf.error}")
         if lf.stripes and len(rows):
             return self._read_striped(lf, rows, out, queue_depth)
-        return self._read_file(lf, rows, out, queue_depth)
+        return self._read_file(lf, rows, out, queue_depth, stop)
 
     def _read_striped(self, lf: LayerFile, rows: np.ndarray, out: np.ndarray, queue_depth: int | None) -> ReadStats:
         t0 = time.perf_counter()
@@ -161,7 +165,8 @@ class NvmeTier:
                 self._pool = ThreadPoolExecutor(max(1, self._stripe_threads), thread_name_prefix="engram-stripe")
             return self._pool
 
-    def _read_file(self, lf: LayerFile, rows: np.ndarray, out: np.ndarray, queue_depth: int | None = None) -> ReadStats:
+    def _read_file(self, lf: LayerFile, rows: np.ndarray, out: np.ndarray, queue_depth: int | None = None,
+                   stop: np.ndarray | None = None) -> ReadStats:
         stats = ReadStats()
         if not len(rows):
             return stats
@@ -181,7 +186,7 @@ class NvmeTier:
             r0, r1 = int(row_start[i0]), int(row_start[i1])
             if self.reader.streams_rows:
                 self._read_native(lf, distinct[i0:i1], page_index[r0:r1] - i0, slot[r0:r1], out[r0:r1], into,
-                                  queue_depth)
+                                  queue_depth, stop)
                 return
             for lo in range(i0, i1, self.chunk_pages):
                 hi = min(lo + self.chunk_pages, i1)
@@ -194,13 +199,15 @@ class NvmeTier:
             log.debug("layer %d: reading %d pages of %s failed (%s); reading them by halves", lf.layer,
                       len(distinct), lf.path, str(exc))
             stats = ReadStats()
+            stop = None  # the retries read every page they can
             unreadable = failing_items(len(distinct), lambda i0, i1: read_span(i0, i1, stats))
             stats.bad_pages = np.union1d(stats.bad_pages, distinct[unreadable]).astype(np.int64)
         stats.seconds = time.perf_counter() - t0
         return stats
 
     def _read_native(self, lf: LayerFile, pages: np.ndarray, page_index: np.ndarray, slot: np.ndarray,
-                     out: np.ndarray, stats: ReadStats, queue_depth: int | None = None) -> None:
+                     out: np.ndarray, stats: ReadStats, queue_depth: int | None = None,
+                     stop: np.ndarray | None = None) -> None:
         begin, npages = extents(pages, self.max_coalesce_pages)
         read_of_page = np.repeat(np.arange(len(begin)), npages)
         read_of_row = read_of_page[page_index]
@@ -208,13 +215,17 @@ class NvmeTier:
         row_off = (page_index - begin[read_of_row]) * PAGE_BYTES + slot * lf.layout.row_bytes
         scratch = self.buffers.get()
         try:
-            got, bad = self.reader.read_rows(lf.file.fd, out, lf.layout.row_bytes, pages[begin] * PAGE_BYTES,
-                                             npages * PAGE_BYTES, first_row, row_off, scratch, queue_depth=queue_depth,
-                                             page_crcs=lf.crcs)
+            got, bad, *done = self.reader.read_rows(lf.file.fd, out, lf.layout.row_bytes, pages[begin] * PAGE_BYTES,
+                                                    npages * PAGE_BYTES, first_row, row_off, scratch,
+                                                    queue_depth=queue_depth, page_crcs=lf.crcs,
+                                                    **({} if stop is None else {"stop": stop}))
         finally:
             self.buffers.put(scratch)
-        stats.pages += len(pages)
-        stats.reads += len(begin)
+        reads = done[0] if done else len(begin)  # a raised stop: only the first `reads` extents were read
+        if reads < len(begin):
+            stats.rows_read = int(first_row[reads])
+        stats.pages += int(npages[:reads].sum()) if reads < len(begin) else len(pages)
+        stats.reads += reads
         stats.bytes += got
         if len(bad):
             stats.bad_pages = np.concatenate([stats.bad_pages, bad])

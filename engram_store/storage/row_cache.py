@@ -114,6 +114,7 @@ class RowCache:
         # (the native path raises the policy's counts instead: see settle_hints)
         self.hint_state = np.zeros(n_slots, dtype=np.uint8)
         self.hinted_count = 0
+        self.hint_admissions = 0  # goes up with every admit_hinted that put rows in (lookups compare it)
         self._hint_buckets: collections.deque[list] = collections.deque()  # [admitted at, [slots], [keys]]
 
     # --- readers -------------------------------------------------------
@@ -168,15 +169,17 @@ class RowCache:
             return len(slots)
 
     # --- hinted rows ---------------------------------------------------------------------
-    def admit_hinted(self, layer: int, rows: np.ndarray, data: np.ndarray, limit: int, now: float) -> int:
+    def admit_hinted(self, layer: int, rows: np.ndarray, data: np.ndarray, limit: int, now: float) -> tuple[int, int]:
         """Put hinted rows just read (``rows`` distinct int64, ``data`` their bytes) into slots, while fewer
         than ``limit`` slots hold hinted rows; rows cached already are skipped. Slots come from the free
-        stack, else from the policy's evictions. Returns how many were put in."""
+        stack, else from the policy's evictions. Returns (rows put in, rows found cached already)."""
         li = self.layer_index[layer]
         with self.lock:
-            new = np.flatnonzero(self.maps[li][rows] == 0)[: max(0, limit - self.hinted_count)]
+            new = np.flatnonzero(self.maps[li][rows] == 0)
+            cached = len(rows) - len(new)
+            new = new[: max(0, limit - self.hinted_count)]
             if not len(new):
-                return 0
+                return 0, cached
             slots = self._take_free(len(new))
             if len(slots) < len(new):
                 self._retire(self.policy.evict(len(new) - len(slots), self.slot_key))
@@ -195,7 +198,8 @@ class RowCache:
                 self._hint_buckets.append([now, [], []])
             self._hint_buckets[-1][1].append(slots)
             self._hint_buckets[-1][2].append(keys)
-            return len(slots)
+            self.hint_admissions += 1
+            return len(slots), cached
 
     def settle_hints(self, now: float, max_age: float) -> tuple[int, int]:
         """Hand the hinted rows a lookup has read to the policy (they stay cached as any row a lookup

@@ -50,13 +50,16 @@ class PageReader(Protocol):
 
     def read_rows(self, fd: int, out: np.ndarray, row_bytes: int, file_offsets: np.ndarray, lengths: np.ndarray,
                   first_row: np.ndarray, row_offsets: np.ndarray, scratch, queue_depth: int | None = None,
-                  page_crcs: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+                  page_crcs: np.ndarray | None = None, stop: np.ndarray | None = None) -> tuple:
         """Only where ``streams_rows``: read extent i into a slot of ``scratch`` (aligned, at
         least ``min(queue_depth, MAX_NATIVE_QD) * max extent`` bytes) and copy rows
         ``first_row[i]:first_row[i+1]`` of ``out`` (uint8 ``[n, row_bytes]``) from the slot at
         ``row_offsets``, as soon as that read completes. With ``page_crcs`` (uint32, expected
         crc32c of every page of the file) each page is checked first and the rows of a page
-        that fails are not copied. Returns (bytes read, int64 page numbers that failed)."""
+        that fails are not copied. Returns (bytes read, int64 page numbers that failed). With ``stop`` (an
+        int32 array another thread sets non-zero when this read must give way, e.g. to a lookup's), no
+        extent is started once it is set, and a third item says how many extents, from the first, were
+        read (the others' rows are untouched); a reader that does not watch it reads them all."""
         ...
 
     def close(self) -> None:

@@ -50,7 +50,16 @@ class AioReader:
 
     def read_rows(self, fd: int, out: np.ndarray, row_bytes: int, file_offsets: np.ndarray, lengths: np.ndarray,
                   first_row: np.ndarray, row_offsets: np.ndarray, scratch, queue_depth: int | None = None,
-                  page_crcs: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+                  page_crcs: np.ndarray | None = None, stop: np.ndarray | None = None) -> tuple:
+        """As the protocol says; ``stop`` is not watched (every extent is read, and said so)."""
+        done = () if stop is None else (len(lengths),)
+        got, bad = self._read_rows(fd, out, row_bytes, file_offsets, lengths, first_row, row_offsets, scratch,
+                                   queue_depth, page_crcs)
+        return (got, bad) + done
+
+    def _read_rows(self, fd: int, out: np.ndarray, row_bytes: int, file_offsets: np.ndarray, lengths: np.ndarray,
+                   first_row: np.ndarray, row_offsets: np.ndarray, scratch, queue_depth: int | None,
+                   page_crcs: np.ndarray | None) -> tuple[int, np.ndarray]:
         lengths = _i64(lengths)
         args = (fd, out, row_bytes, _i64(file_offsets), lengths, _i64(first_row), _i64(row_offsets), scratch,
                 queue_depth or self.queue_depth)

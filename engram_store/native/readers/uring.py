@@ -133,17 +133,19 @@ class UringReader:
 
     def read_rows(self, fd: int, out: np.ndarray, row_bytes: int, file_offsets: np.ndarray, lengths: np.ndarray,
                   first_row: np.ndarray, row_offsets: np.ndarray, scratch=None, queue_depth: int | None = None,
-                  page_crcs: np.ndarray | None = None) -> tuple[int, np.ndarray]:
-        """As the protocol says, but reads land in this thread's ring slots; ``scratch`` is unused."""
+                  page_crcs: np.ndarray | None = None, stop: np.ndarray | None = None) -> tuple:
+        """As the protocol says, but reads land in this thread's ring slots; ``scratch`` is unused. With
+        ``stop`` the reads end early once it is raised (see the protocol)."""
         lengths = _i64(lengths)
         ring, qd = self._prepare(fd, queue_depth, int(lengths.max()) if len(lengths) else 0)
         args = (fd, out, row_bytes, _i64(file_offsets), lengths, _i64(first_row), _i64(row_offsets))
+        extra = {} if stop is None else {"stop": stop}
         if page_crcs is None:
-            got, _ = ring.read_rows(*args, queue_depth=qd)
-            return got, np.empty(0, dtype=np.int64)
+            got = ring.read_rows(*args, queue_depth=qd, **extra)
+            return (got[0], np.empty(0, dtype=np.int64)) + tuple(got[2:])
         bad = np.empty(int(lengths.sum()) // PAGE_BYTES, dtype=np.int64)
-        got, n_bad = ring.read_rows(*args, page_crcs, bad, queue_depth=qd)
-        return got, bad[:n_bad]
+        got = ring.read_rows(*args, page_crcs, bad, queue_depth=qd, **extra)
+        return (got[0], bad[: got[1]]) + tuple(got[2:])
 
     def close(self) -> None:
         """Close every ring (of every thread); reads afterwards raise StorageError."""
