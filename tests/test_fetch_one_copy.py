@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+import staging_fakes
 from daemon_helpers import DaemonProcess
 from staging_fakes import FakeDaemon, Plan, Script
 
@@ -300,7 +301,7 @@ def test_a_daemon_stopped_mid_write_fails_steps_until_its_write_ends(fake, table
 def test_a_daemon_killed_mid_write_does_not_hold_the_step(tables, info, tmp_path):
     (tmp_path / "info.json").write_text(json.dumps(info))
     sock, marker = tmp_path / "fake.sock", tmp_path / "claimed"
-    proc = subprocess.Popen([sys.executable, str(__import__("staging_fakes").__file__), str(sock),
+    proc = subprocess.Popen([sys.executable, staging_fakes.__file__, str(sock),
                              str(tmp_path / "info.json"), str(tables.directory), str(CACHED), str(marker)])
     job = None
     try:
