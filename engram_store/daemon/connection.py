@@ -250,8 +250,9 @@ class Connection:
             elif (frame := self._next_native(native)) is None:
                 continue
             if frame.op == Op.LOOKUP and frame.flags & wire.Flag.SPLIT:
-                t0 = time.perf_counter()
-                self._finish(frame, t0, client_staging.serve_split(self, frame))
+                t0, later = time.perf_counter(), []
+                self._finish(frame, t0, client_staging.serve_split(self, frame, later))
+                _admit(later)
             elif frame.op == Op.STAGING:
                 self._attach_staging(frame)
             elif frame.op == Op.LOOKUP and frame.flags & wire.Flag.PLAN:

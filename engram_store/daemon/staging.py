@@ -149,9 +149,10 @@ def map_staging(fds: list[int], payload: bytes, *, row_bytes: int, dim: int, max
     return ClientStaging(mapping, g, nbytes)
 
 
-def serve_split(conn: "Connection", frame: wire.Frame) -> BaseException | None:
+def serve_split(conn: "Connection", frame: wire.Frame, later: list) -> BaseException | None:
     """Answer a Flag.SPLIT lookup on the Python path: None once every row is in the staging, else the
-    error as a value."""
+    error as a value. A store that can (``DeferringStore``) leaves its cache admission of the rows it
+    read to a callable appended to ``later``, for the caller to run after the reply."""
     staging, server = conn.staging, conn.server
     try:
         if staging is None:
@@ -173,8 +174,14 @@ def serve_split(conn: "Connection", frame: wire.Frame) -> BaseException | None:
         out = SplitOut(staging.weights, staging.scales, taken + frame.out_offset, staging.gate, 0,
                        frame.request_id, native_gather())
         if taken.size:
+            deferred = getattr(server.store, "lookup_into_deferred", None)
             try:
-                server.store.lookup_into(frame.layer, ids[taken], out)
+                if deferred is not None:
+                    _, admit = deferred(frame.layer, ids[taken], out)
+                    if admit is not None:
+                        later.append(admit)
+                else:
+                    server.store.lookup_into(frame.layer, ids[taken], out)
             finally:
                 ok = out.finish()
             revoked = out.revoked
