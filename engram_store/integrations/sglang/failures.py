@@ -58,13 +58,16 @@ def check(tables: Any, groups: Sequence[Any] = (), rank: int = 0) -> None:
         tables.check_fetches()
     except errors.EngramStoreError as exc:
         local = exc
-    if not groups or (tables.failure_board is not None and board_shared(tuple(groups), tables.failure_board)):
+    if not groups:
         if local is not None:
             raise local
-        if tables.failure_board is not None:
-            failure = tables.failure_board.failure()  # another rank's, written before its rows left it
-            if failure is not None:
-                raise failure.error()
+        return
+    if tables.failure_board is not None and board_shared(tuple(groups), tables.failure_board):
+        if local is not None:
+            raise local
+        failure = tables.failure_board.failure()  # another rank's, written before its rows left it
+        if failure is not None:
+            raise failure.error()
         return
     import torch
     import torch.distributed as dist
