@@ -45,7 +45,8 @@ def run_prefill(args, load_tokens) -> dict:
     share = min(args.shares)
     n_prompts = 2 * len(args.compute_ms)
     warm = -(-args.warm_tokens // batch)
-    length = warm + args.steps
+    during = _steps_beside(args)  # fresh decode steps beside
+    length = warm + args.steps + during  # the prefills: none of them was fetched before (the alone phase's are)
     need = batch * length + n_prompts * args.prompt_tokens
     tokens, raw, source, names = load_tokens(args, spec, need)
     steps = hash_requests(spec, layer, tokens, batch, length, raw)
@@ -76,7 +77,8 @@ def run_prefill(args, load_tokens) -> dict:
         decoder = Stepper(daemon, layer, steps.shape[1], args.deadline)
         doc["warm"] = warm_up(decoder, steps[:warm], f"decode batch {batch}, cache {share:g}%")
         print(f"decode alone: {args.steps} steps", file=sys.stderr)
-        doc["decode_alone"] = decode(args, spec, tables, decoder, steps, np.arange(warm, length), scratch)
+        doc["decode_alone"] = decode(args, spec, tables, decoder, steps, np.arange(warm, warm + args.steps), scratch)
+        beside = _Steps(steps[warm + args.steps:])
         prefiller = Stepper(daemon, layer, args.chunk_tokens * spec.rows_per_token, args.deadline)
         client, hints = _hint_sender(daemon, spec, layer, raw)
         runs, k = [], 0
@@ -85,7 +87,7 @@ def run_prefill(args, load_tokens) -> dict:
                 print(f"prefill {k + 1}/{n_prompts}: compute {compute:g} ms a chunk, hints {'on' if hinted else 'off'}",
                       file=sys.stderr)
                 runs.append(_prefill_once(args, spec, k, prompts[k], prompt_rows[k], compute, hinted, hints, prefiller,
-                                          decoder, steps[warm:]))
+                                          decoder, beside))
                 k += 1
         doc["runs"] = runs
         doc["summary"] = _summarize(doc)
@@ -113,11 +115,31 @@ def _hint_sender(daemon: Daemon, spec, layer: int, raw):
     return client, PromptHints(client, spec, {layer: None}, raw)
 
 
+def _steps_beside(args) -> int:
+    """Decode steps to hash for the prefills (each is used once; past them they repeat, as hits): every chunk's
+    compute plus 2 s of fetch, over a step's compute plus 10 ms of fetch. Their pages are written too."""
+    chunks = args.prompt_tokens // args.chunk_tokens
+    seconds = sum(2 * chunks * (c / 1e3 + 2.0) for c in args.compute_ms)
+    return int(seconds / ((args.decode_step_ms + 10) / 1e3)) + 1
+
+
+class _Steps:
+    """The decode steps run beside the prefills, each used once (then, if they ran out, again from the start)."""
+
+    def __init__(self, steps: np.ndarray) -> None:
+        self.steps, self.next = steps, 0
+
+    def take(self) -> np.ndarray:
+        ids = self.steps[self.next % len(self.steps)]
+        self.next += 1
+        return ids
+
+
 class _DecodeLoop:
     """Decode steps on their own thread while a prefill runs: a fetch, then ``step_ms`` of simulated compute."""
 
-    def __init__(self, stepper: Stepper, steps: np.ndarray, step_ms: float, first: int) -> None:
-        self.stepper, self.steps, self.step_ms, self.next = stepper, steps, step_ms, first
+    def __init__(self, stepper: Stepper, steps: _Steps, step_ms: float) -> None:
+        self.stepper, self.steps, self.step_ms = stepper, steps, step_ms
         self.ms: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-decode")
@@ -132,20 +154,19 @@ class _DecodeLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            got = self.stepper.run(self.steps[self.next % len(self.steps)], stats=False)
-            self.next += 1
+            got = self.stepper.run(self.steps.take(), stats=False)
             self.ms.append(got["seconds"] * 1e3)
             self._stop.wait(self.step_ms / 1e3)
 
 
 def _prefill_once(args, spec, k: int, tokens: np.ndarray, rows: np.ndarray, compute_ms: float, hinted: bool, hints,
-                  prefiller: Stepper, decoder: Stepper, decode_steps: np.ndarray) -> dict:
+                  prefiller: Stepper, decoder: Stepper, decode_steps: _Steps) -> dict:
     chunk = args.chunk_tokens
     n_chunks = len(tokens) // chunk
     request = f"bench-prompt-{k}"
     before = prefiller.store()
     chunk_ms, bad = [], 0
-    with _DecodeLoop(decoder, decode_steps, args.decode_step_ms, first=k * 97) as loop:
+    with _DecodeLoop(decoder, decode_steps, args.decode_step_ms) as loop:
         t0 = time.perf_counter()
         if hinted:  # the plugins' call when the prompt's first chunk is scheduled
             hints.scheduled(request, tokens, computed=0, scheduled=chunk)
@@ -164,6 +185,7 @@ def _prefill_once(args, spec, k: int, tokens: np.ndarray, rows: np.ndarray, comp
         time.sleep(0.05)
     got = {name: st[name] - before[name] for name in st if name.startswith("hint_")}
     return {"compute_ms": compute_ms, "hinted": hinted, "chunk_ms": chunk_ms, "ttft_ms": ttft_ms,
+            "decode_steps_used": decode_steps.next, "decode_steps_fresh": len(decode_steps.steps),
             "decode_steps": len(decode_ms), "decode_p50_ms": pct(decode_ms, 50), "decode_p99_ms": pct(decode_ms, 99),
             "decode_ms": decode_ms, "rows_not_equal_synth_chunks": bad,
             "hint": {k: v for k, v in got.items() if k in ("hint_rows_received", "hint_rows_read", "hint_rows_skipped",

@@ -145,7 +145,7 @@ class StoreHints:
             self._inflight.release(read)
         self._hint_counters.add(rows_read=put, rows_skipped=cached, pages_read=rs.pages, bytes_read=rs.bytes,
                                 read_seconds=rs.seconds)  # cached: a lookup that shared the read admitted them
-        self._hint_counters.drop("share_full", len(rows) - put - cached)  # the hinted share filled up meanwhile
+        self._hint_counters.drop("no_room", len(rows) - put - cached)  # share full, or no slot free at once
         return read.rows[done:]
 
     def _not_cached(self, layer: int, rows: np.ndarray) -> np.ndarray:

@@ -34,8 +34,9 @@ import numpy as np
 
 HOLDER_SHARE = 4  # one holder may queue at most 1/HOLDER_SHARE of max_queued_rows
 # why hinted rows were not used: the queue's bounds, the client's rate, its withdraw, queued too long, read but
-# never looked up before max_age_seconds, read when the cache's hinted share had filled up
-DROP_REASONS = ("queue_full", "rate", "withdrawn", "aged", "expired", "share_full")
+# never looked up before max_age_seconds, read when the hinted share was full or no slot could be freed at once
+# (slots evicted while lookups read them are reused only once those end)
+DROP_REASONS = ("queue_full", "rate", "withdrawn", "aged", "expired", "no_room")
 
 
 @dataclass(frozen=True)

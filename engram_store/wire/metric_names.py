@@ -167,8 +167,8 @@ FAMILIES: tuple[Family, ...] = (
        "store_hint_rows_hit"),
     _c("hint_rows_dropped", "Hinted rows not used, by reason: queue_full (the hint queue's bounds), rate (the "
        "client's hint_rows_per_second), withdrawn, aged (unread after hint_max_age_seconds), expired (read, never "
-       "looked up), share_full (read when the hinted share had filled)", "store_hint_rows_dropped_{reason}",
-       reason=("queue_full", "rate", "withdrawn", "aged", "expired", "share_full")),
+       "looked up), no_room (read when the hinted share was full or no slot was free)",
+       "store_hint_rows_dropped_{reason}", reason=("queue_full", "rate", "withdrawn", "aged", "expired", "no_room")),
     _c("hint_pages_read", "4 KiB pages read for hints", "store_hint_pages_read"),
     _c("hint_read_bytes", "Bytes read from NVMe for hints", "store_hint_bytes_read"),
     _c("hint_read_seconds", "Time the hint reader spent in NVMe reads", "store_hint_read_seconds"),
