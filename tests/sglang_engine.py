@@ -142,7 +142,8 @@ def scenario_lookup(tables_dir: str) -> None:
     expected = {(f"{ENGRAM}.EngramLayout", "from_config"), (engram_cls, "__init__"), (engram_cls, "_init_host_table"),
                 (engram_cls, "_load_rows"), (engram_cls, "forward"), (f"{ENGRAM}.EngramHasher", "forward"),
                 ("sglang.srt.layers.engram_staging.EngramRowStager", "from_model"),
-                ("sglang.srt.managers.scheduler.Scheduler", "process_batch_result")}
+                ("sglang.srt.managers.scheduler.Scheduler", "process_batch_result"),
+                ("sglang.srt.managers.scheduler.Scheduler", "get_new_batch_prefill")}
     for name in ("safetensors_weights_iterator", "buffered_multi_thread_safetensors_weights_iterator",
                  "fastsafetensors_weights_iterator", "instanttensor_weights_iterator", "_prefetch_all_checkpoints",
                  "initialize_dummy_weights", "initialize_capture_safe_weights"):
@@ -719,10 +720,53 @@ def scenario_mixed(tables_dir: str, address: str) -> None:
     scenario_chains(tables_dir)
 
 
+def scenario_hints(tables_dir: str) -> None:
+    """A cached layer built on TP rank 1 of 2 (its share of the hash columns): a prefill the scheduler plans
+    (SGLang's own Req, its NextBatchPlan, through the plugin's hook functions) hints the daemon once, the
+    rows of the rank's columns after the planned chunk; a finished request's hints are withdrawn when its
+    batch's result is processed."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import NextBatchPlan, Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from engram_store.client.client import EngramClient
+    from engram_store.format.tableset import TableSet
+    from engram_store.integrations.hints import pending_rows
+    from engram_store.integrations.sglang import hinting, hooks
+    from engram_store.tokens import raw_ids_for
+
+    load_plugin()
+    spec = TableSet.open(tables_dir).spec
+    E = shim()
+    layout = E.EngramLayout.from_config(model_config(spec))
+    build(E, layout, 1, tp_size=2, tp_rank=1)
+    columns = hinting._columns[14]
+    assert columns == slice(12, 24), columns  # plain TP: rank 1 fetches its half of the columns
+    tokens = np.random.default_rng(9).integers(0, 129_280, 2000)
+    req = Req("sg-hint", "", array("q", tokens.tolist()), SamplingParams(max_new_tokens=4))
+    req.prefix_len, req.extend_end = 256, 256 + 512  # a radix-cache hit, then the first planned chunk
+    hinting.after_prefill_plan(NextBatchPlan(batch_to_run=types.SimpleNamespace(reqs=[req]), running_batch=None))
+    req.prefix_len, req.extend_end = 768, 1280  # the next chunk: no second hint
+    hinting.after_prefill_plan(NextBatchPlan(batch_to_run=types.SimpleNamespace(reqs=[req]), running_batch=None))
+    hints = hinting._prompt_hints()
+    assert hints is not None and hints.flush(60)
+    raw = raw_ids_for(spec, hooks.tables().info, None, block_images=False)
+    want = pending_rows(spec, 14, tokens, 768, raw=raw, columns=columns)
+    with EngramClient.connect(hooks.tables().address) as client:
+        received = sum(v for k, v in client.stats().items() if "hint_rows_received" in k)
+    assert hints.stats.requests == 1 and hints.stats.rows_sent == len(want) == received, (hints.stats, received)
+    req.finished_reason = object()  # SGLang's mark of a finished or aborted request
+    hinting.after_results(types.SimpleNamespace(reqs=[req]))
+    assert hints.flush(60) and hints.stats.withdrawals == 1, hints.stats
+    ok(f"a planned prefill hinted the daemon once: {len(want)} rows of layer 14's columns 12..24 after its first "
+       "chunk (received); withdrawn when it finished")
+
+
 SCENARIOS = {"resident": scenario_resident, "mixed": scenario_mixed, "lookup": scenario_lookup, "mismatch": scenario_mismatch,
              "refusals": scenario_refusals, "renamed": scenario_renamed, "loader": scenario_loader,
              "cached": scenario_cached, "chains": scenario_chains, "ranks": scenario_ranks,
-             "failed_step": scenario_failed_step}
+             "failed_step": scenario_failed_step, "hints": scenario_hints}
 
 if __name__ == "__main__":
     SCENARIOS[sys.argv[1]](*sys.argv[2:])

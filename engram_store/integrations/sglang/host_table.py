@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import EngineUnsupported, ModelMismatch
-from . import chain, hooks, prefetch
+from . import chain, hinting, hooks, prefetch
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ def init_host_table(self, num_embeddings: int, dim: int, layer_id: int) -> None:
         heads = len(t.head_sizes(layer_id))
         stagings, weight, scales = _stagings(t, engram, int(layer_id), chain.PIECE_TOKENS * heads)
         cached = chain.Cached(stagings, heads, _columns(self, heads))
+        hinting.register(int(layer_id), slice(*cached.columns))
     scale = scales.view(torch.float8_e8m0fnu)
     if torch.cuda.is_available() and not (registration := t.register_cuda(int(layer_id))):
         raise EngineUnsupported(f"Engram layer {layer_id}: {registration.message}; SGLang's kernels cannot read it")
