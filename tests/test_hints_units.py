@@ -172,3 +172,21 @@ def test_the_store_reads_a_hint_behind_a_lookup_and_shares_its_pages(tables):
         assert st["nvme_rows_distinct"] + st["hint_rows_read"] + st["nvme_rows_shared"] == 3000
         again = store.lookup_into(layer, ids, np.empty_like(out))
         assert again.rows_nvme == 0
+
+
+def test_a_patient_admission_gets_the_slots_a_reader_held():
+    """Slots evicted while a lookup reads the cache come back when it ends: an impatient admission into a full
+    cache gets none of them, a patient one waits for the reader and gets them all."""
+    cache = RowCache({14: 10_000}, 8, 40, "s3fifo", huge=False)
+    try:
+        full = rows(40, 5000)
+        for lo in range(0, 40, cache.admit_limit):
+            cache.admit(14, full[lo:lo + cache.admit_limit], np.zeros((cache.admit_limit, 8), np.uint8))
+        token, _ = cache.begin(14, full[:1])  # a reader holds an epoch
+        assert cache.admit(14, rows(5), np.zeros((5, 8), np.uint8)) == 0  # its victims are not reusable yet
+        threading.Timer(0.02, cache.end, args=(token,)).start()
+        assert cache.admit(14, rows(5, 100), np.zeros((5, 8), np.uint8), patience=5.0) == 5
+        assert cache.admit_hinted(14, rows(3, 200), np.zeros((3, 8), np.uint8), limit=10, now=0.0,
+                                  patience=1.0) == (3, 0)
+    finally:
+        cache.close()

@@ -165,3 +165,17 @@ def test_inflight_a_read_that_gave_way_covers_only_what_it_read_and_a_kept_read_
     flight.release(hint)
     assert flight.wait_for_lookups(0.01)
     assert flight.claim(14, np.array([8]), hint=True, cached=lambda r: r == 8)[0] is None  # in DRAM now: left out
+
+
+def test_a_small_lookup_never_waits_behind_a_much_larger_read():
+    from engram_store.storage.inflight import WAIT_MAX_ROWS, InFlight
+
+    flight = InFlight()
+    chunk, _, _ = flight.claim(14, np.arange(0, 4 * WAIT_MAX_ROWS, 2))  # a prefill chunk's misses, in progress
+    step, mine, waits = flight.claim(14, np.arange(100, 140))  # a decode step's, some of them in the chunk's read
+    assert not waits and step.rows.tolist() == list(range(100, 140))  # it reads them itself
+    peer, _, waits = flight.claim(14, np.arange(0, 4 * WAIT_MAX_ROWS, 2))  # a TP rank's identical chunk: it waits
+    assert peer is None and len(waits) == 1
+    flight.done(chunk, np.zeros((2 * WAIT_MAX_ROWS, 2), np.uint8), keep=True)  # read, kept: anyone takes its rows
+    again, _, waits = flight.claim(14, np.arange(0, 10, 2))
+    assert again is None and len(waits) == 1

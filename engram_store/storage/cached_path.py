@@ -15,6 +15,7 @@ from .stats import LookupStats
 
 OVERLAP_MIN_HITS = 256  # a lookup with fewer hits copies them itself, before its reads (a hand-off costs more)
 MAX_RECLAIMS = 3  # rows a read that gave way left: claimed again this many times at most, then read unclaimed
+AFTER_REPLY_PATIENCE_SECONDS = 0.005  # an admission after the reply waits this long at most for evicted slots
 
 
 class CachedLookups:
@@ -111,8 +112,8 @@ class CachedLookups:
                 self._enter()
             except StorageError:
                 return
-            try:
-                self._counters.admitted(self._cache.admit(layer, rows, data))
+            try:  # after the reply: a little patience costs no lookup its time, and keeps the rows
+                self._counters.admitted(self._cache.admit(layer, rows, data, patience=AFTER_REPLY_PATIENCE_SECONDS))
             finally:
                 self._exit()
         finally:

@@ -19,6 +19,7 @@ from .hint_reader import STARVE_SECONDS, HintReader
 from .hints import HintCounters, HintQueue, HintSettings
 
 STARVED_READS = 4  # lookups read for STARVE_SECONDS on end: this many times the hint queue depth in rows go anyway
+ADMIT_PATIENCE_SECONDS = 0.05  # the hint reader waits this long at most for slots evicted under readers
 
 class StoreHints:
     """The hint methods of :class:`~.tiered.TieredStore`. They use the store's own parts: ``_files``,
@@ -140,7 +141,8 @@ class StoreHints:
                 good = ~np.isin(rows // lf.layout.rows_per_page, rs.bad_pages)
                 self._hint_counters.add(rows_skipped=int(np.count_nonzero(~good)))
                 rows, data = rows[good], data[good]
-            put, cached = self._cache.admit_hinted(layer, rows, data, self._hint_limit(), time.monotonic())
+            put, cached = self._cache.admit_hinted(layer, rows, data, self._hint_limit(), time.monotonic(),
+                                                   patience=ADMIT_PATIENCE_SECONDS)
         finally:
             self._inflight.release(read)
         self._hint_counters.add(rows_read=put, rows_skipped=cached, pages_read=rs.pages, bytes_read=rs.bytes,

@@ -9,6 +9,9 @@ whose missing rows are being read by another waits for that read and copies the 
 Vectorized: a claim compares the sorted rows with each read in flight of the layer (a
 ``searchsorted``; there are at most as many reads in flight as lookup workers), never row by row.
 A read that fails, or a wait past :data:`WAIT_SECONDS`, leaves the waiter to read those rows itself.
+A lookup never waits behind a much larger read still in progress (more than :data:`WAIT_MAX_ROWS`
+rows and :data:`WAIT_RATIO` times its own: a prefill chunk's, when the lookup is a decode step's):
+it reads those few rows itself, so a step's latency never becomes a chunk's.
 
 The hint reader (:mod:`.hint_reader`) claims its rows too (``hint=True``): its claims never wait
 (rows a lookup is reading are left out), and it reads only while no lookup reads
@@ -27,6 +30,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 WAIT_SECONDS = 30.0  # the longest a lookup waits for another's read of its rows, then reads them itself
+WAIT_MAX_ROWS, WAIT_RATIO = 8192, 4  # a lookup waits for reads of at most max(these rows, RATIO x its own)
 
 
 @dataclass(eq=False)
@@ -83,10 +87,13 @@ class InFlight:
         waits = []
         with self._lock:
             taken = np.zeros(len(rows), dtype=bool) if cached is None else cached(rows)
+            most = max(WAIT_MAX_ROWS, WAIT_RATIO * len(rows))
             for read in self._reads:
                 covered = read.rows if read.valid is None else read.rows[: read.valid]  # a read that gave way
                 if read.layer != layer or not len(covered):
                     continue
+                if not hint and not read.hint and len(read.rows) > most and not read.finished.is_set():
+                    continue  # a much larger read (a prefill chunk's): read these rows rather than wait for it
                 pos = np.minimum(np.searchsorted(covered, rows), len(covered) - 1)
                 hit = (covered[pos] == rows) & ~taken
                 if hit.any():

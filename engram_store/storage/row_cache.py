@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 
 import numpy as np
 
@@ -41,6 +42,7 @@ ROW_MASK = (1 << LAYER_SHIFT) - 1
 ADMIT_DIVISOR = 4  # one lookup admits at most n_slots // ADMIT_DIVISOR new rows
 HINT_BUCKET_SECONDS = 1.0  # hinted rows admitted within this long share one age bucket
 HINTED, HINTED_READ = 1, 2  # RowCache.hint_state of a slot holding a hinted row (0: any other slot)
+SLOT_POLL_SECONDS = 0.0005  # a patient admission looks for slots evicted under readers this often
 _NATIVE = load("_gather", "the cache's row-to-slot lookups use numpy indexing")
 
 
@@ -143,9 +145,11 @@ class RowCache:
         self.lock.leave(token)
 
     # --- admission -----------------------------------------------------
-    def admit(self, layer: int, rows: np.ndarray, data: np.ndarray, *, main: bool = False) -> int:
+    def admit(self, layer: int, rows: np.ndarray, data: np.ndarray, *, main: bool = False,
+              patience: float = 0.0) -> int:
         """Offer rows just read (``rows`` distinct int64, ``data`` their bytes); returns
-        how many were admitted. Rows already cached (a concurrent admission) are skipped."""
+        how many were admitted. Rows already cached (a concurrent admission) are skipped.
+        ``patience``: seconds to wait for slots evicted under readers (see :meth:`_slots`)."""
         li = self.layer_index[layer]
         with self.lock:
             new = np.flatnonzero(self.maps[li][rows] == 0)
@@ -154,10 +158,8 @@ class RowCache:
                 new = new[np.linspace(0, len(new) - 1, self.admit_limit).astype(np.intp)]
             if not len(new):
                 return 0
-            slots = self._take_free(len(new))
-            if len(slots) < len(new):
-                self._retire(self.policy.evict(len(new) - len(slots), self.slot_key))
-                slots = np.concatenate([slots, self._take_free(len(new) - len(slots))])
+            slots = self._slots(len(new), patience)
+            new, slots = self._still_new(li, rows, new, slots, patience)
             self.not_admitted += len(new) - len(slots)
             new = new[: len(slots)]
             keys = np.int64(li << LAYER_SHIFT) | rows[new]
@@ -169,10 +171,12 @@ class RowCache:
             return len(slots)
 
     # --- hinted rows ---------------------------------------------------------------------
-    def admit_hinted(self, layer: int, rows: np.ndarray, data: np.ndarray, limit: int, now: float) -> tuple[int, int]:
+    def admit_hinted(self, layer: int, rows: np.ndarray, data: np.ndarray, limit: int, now: float,
+                     patience: float = 0.0) -> tuple[int, int]:
         """Put hinted rows just read (``rows`` distinct int64, ``data`` their bytes) into slots, while fewer
         than ``limit`` slots hold hinted rows; rows cached already are skipped. Slots come from the free
-        stack, else from the policy's evictions. Returns (rows put in, rows found cached already)."""
+        stack, else from the policy's evictions (``patience``: see :meth:`_slots`). Returns (rows put in,
+        rows found cached already)."""
         li = self.layer_index[layer]
         with self.lock:
             new = np.flatnonzero(self.maps[li][rows] == 0)
@@ -180,11 +184,13 @@ class RowCache:
             new = new[: max(0, limit - self.hinted_count)]
             if not len(new):
                 return 0, cached
-            slots = self._take_free(len(new))
-            if len(slots) < len(new):
-                self._retire(self.policy.evict(len(new) - len(slots), self.slot_key))
-                slots = np.concatenate([slots, self._take_free(len(new) - len(slots))])
+            slots = self._slots(len(new), patience)
+            wanted = len(new)
+            new, slots = self._still_new(li, rows, new, slots, patience)
+            cached += wanted - len(new)  # cached by someone else while this waited for slots
             new = new[: len(slots)]
+            if not len(new):
+                return 0, cached
             keys = np.int64(li << LAYER_SHIFT) | rows[new]
             self.slots[slots] = data[new]
             self.slot_key[slots] = keys
@@ -232,6 +238,37 @@ class RowCache:
                     kept.append([at, [slots], [keys]])
             self._hint_buckets = kept
             return handed, freed
+
+    def _slots(self, n: int, patience: float) -> np.ndarray:  # lock held (released while waiting)
+        """Up to ``n`` free slots: the free stack, then the policy's evictions. Slots evicted while lookups
+        are reading the cache come back only once those end (their epochs): with ``patience`` (seconds)
+        the caller waits for them, polling, the lock released in between; without, it gets what is free."""
+        slots = self._take_free(n)
+        if len(slots) < n:
+            self._retire(self.policy.evict(n - len(slots), self.slot_key))
+            slots = np.concatenate([slots, self._take_free(n - len(slots))])
+        deadline = time.monotonic() + patience
+        while len(slots) < n and self.limbo and time.monotonic() < deadline:
+            self.lock.__exit__(None, None, None)
+            try:
+                time.sleep(SLOT_POLL_SECONDS)
+            finally:
+                self.lock.__enter__()
+            slots = np.concatenate([slots, self._take_free(n - len(slots))])
+        return slots
+
+    def _still_new(self, li: int, rows: np.ndarray, new: np.ndarray, slots: np.ndarray,
+                   waited: float) -> tuple[np.ndarray, np.ndarray]:  # lock held
+        """After a wait for slots (the lock let go meanwhile): the rows of ``new`` nobody cached since, and
+        the slots they need (the others back on the free stack)."""
+        if waited:
+            new = new[self.maps[li][rows[new]] == 0]
+        if len(slots) > len(new):
+            extra = slots[len(new):]
+            self.free[self.free_top: self.free_top + len(extra)] = extra
+            self.free_top += len(extra)
+            slots = slots[: len(new)]
+        return new, slots
 
     def _unhint(self, slots: np.ndarray) -> None:  # lock held
         self.hint_state[slots] = 0
