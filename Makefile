@@ -144,7 +144,7 @@ DIST_STAMP := $(DIST_VENV)/.installed-cross
 WHEEL_BUILD := build/wheel
 HOST_ARCH := $(shell uname -m)
 # Wheels `make dist` builds: this machine's, and on x86-64 the aarch64 one too (Grace: GB200, GB300), cross-built
-# by tools/arm64/wheel.sh with Debian's gcc-aarch64-linux-gnu (installed with apt when missing). ARCHS=x86_64
+# by deploy/arm64/wheel.sh with Debian's gcc-aarch64-linux-gnu (installed with apt when missing). ARCHS=x86_64
 # builds the one. On an aarch64 host the aarch64 wheel is this machine's, built natively.
 ARCHS ?= $(HOST_ARCH) $(if $(filter x86_64,$(HOST_ARCH)),aarch64)
 ARM64_DIST := build/arm64-dist
@@ -163,7 +163,7 @@ dist: $(DIST_STAMP)
 	ENGRAM_STORE_REQUIRE_NATIVE=1 $(DIST_VENV)/bin/python -m build --outdir $(WHEEL_BUILD) .
 	PATH="$(abspath $(DIST_VENV))/bin:$$PATH" $(DIST_VENV)/bin/auditwheel repair --wheel-dir dist $(WHEEL_BUILD)/*.whl
 	$(if $(filter-out $(HOST_ARCH),$(filter aarch64,$(ARCHS))),\
-		PYTHON=$(DIST_VENV)/bin/python tools/arm64/wheel.sh $(WHEEL_BUILD)/engram_store-$(VERSION).tar.gz dist)
+		PYTHON=$(DIST_VENV)/bin/python deploy/arm64/wheel.sh $(WHEEL_BUILD)/engram_store-$(VERSION).tar.gz dist)
 	cp $(WHEEL_BUILD)/*.tar.gz dist/
 	for w in dist/*.whl; do $(DIST_VENV)/bin/auditwheel show $$w; done
 	ls -l dist
@@ -171,15 +171,15 @@ dist: $(DIST_STAMP)
 dist-test: dist $(STAMP)
 	ENGRAM_STORE_TEST_WHEEL="$$(ls $(CURDIR)/dist/*_$(HOST_ARCH).whl)" $(BIN)/python -m pytest -q tests/test_dist.py
 
-# The aarch64 wheel run for real under emulation (tools/arm64/emulated-test.sh: qemu-user-static through
+# The aarch64 wheel run for real under emulation (deploy/arm64/emulated-test.sh: qemu-user-static through
 # binfmt_misc, an arm64 Debian root kept in build/arm64-root; as root, as CI runs; about 5 minutes from a clean
 # machine, 2-3 once the root and the aarch64 dependencies are made): the native unit tests (crc32c through the ARMv8 instructions, gathers, batch
 # readers, a fetch job in a native thread), daemons serving exact lookups over the Unix socket, and the crc32c
 # paths' instruction counts. The wheel is cross-built from the sdist as `make dist` builds it.
 arm64-test: $(SDIST)
 	rm -rf $(ARM64_DIST)
-	PYTHON=$(DIST_VENV)/bin/python tools/arm64/wheel.sh $(SDIST) $(ARM64_DIST)
-	PYTHON=$(DIST_VENV)/bin/python tools/arm64/emulated-test.sh $(ARM64_DIST)/engram_store-$(VERSION)-*_aarch64.whl
+	PYTHON=$(DIST_VENV)/bin/python deploy/arm64/wheel.sh $(SDIST) $(ARM64_DIST)
+	PYTHON=$(DIST_VENV)/bin/python deploy/arm64/emulated-test.sh $(ARM64_DIST)/engram_store-$(VERSION)-*_aarch64.whl
 
 # --- container image -----------------------------------------------------------------------------------------
 # BASE / BUILD_BASE: Debian 12 images for the Dockerfile's two stages. Empty (the default): made here from Debian

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The aarch64 wheel, run for real under emulation on an x86-64 host (as root, as CI runs):
-#   tools/arm64/emulated-test.sh WHEEL
+#   deploy/arm64/emulated-test.sh WHEEL
 # The wheel and its dependencies' aarch64 wheels (from PyPI, by this host's pip) go into the arm64
-# root of tools/arm64/root.sh (kept under build/, dependencies included, so a second run is fast);
+# root of deploy/arm64/root.sh (kept under build/, dependencies included, so a second run is fast);
 # qemu-user-static runs it through binfmt_misc (registered here with flag F, the magic and mask of
 # Debian's /usr/lib/binfmt.d/qemu-aarch64.conf, and unregistered when done), chrooted, in a mount
 # namespace of its own (/proc and /dev bound there; nothing outlives the run). Then, all aarch64

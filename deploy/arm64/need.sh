@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tools/arm64/need.sh COMMAND PACKAGE...: install the Debian PACKAGEs with apt when COMMAND is not on
+# deploy/arm64/need.sh COMMAND PACKAGE...: install the Debian PACKAGEs with apt when COMMAND is not on
 # PATH (as root, as CI runs; otherwise say what to install and fail).
 set -euo pipefail
 command=${1:?usage: $0 COMMAND PACKAGE...}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # An arm64 (aarch64) Debian 12 root, for the aarch64 wheel's cross build and its emulated test:
-#   tools/arm64/root.sh ROOT
+#   deploy/arm64/root.sh ROOT
 # Made by `mmdebstrap --variant=extract`: the packages are unpacked and no maintainer script runs,
 # so making it needs no emulation (seconds). It holds python3 (the emulated test's interpreter),
 # the Python headers and sysconfig data of aarch64 (the cross build's pyconfig.h, EXT_SUFFIX, CC),

