@@ -62,11 +62,15 @@ def mixed(tables, tmp_path_factory):
         d.stop()
 
 
+PATH_SCENARIOS = {"blackwell-paths", "output-points", "fail-quietly", "hints"}  # tests/vllm_engine_paths.py's
+
+
 def scenario(name: str, *args: str, address: str, wait: bool = True, expect_rc: int = 0, extra_env=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ENGRAM_STORE_", "VLLM_"))}
     env |= {"ENGRAM_STORE_ADDR": address, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
             "VLLM_PLUGINS": "engram_store", "PYTHONUNBUFFERED": "1"} | (extra_env or {})
-    cmd = [sys.executable, str(REPO / "tests" / "vllm_engine.py"), name, *map(str, args)]
+    script = "vllm_engine_paths.py" if name in PATH_SCENARIOS else "vllm_engine.py"
+    cmd = [sys.executable, str(REPO / "tests" / script), name, *map(str, args)]
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
