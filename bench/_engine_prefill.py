@@ -33,6 +33,7 @@ from engram_store.hashing import row_ids_numpy
 from engram_store.spec import get_spec
 
 DRAIN_SECONDS = 120.0  # the longest to wait for a prefill's hinted reads to end before the next prefill
+MAX_STEPS_BESIDE = 600  # fresh decode steps for the prefills at most (their pages are written: ~2 GiB at batch 64)
 
 
 def run_prefill(args, load_tokens) -> dict:
@@ -66,10 +67,12 @@ def run_prefill(args, load_tokens) -> dict:
     try:
         t0 = time.perf_counter()
         print(f"writing {pages.size:,} pages of layer {layer} ({pages.size * PAGE_BYTES / 2**30:.2f} GiB) into a "
-              f"sparse {spec.name} table set in {scratch}", file=sys.stderr)
+              f"sparse {spec.name} table set in {scratch}, then syncing", file=sys.stderr)
         write_sparse(tables, spec, {layer: pages.astype(np.int64)}, args.seed)
+        t1 = time.perf_counter()
+        os.sync()  # the pages are on disk before anything is measured: writeback would compete with every read
         logical, allocated = disk_bytes(tables)
-        doc["tables"] = {"pages_written": int(pages.size), "write_seconds": time.perf_counter() - t0,
+        doc["tables"] = {"pages_written": int(pages.size), "write_seconds": t1 - t0, "sync_seconds": time.perf_counter() - t1,
                          "logical_bytes": logical, "allocated_bytes": allocated}
         slots = max(1, int(spec.rows(layer) * share / 100))
         daemon = Daemon(tables, slots * slot_bytes(spec.row_bytes, "s3fifo"), args.queue_depth,
@@ -120,7 +123,7 @@ def _steps_beside(args) -> int:
     compute plus 2 s of fetch, over a step's compute plus 10 ms of fetch. Their pages are written too."""
     chunks = args.prompt_tokens // args.chunk_tokens
     seconds = sum(2 * chunks * (c / 1e3 + 2.0) for c in args.compute_ms)
-    return int(seconds / ((args.decode_step_ms + 10) / 1e3)) + 1
+    return min(MAX_STEPS_BESIDE, int(seconds / ((args.decode_step_ms + 10) / 1e3)) + 1)
 
 
 class _Steps:

@@ -302,6 +302,7 @@ def run(args) -> dict:
         print(f"writing {pages.size:,} pages of layer {layer} ({pages.size * PAGE_BYTES / 2**30:.2f} GiB) into a "
               f"sparse {spec.name} table set in {scratch}", file=sys.stderr)
         write_sparse(tables, spec, {layer: pages}, args.seed)
+        os.sync()  # the pages are on disk before anything is measured: writeback would compete with every read
         logical, allocated = disk_bytes(tables)
         doc["tables"] = {"pages_written": int(pages.size), "write_seconds": time.perf_counter() - t0,
                          "logical_bytes": logical, "allocated_bytes": allocated, "path": str(tables)}
