@@ -741,7 +741,7 @@ def scenario_hints(tables_dir: str) -> None:
     E = shim()
     layout = E.EngramLayout.from_config(model_config(spec))
     build(E, layout, 1, tp_size=2, tp_rank=1)
-    columns = hinting._columns[14]
+    columns = hinting.RANK.columns[14]
     assert columns == slice(12, 24), columns  # plain TP: rank 1 fetches its half of the columns
     tokens = np.random.default_rng(9).integers(0, 129_280, 2000)
     req = Req("sg-hint", "", array("q", tokens.tolist()), SamplingParams(max_new_tokens=4))
@@ -749,7 +749,7 @@ def scenario_hints(tables_dir: str) -> None:
     hinting.after_prefill_plan(NextBatchPlan(batch_to_run=types.SimpleNamespace(reqs=[req]), running_batch=None))
     req.prefix_len, req.extend_end = 768, 1280  # the next chunk: no second hint
     hinting.after_prefill_plan(NextBatchPlan(batch_to_run=types.SimpleNamespace(reqs=[req]), running_batch=None))
-    hints = hinting._prompt_hints()
+    hints = hinting.RANK.hints(hooks.tables)
     assert hints is not None and hints.flush(60)
     raw = raw_ids_for(spec, hooks.tables().info, None, block_images=False)
     want = pending_rows(spec, 14, tokens, 768, raw=raw, columns=columns)

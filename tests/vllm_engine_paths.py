@@ -274,7 +274,7 @@ def scenario_hints(tables_dir: str) -> None:
             runner.execute_model(stub, so)
         except Exception:  # vLLM's own body on a stub runner: the plugin's part ran before it
             pass
-    hints = hinting._prompt_hints(patches.tables)
+    hints = hinting.RANK.hints(patches.tables)
     assert hints is not None and hints.flush(60), "the hints were not sent"
     raw = raw_ids_for(spec, patches.tables().info, None, block_images=True)
     want = pending_rows(spec, 14, tokens, 64, raw=raw, columns=columns)

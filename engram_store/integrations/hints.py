@@ -233,3 +233,62 @@ def sglang_finished(hints: PromptHints, reqs: Iterable[Any], is_finished: Callab
     """SGLang: withdraw the hints of the finished (or aborted) requests among ``reqs`` (``req.finished()``)."""
     done = is_finished or (lambda req: req.finished())
     hints.finished([req.rid for req in reqs if done(req)])
+
+
+class RankHints:
+    """A plugin's prompt hints in one engine process: the cached layers built there with the hash columns
+    this rank fetches (:meth:`register`, at model build), and the :class:`PromptHints` made at first use
+    (none, with one INFO line, when the table set carries no token map: engines hold raw token ids).
+    :meth:`call` runs an adapter above and never raises into the engine (a failure is logged once)."""
+
+    def __init__(self, block_images: bool) -> None:
+        self.block_images = block_images
+        self._lock = threading.Lock()
+        self._columns: dict[int, slice] = {}
+        self._hints: list[PromptHints | None] = []  # [] until first use
+        self._failed = False
+
+    def register(self, layer: int, columns: slice) -> None:
+        with self._lock:
+            self._columns[int(layer)] = columns
+
+    @property
+    def columns(self) -> dict[int, slice]:
+        return dict(self._columns)
+
+    def hints(self, tables: Callable[[], Any]) -> PromptHints | None:
+        """The process's PromptHints (made at the first call), or None: no cached layer, no token map."""
+        with self._lock:
+            if self._hints or not self._columns:
+                return self._hints[0] if self._hints else None
+            from ..client.client import EngramClient
+            from ..errors import EngramStoreError
+            from ..tokens import raw_ids_for
+
+            t = tables()
+            try:
+                raw = raw_ids_for(t.spec, t.info, None, block_images=self.block_images)
+            except EngramStoreError as exc:
+                log.info("engram-store: no prompt hints (%s); each prefill chunk of a cached layer reads its misses",
+                         exc)
+                self._hints.append(None)
+                return None
+            address = t.address
+            self._hints.append(PromptHints(lambda: EngramClient.connect(address), t.spec, dict(self._columns), raw))
+            log.info("engram-store: prompt hints on for cached layers %s: the rows of a prompt's later chunks are "
+                     "read ahead by the daemon", sorted(self._columns))
+            return self._hints[0]
+
+    def call(self, tables: Callable[[], Any], what: str, adapter: Callable[..., None], *args: Any) -> None:
+        """``adapter(hints, *args)`` when hints are on; a failure is logged once, never raised."""
+        if not self._columns:
+            return
+        try:
+            hints = self.hints(tables)
+            if hints is not None:
+                adapter(hints, *args)
+        except Exception as exc:  # a hint is only a hint: the engine goes on without it
+            if not self._failed:
+                self._failed = True
+                log.warning("engram-store: prompt hints failed at %s (%s: %s); the steps are served without them",
+                            what, type(exc).__name__, exc)
