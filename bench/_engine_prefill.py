@@ -33,7 +33,7 @@ from engram_store.hashing import row_ids_numpy
 from engram_store.spec import get_spec
 
 DRAIN_SECONDS = 120.0  # the longest to wait for a prefill's hinted reads to end before the next prefill
-MAX_STEPS_BESIDE = 600  # fresh decode steps for the prefills at most (their pages are written: ~2 GiB at batch 64)
+MAX_STEPS_BESIDE = 2000  # fresh decode steps for the prefills at most (their pages are written: ~7 GiB at batch 64)
 
 
 def run_prefill(args, load_tokens) -> dict:
