@@ -36,7 +36,6 @@ import logging
 import os
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -57,16 +56,18 @@ from .hints import HintSettings
 from .inflight import InFlight
 from .integrity import PageHealth
 from .layer_file import LayerFile, open_layer
+from .native_access import NativeAccess
 from .nvme import DEFAULT_CHUNK_PAGES, DEFAULT_MAX_COALESCE_PAGES, NvmeTier
 from .opening import MAX_QUEUE_DEPTH, check_open_args  # noqa: F401  (MAX_QUEUE_DEPTH: config checks it)
 from .overlap import ReadOverlap
 from .placement import CACHED, RESIDENT, cache_slots, format_placement, plan_store, slot_bytes
 from .plan import Admitter, PlanCounters, PlanLookups
-from .profile import DEFAULT_CAPACITY, AccessSampler, merge_hottest, open_profile, read_profile, write_profile
+from .profile import DEFAULT_CAPACITY, AccessSampler
 from .resident import ResidentArena
-from .row_cache import LAYER_SHIFT, ROW_MASK, RowCache
+from .row_cache import RowCache
 from .scrub import Scrubber
 from .stats import LookupStats, StoreCounters
+from .warmup import ProfileWarmUp
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def _disk_paths(files: dict[int, LayerFile]) -> dict[int, str | list[str]]:
     return {k: [part.path for part in lf.stripes] if lf.stripes else lf.path for k, lf in files.items()}
 
 
-class TieredStore(CachedLookups, PlanLookups, StoreHints):
+class TieredStore(CachedLookups, PlanLookups, StoreHints, NativeAccess, ProfileWarmUp):
     """A table set served from a DRAM tier in front of an NVMe tier. Implements ``RowStore``."""
 
     accepts_split_out = True  # lookup_into writes a SplitOut (a client's staging) as well as rows
@@ -306,62 +307,6 @@ class TieredStore(CachedLookups, PlanLookups, StoreHints):
         self._counters.add(st)
         return st
 
-    def layer_files(self) -> dict[int, dict]:
-        """What a same-host client needs to read a servable layer's pages itself, checked: per layer
-        ``{"crc_file", "crc32", "rows_per_page", "pages", "files": [[path, st_dev, st_ino, size], ...]}``
-        (the data file, or each stripe in order, as fstat of the descriptors this store reads; ``crc32``:
-        zlib.crc32 of the page checksums it checks against, so a client can tell it loaded the same)."""
-        out = {}
-        for layer, lf in self._files.items():
-            if lf.file is None or lf.crcs is None:
-                continue
-            got = self._layer_files.get(layer)
-            if got is None:
-                entry = self.manifest.layer(layer)
-                files = []
-                for part in lf.parts():
-                    st = os.fstat(part.file.fd)
-                    files.append([os.path.abspath(part.path), st.st_dev, st.st_ino, st.st_size])
-                got = self._layer_files[layer] = {
-                    "crc_file": os.path.abspath(self.directory / entry.crc_file), "crc32": zlib.crc32(lf.crcs),
-                    "rows_per_page": lf.layout.rows_per_page, "pages": lf.layout.pages, "files": files}
-            out[layer] = got
-        return out
-
-    # --- for callers that gather from the arena themselves -----------------
-    def resident_views(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Each servable resident layer's two blocks in the sealed arena, read-only
-        ``(weights uint8 [rows, dim], scales uint8 [rows, scale_count])``; ``{}`` when no
-        layer is resident. For a caller that gathers with its own native code (the daemon's Unix fast
-        path): it must stop using the views before :meth:`close`, check every id against
-        ``rows``, and report each lookup with :meth:`record_native_lookup`. A layer with a
-        corrupt page (see :meth:`bad_pages`) is left out: only :meth:`lookup_into` refuses
-        its rows, so its lookups must come here."""
-        if self._arena is None or self._closed:
-            return {}
-        views = {}
-        for layer, lf in self._files.items():
-            if lf.file is None or layer not in self._resident:
-                continue
-            if self._health.has_bad(layer):
-                log.warning("layer %d has corrupt pages: its lookups take the checked path, not the caller's "
-                            "native gather", layer)
-                continue
-            views[layer] = self._arena.blocks[layer]
-        return views
-
-    def cached_views(self) -> dict | None:
-        """The row cache for a native reader (``RowCache.native_views``), its ``maps`` limited to the
-        servable cached layers; None when there is none. See ``ResidentStore``."""
-        if self._cache is None or self._closed:
-            return None
-        views = self._cache.native_views()
-        if views is None:
-            return None
-        views["maps"] = {layer: m for layer, m in views["maps"].items()
-                         if self._files[layer].file is not None and layer not in self._resident}
-        return views if views["maps"] else None
-
     def bad_pages(self) -> dict[int, list[list[int]]]:
         """Pages known corrupt: ``{layer: [[first_page, end_page), ...]}`` (file offset of a page:
         ``page * 4096``; rows ``page * rows_per_page ..`` of it). Their rows are refused; in
@@ -373,13 +318,6 @@ class TieredStore(CachedLookups, PlanLookups, StoreHints):
     def gather_threads(self) -> int:
         """Threads one large gather may use (``gather_threads`` of :meth:`open`)."""
         return self._gather.threads
-
-    def record_native_lookup(self, layer: int, ids: np.ndarray, seconds: float) -> None:
-        """Count a lookup of ``ids`` served from :meth:`resident_views` or :meth:`cached_views` (stats,
-        access sampling)."""
-        self._sampler.record(layer, ids)
-        n = len(ids)
-        self._counters.add_dram(n, n * self.row_bytes, seconds)
 
     def _layer(self, layer) -> LayerFile:
         return self._files[requests.check_layer(layer, self._files)]
@@ -397,63 +335,6 @@ class TieredStore(CachedLookups, PlanLookups, StoreHints):
     def arena(self) -> ArenaInfo | None:
         """The sealed read-only arena (resident mode), else None. The store owns the fd."""
         return self._arena.info() if self._arena is not None else None
-
-    # --- warm-up and profiles --------------------------------------------
-    def warm_up(self, profile: str | os.PathLike | np.ndarray) -> int:
-        """Load the rows of an access profile (a path or int64 ``[n, 2]`` pairs, hottest
-        first) into the cache, up to its capacity. Returns rows loaded (0 when resident)."""
-        self._enter()
-        try:
-            return self._warm_up(profile)
-        finally:
-            self._exit()
-
-    def _warm_up(self, profile: str | os.PathLike | np.ndarray) -> int:
-        if self._cache is None:
-            if not isinstance(profile, np.ndarray):
-                open_profile(profile)  # a bad file is an error all the same
-            log.info("warm-up skipped: resident mode holds every row already")
-            return 0
-        if isinstance(profile, np.ndarray):
-            pairs = profile.reshape(-1, 2).astype(np.int64)
-            pairs = pairs[~np.isin(pairs[:, 0], list(self._resident))]  # resident layers hold every row already
-        else:  # read only as far as the cache can use
-            pairs = read_profile(profile, self._cache.n_slots, skip_layers=self._resident)
-        pairs = pairs[: self._cache.n_slots]
-        loaded = 0
-        t0 = time.perf_counter()
-        for layer in np.unique(pairs[:, 0]):
-            lf = self._files.get(int(layer))
-            if lf is None or lf.file is None:
-                log.warning("warm-up: skipping layer %d (%s)", layer, "not in table set" if lf is None else lf.error)
-                continue
-            rows = np.unique(pairs[pairs[:, 0] == layer, 1])
-            valid = rows[(rows >= 0) & (rows < lf.layout.rows)]
-            if len(valid) < len(rows):
-                log.warning("warm-up: layer %d: %d row ids out of range ignored", layer, len(rows) - len(valid))
-            for lo in range(0, len(valid), self._cache.admit_limit):
-                part = valid[lo : lo + self._cache.admit_limit]
-                part, data, _ = self._read_verified(int(layer), part, "the warm-up")
-                loaded += self._cache.admit(int(layer), part, data, main=True)
-        log.info("warm-up: %d rows loaded in %.2fs", loaded, time.perf_counter() - t0)
-        return loaded
-
-    def hot_rows(self) -> np.ndarray:
-        """int64 ``[n, 2]`` (layer, row), hottest first: the cache's rows (cached mode)
-        then rows sampled from live traffic."""
-        parts = []
-        if self._cache is not None:
-            keys = self._cache.cached_keys()
-            layers = np.asarray(self._cache_layers(), dtype=np.int64)[keys >> LAYER_SHIFT]
-            parts.append(np.stack([layers, keys & ROW_MASK], axis=1))
-        parts.append(self._sampler.hottest())
-        return merge_hottest(*parts)
-
-    def write_profile(self, path: str | os.PathLike) -> int:
-        """Write :meth:`hot_rows` as an access profile; returns the number of rows."""
-        n = write_profile(path, self.hot_rows())
-        log.info("access profile %s: %d rows", path, n)
-        return n
 
     def _cache_layers(self) -> list[int]:
         return sorted(self._cache.layer_index, key=self._cache.layer_index.get)
