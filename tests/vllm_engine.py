@@ -441,10 +441,10 @@ def scenario_cached_outage(tables_dir: str, pid: str) -> None:
     assert after["daemon_steps"] - before["daemon_steps"] >= 3, (before, after)
 
 
-def scenario_cached_corrupt(tables_dir: str, page: str) -> None:
-    """A step asking for a row of a page flipped on disk (never read before) raises CorruptRows from
-    vLLM's lookup, naming the layer and the page; the next step is served."""
-    from engram_store.errors import CorruptRows
+def step_reading_flipped_page(tables_dir: str, page: str, token: int):
+    """The plugin loaded and one Engram module built on the cached layer 14; one step run whose head 0 of
+    ``token`` asks for a row of ``page`` (flipped on disk by the test). The chain runs; its failure is for the
+    step's host-visible point. Returns the module, the table spec and the step's output."""
     from engram_store.format.layout import PageLayout
     from engram_store.format.tableset import TableSet
 
@@ -454,9 +454,19 @@ def scenario_cached_corrupt(tables_dir: str, page: str) -> None:
     E = shim()
     emb = build(E, E.EngramLayout(model_config(spec)), 1)
     ids = step_batch(spec, 7)[14]
-    ids[1, 0] = int(page) * PageLayout(spec.rows(14), spec.row_bytes).rows_per_page  # head 0 of token 1
+    ids[token, 0] = int(page) * PageLayout(spec.rows(14), spec.row_bytes).rows_per_page
     out = torch.empty((ids.shape[0], 24, spec.row_bytes), dtype=torch.uint8)
-    emb.lookup(torch.from_numpy(ids), out)  # the chain runs; its failure is the step's host-visible point's
+    emb.lookup(torch.from_numpy(ids), out)
+    return emb, spec, out
+
+
+def scenario_cached_corrupt(tables_dir: str, page: str) -> None:
+    """A step asking for a row of a page flipped on disk (never read before) raises CorruptRows from
+    vLLM's lookup, naming the layer and the page; the next step is served."""
+    from engram_store.errors import CorruptRows
+    from engram_store.format.tableset import TableSet
+
+    emb, spec, out = step_reading_flipped_page(tables_dir, page, token=1)
     assert not out[1, 0].any(), "a row of the flipped page reached the output"
     for attempt in ("the step's", "every later"):  # sticky: the engine stops, no later check lets tokens out
         try:

@@ -18,7 +18,7 @@ import types
 import numpy as np
 import torch
 from engine_helpers import model_config, ok
-from vllm_engine import build, init_distributed, load_plugin, shim, step_batch, token_batch
+from vllm_engine import build, init_distributed, load_plugin, shim, step_batch, step_reading_flipped_page, token_batch
 
 
 class FakeStreams:
@@ -223,17 +223,7 @@ def scenario_output_points(tables_dir: str, page: str) -> None:
 def scenario_fail_quietly(tables_dir: str, page: str) -> None:
     """A rank that returns no tokens: a step of the cached layer reads a flipped page, and this process
     never checks (the test reads the failure board this process shares with it)."""
-    from engram_store.format.layout import PageLayout
-    from engram_store.format.tableset import TableSet
-
-    load_plugin()
-    spec = TableSet.open(tables_dir).spec
-    init_distributed()
-    E = shim()
-    emb = build(E, E.EngramLayout(model_config(spec)), 1)
-    ids = step_batch(spec, 7)[14]
-    ids[2, 5] = int(page) * PageLayout(spec.rows(14), spec.row_bytes).rows_per_page
-    emb.lookup(torch.from_numpy(ids), torch.empty((ids.shape[0], 24, spec.row_bytes), dtype=torch.uint8))
+    step_reading_flipped_page(tables_dir, page, token=2)
     ok(f"a step read page {page} in process {os.getpid()}; nothing checked here")
 
 
