@@ -502,9 +502,10 @@ def scenario_chains(tables_dir: str) -> None:
         st.drain()
         if not (torch.equal(got, rows_of(ts, spec, 14, b[:, 1])) and torch.equal(ahead, rows_of(ts, spec, 14, a[:, 1]))):
             wrong.append(policy)
+            break  # one schedule giving wrong rows shows the check sees the order
     assert wrong, "an inline chain on the main stream alone gave exact rows under every policy: the check is blind"
-    ok(f"control: the inline chain on the main stream alone, unordered, gives wrong rows under {len(wrong)} of "
-       f"{len(SCHEDULES)} schedules ({', '.join(wrong[:4])}, ...)")
+    ok(f"control: the inline chain on the main stream alone, unordered, gives wrong rows under schedule {wrong[0]} "
+       f"(the {SCHEDULES.index(wrong[0]) + 1}th of {len(SCHEDULES)} tried in order)")
 
     # 2. a prefill of 14 tokens: pieces of 4, 4, 4 and 2, alternating stagings, ahead and inline
     prefill = hashed(spec, 4100, 14)

@@ -77,12 +77,19 @@ class RecordedIds(torch.Tensor):
         RecordedIds.streams.append(stream.name)
 
 
+class NoLaunch:
+    """A Triton kernel's launch (``kernel[grid](...)``) that runs nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
 def scenario_blackwell_paths(tables_dir: str) -> None:
     """With Blackwell's lookup thresholds (steps of 4,096+ tokens inline on the main stream, 36,864+ rows
     sorted): a 5,000-token step of the cached layer goes through Engram._start_prefetch on the Engram side
-    stream, unsorted and exact, while a resident layer's runs inline and sorted as vLLM decides; and
-    EngramBatch.create leaves cached layers to their own prefetch (its peer exchange reads the staging with
-    global ids), resident ones to vLLM."""
+    stream, unsorted and exact, while a resident layer's runs inline and sorted as vLLM decides (its kernel not
+    launched); and EngramBatch.create leaves cached layers to their own prefetch (its peer exchange reads the
+    staging with global ids), resident ones to vLLM."""
     import logging
 
     from engram_store.format.tableset import TableSet
@@ -103,7 +110,15 @@ def scenario_blackwell_paths(tables_dir: str) -> None:
 
     def lookup_spy(self, indices, out, background=False):
         lookups.append((cached.is_cached(self), FakeStreams.current.name))
-        return inner_lookup(self, indices, out, background)
+        if cached.is_cached(self):
+            return inner_lookup(self, indices, out, background)
+        # a resident layer: vLLM's own stream and sort decisions are what is checked; its kernel over the arena
+        # (exact in test_plugin_patches_and_vllm_reads_the_arena) is not launched (120,000 rows interpreted)
+        kernel, E._engram_lookup_kernel = E._engram_lookup_kernel, NoLaunch()
+        try:
+            return inner_lookup(self, indices, out, background)
+        finally:
+            E._engram_lookup_kernel = kernel
 
     def sort_spy(self, *args, **kwargs):
         sorts.append(self.numel())
@@ -123,11 +138,11 @@ def scenario_blackwell_paths(tables_dir: str) -> None:
         rows = torch.empty((tokens, 24, spec.row_bytes), dtype=torch.uint8)
         RecordedIds.streams.clear()
         engram._start_prefetch(torch.from_numpy(ids[layer]).as_subclass(RecordedIds), rows)
-        want = ts.read_rows(layer, ids[layer].reshape(-1)).reshape(rows.shape)
-        np.testing.assert_array_equal(rows.numpy(), want)
         (is_cached, stream), = lookups
         side = f"engram-{layer}"
         if is_cached:
+            want = ts.read_rows(layer, ids[layer].reshape(-1)).reshape(rows.shape)
+            np.testing.assert_array_equal(rows.numpy(), want)
             assert stream == side and engram._prefetch_done.stream == side and RecordedIds.streams == [side], \
                 (stream, engram._prefetch_done.stream, RecordedIds.streams)
             assert engram._prefetch_stream.waited == ["main"] and not sorts, (engram._prefetch_stream.waited, sorts)
@@ -135,7 +150,7 @@ def scenario_blackwell_paths(tables_dir: str) -> None:
                "equal TableSet.read_rows")
         else:
             assert stream == "main" and sorts and set(sorts) == {tokens * 24}, (stream, sorts)
-            ok(f"resident layer {layer}: vLLM's own choice for {tokens} tokens on Blackwell (inline, sorted), exact")
+            ok(f"resident layer {layer}: vLLM's own choice for {tokens} tokens on Blackwell (inline, sorted)")
     fuse_calls = []
     E.can_fuse_query_quant = lambda wkvs: fuse_calls.append(len(wkvs)) or False
     for engram in engrams.values():
