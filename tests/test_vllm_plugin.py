@@ -80,38 +80,47 @@ def scenario(name: str, *args: str, address: str, wait: bool = True, expect_rc: 
     return result.stdout + result.stderr
 
 
-def test_plugin_patches_and_vllm_reads_the_arena(daemon, tables):
-    out = scenario("lookup", tables, address=daemon.unix)
-    assert "patched exactly" in out
-    assert out.count("TableSet.read_rows") == 6  # TP=1, TP=2 ranks 0 and 1, TP=8 ranks 0 and 7, the raw kernel
-    assert "engram-store plugin ACTIVE" in out  # the one unmistakable line
-
-
-def test_write_paths_are_refused(daemon, tables):
-    assert "are refused with the plugin's message" in scenario("write-paths", tables, address=daemon.unix)
-
-
-def test_model_config_is_checked_against_the_daemon(daemon, tables):
-    out = scenario("mismatch", tables, address=daemon.unix)
-    assert "EngramLayout of the V4.1 config equals" in out and "mismatch named" in out
-
-
-def test_checkpoint_engram_tensors_are_never_read(daemon, tables, tmp_path):
+def make_checkpoint(ckpt: Path) -> Path:
+    """Two shards: an ordinary tensor; the Engram tables alone (26 MB: far beyond what readahead around the
+    header could bring in)."""
     import torch
     from safetensors.torch import save_file
 
-    ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     save_file({"model.layers.0.attn.wq_a.weight": torch.ones(8, 8)}, str(ckpt / "model-00001-of-00002.safetensors"))
-    rows = 100_000  # 26 MB of Engram tensors: far beyond what readahead around the header could bring in
+    rows = 100_000
     rng = np.random.default_rng(0)
     save_file({f"model.layers.{layer}.engram.embed.{part}": torch.from_numpy(
         rng.integers(0, 120, (rows, width), dtype=np.uint8)).view(dtype)
         for layer in SPEC.layers for part, width, dtype in (("weight", 256, torch.float8_e4m3fn),
                                                             ("scale", 8, torch.float8_e8m0fnu))},
         str(ckpt / "model-00002-of-00002-engram.safetensors"))
-    out = scenario("loader", tables, ckpt, address=daemon.unix)
-    assert "no Engram tensor" in out and "never read" in out and "eager loading refused" in out
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def resident(daemon, tables, tmp_path_factory):
+    """The output of the 'resident' scenario (one vLLM process for the resident-layer checks)."""
+    return scenario("resident", tables, make_checkpoint(tmp_path_factory.mktemp("vllm-ckpt") / "ckpt"),
+                    address=daemon.unix)
+
+
+def test_plugin_patches_and_vllm_reads_the_arena(resident):
+    assert "patched exactly" in resident
+    assert resident.count("TableSet.read_rows") == 6  # TP=1, TP=2 ranks 0 and 1, TP=8 ranks 0 and 7, the raw kernel
+    assert "engram-store plugin ACTIVE" in resident  # the one unmistakable line
+
+
+def test_write_paths_are_refused(resident):
+    assert "are refused with the plugin's message" in resident
+
+
+def test_model_config_is_checked_against_the_daemon(resident):
+    assert "EngramLayout of the V4.1 config equals" in resident and "mismatch named" in resident
+
+
+def test_checkpoint_engram_tensors_are_never_read(resident):
+    assert "no Engram tensor" in resident and "never read" in resident and "eager loading refused" in resident
 
 
 def test_engine_views_survive_a_daemon_restart(tables, tmp_path):

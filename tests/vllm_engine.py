@@ -78,6 +78,8 @@ def init_distributed() -> None:
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
+    if torch.distributed.is_initialized():  # an earlier scenario of this process made them
+        return
     store = tempfile.mktemp(prefix="engram-vllm-pg-")
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
         ps.init_distributed_environment(world_size=1, rank=0, distributed_init_method="file://" + store,
@@ -486,6 +488,15 @@ def scenario_cached_corrupt(tables_dir: str, page: str) -> None:
     ok("the next step's rows are exact (the board keeps the failure)")
 
 
+def scenario_resident(tables_dir: str, ckpt_dir: str) -> None:
+    """The resident-layer scenarios in one process (vLLM imports in about 10 s): lookups, refused write paths,
+    the model config checked, the checkpoint loader."""
+    scenario_lookup(tables_dir)
+    scenario_write_paths(tables_dir)
+    scenario_mismatch(tables_dir)
+    scenario_loader(tables_dir, ckpt_dir)
+
+
 def scenario_load() -> None:
     """vLLM's plugin loader and nothing else (the plugin probes the daemon when it loads)."""
     load_plugin()
@@ -494,7 +505,8 @@ def scenario_load() -> None:
 
 SCENARIOS = {"lookup": scenario_lookup, "write-paths": scenario_write_paths, "mismatch": scenario_mismatch,
              "loader": scenario_loader, "hold": scenario_hold, "cached": scenario_cached,
-             "cached-outage": scenario_cached_outage, "cached-corrupt": scenario_cached_corrupt, "load": scenario_load}
+             "cached-outage": scenario_cached_outage, "cached-corrupt": scenario_cached_corrupt, "load": scenario_load,
+             "resident": scenario_resident}
 
 if __name__ == "__main__":
     SCENARIOS[sys.argv[1]](*sys.argv[2:])
