@@ -81,7 +81,10 @@ def test_a_failure_on_one_rank_stops_every_rank_at_the_steps_check(tmp_path, sha
     with DaemonProcess(directory, tmp_path / "d", dram_bytes=str(DRAM),
                        extra=["--placement", f"{FIRST}=resident,{CACHED}=cached"]) as d:
         flip(directory, CACHED, BAD_PAGE)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
+        # a 30 s fetch deadline: what is checked is how a failure reaches every rank (a loaded host once took a
+        # healthy first step past the default 2 s, and rank 0 failed on its own deadline instead)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]),
+                   ENGRAM_STORE_FETCH_DEADLINE_SECONDS="30")
         env.pop(board.ENV, None)
         made = board.Board.create() if shared_board else None
         if made is not None:
