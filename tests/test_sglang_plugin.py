@@ -10,9 +10,9 @@ import os
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 from daemon_helpers import REPO, DaemonProcess
+from engine_checkpoint import make_checkpoint
 
 from engram_store.spec import get_spec
 from engram_store.tools.synth import write_synthetic
@@ -55,30 +55,10 @@ def scenario(name: str, *args: str, address: str, expect_rc: int = 0, extra_env=
     return out
 
 
-def make_checkpoint(ckpt: Path) -> Path:
-    """Two shards: two ordinary tensors (one of an Engram layer's gate); the Engram tables alone (53 MB,
-    far beyond what readahead around the header brings in; a tensor read beside them would bring its
-    read-around in too)."""
-    import torch
-    from safetensors.torch import save_file
-
-    ckpt.mkdir()
-    save_file({"model.layers.0.attn.wq_a.weight": torch.ones(8, 8), "model.layers.1.engram.wkv.weight": torch.ones(4, 4)},
-              str(ckpt / "model-00001-of-00002.safetensors"))
-    rows = 100_000
-    rng = np.random.default_rng(0)
-    tensors = {f"model.layers.{layer}.engram.embed.{part}": torch.from_numpy(
-        rng.integers(0, 120, (rows, width), dtype=np.uint8)).view(dtype)
-        for layer in SPEC.layers for part, width, dtype in (("weight", 256, torch.float8_e4m3fn),
-                                                            ("scale", 8, torch.float8_e8m0fnu))}
-    save_file(tensors, str(ckpt / "model-00002-of-00002-engram.safetensors"))
-    return ckpt
-
-
 @pytest.fixture(scope="module")
 def resident(daemon, tables, tmp_path_factory):
     """The output of the 'resident' scenario (SGLang imports in seconds: one process for all checks)."""
-    return scenario("resident", tables, make_checkpoint(tmp_path_factory.mktemp("sglang-ckpt") / "ckpt"),
+    return scenario("resident", tables, make_checkpoint(tmp_path_factory.mktemp("sglang-ckpt") / "ckpt", SPEC),
                     address=daemon.unix)
 
 
@@ -182,7 +162,7 @@ def test_a_failed_fetch_stops_sglang_before_the_steps_tokens(tmp_path):
         for page in pages:
             flip(directory, 14, page)
         out = scenario("failed_step", directory, ",".join(map(str, pages)), address=d.unix)
-    assert f"OK step 2: CorruptRows: engram-store fetch job: layer 14: 1 page(s)" in out, out[-4000:]
+    assert "OK step 2: CorruptRows: engram-store fetch job: layer 14: 1 page(s)" in out, out[-4000:]
     assert "OK normal loop: a good step's tokens processed; the step that read a flipped page raised" in out
     assert "OK overlap loop: the failed step raised after its copy_done, before SGLang processed its tokens" in out
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from daemon_helpers import REPO, DaemonProcess
+from engine_checkpoint import make_checkpoint
 
 from engram_store.format.tableset import TableSet
 from engram_store.spec import get_spec
@@ -80,28 +81,10 @@ def scenario(name: str, *args: str, address: str, wait: bool = True, expect_rc: 
     return result.stdout + result.stderr
 
 
-def make_checkpoint(ckpt: Path) -> Path:
-    """Two shards: an ordinary tensor; the Engram tables alone (26 MB: far beyond what readahead around the
-    header could bring in)."""
-    import torch
-    from safetensors.torch import save_file
-
-    ckpt.mkdir()
-    save_file({"model.layers.0.attn.wq_a.weight": torch.ones(8, 8)}, str(ckpt / "model-00001-of-00002.safetensors"))
-    rows = 100_000
-    rng = np.random.default_rng(0)
-    save_file({f"model.layers.{layer}.engram.embed.{part}": torch.from_numpy(
-        rng.integers(0, 120, (rows, width), dtype=np.uint8)).view(dtype)
-        for layer in SPEC.layers for part, width, dtype in (("weight", 256, torch.float8_e4m3fn),
-                                                            ("scale", 8, torch.float8_e8m0fnu))},
-        str(ckpt / "model-00002-of-00002-engram.safetensors"))
-    return ckpt
-
-
 @pytest.fixture(scope="module")
 def resident(daemon, tables, tmp_path_factory):
     """The output of the 'resident' scenario (one vLLM process for the resident-layer checks)."""
-    return scenario("resident", tables, make_checkpoint(tmp_path_factory.mktemp("vllm-ckpt") / "ckpt"),
+    return scenario("resident", tables, make_checkpoint(tmp_path_factory.mktemp("vllm-ckpt") / "ckpt", SPEC),
                     address=daemon.unix)
 
 
