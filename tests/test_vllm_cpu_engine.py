@@ -335,8 +335,10 @@ def corrupt_copy(tables_dir: Path, out: Path) -> Path:
 
 @pytest.mark.parametrize("runner", list(RUNNERS))
 def test_a_page_failing_its_checksum_stops_the_engine_before_its_tokens(runner, alone, ckpts, tables, work):
-    """A page of the cached layer flipped on disk, first read at the 4th step or later (by vLLM alone's
-    steps): the engine stops naming layer and page; ``generate`` returns nothing."""
+    """A page of the cached layer flipped on disk, first read at the 4th step or later of vLLM alone: the
+    engine stops at the step reading it, naming layer and page, after healthy steps; ``generate`` returns
+    nothing. Steps are the engine's own: its core schedules requests as they arrive, so the first step
+    holds one prompt in one run and all of them in another."""
     from storage_helpers import flip
 
     spec = TableSet.open(tables["full"]).spec
@@ -344,7 +346,7 @@ def test_a_page_failing_its_checksum_stops_the_engine_before_its_tokens(runner, 
     for i, pages in enumerate(pages_by_step(alone[runner], spec)):
         for p in pages:
             first_step.setdefault(p, i)
-    step, page = min((i, p) for p, i in first_step.items() if i >= 3)
+    _, page = min((i, p) for p, i in first_step.items() if i >= 3)
     corrupt = corrupt_copy(tables["full"], work / f"tables-corrupt-{runner}")
     with cached_daemon(corrupt, work / f"daemon-corrupt-{runner}") as daemon:
         flip(corrupt, CACHED, page)  # after the start: neither the daemon nor its cache has read it
@@ -352,7 +354,11 @@ def test_a_page_failing_its_checksum_stops_the_engine_before_its_tokens(runner, 
         out = engine.run(expect_rc=None)
     assert "CorruptRows" in out and f"layer {CACHED}" in out and str(page) in out, out[-8000:]
     assert not engine.out.exists() and "OK round" not in out, "generate returned outputs of a failed step"
-    assert len(pages_by_step(engine, spec)) > step, "the engine stopped before the step reading the flipped page"
+    steps = pages_by_step(engine, spec)
+    reading = [i for i, pages in enumerate(steps) if page in pages]
+    assert reading, f"the engine stopped after {len(steps)} steps, none of them reading page {page}"
+    assert reading[0] == len(steps) - 1, f"the engine ran {len(steps) - 1 - reading[0]} steps after the failed one"
+    assert reading[0] >= 1, "the flipped page was read at the first step: no healthy step came before it"
 
 
 def test_streaming_sends_no_token_of_the_failed_step(alone, ckpts, tables, work):
