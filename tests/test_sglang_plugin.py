@@ -1,8 +1,9 @@
 """The SGLang plugin against SGLang 0.5.23's own code, on CPU with Triton's interpreter, against
 real daemons. SGLang lives in ``.venv-sglang`` (``make test`` builds it: SGLang ``--no-deps`` plus
-``tests/sglang-requirements.txt``); each scenario of ``tests/sglang_engine.py`` runs there in a
-fresh process. Bytes are compared there with ``TableSet.read_rows`` and values with
-``gpu_client.dequantize``."""
+``tests/sglang-requirements.txt``); each scenario runs there in a fresh process of its script:
+``tests/sglang_engine.py`` (resident layers), ``tests/sglang_engine_cached.py`` (a cached layer's
+forward) or ``tests/sglang_engine_scheduler.py`` (SGLang's scheduler with a cached layer). Bytes are
+compared there with ``TableSet.read_rows`` and values with ``gpu_client.dequantize``."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ pytestmark = pytest.mark.skipif(not SGLANG_PYTHON.exists(),
 
 SPEC = get_spec("deepseek-v4.1-flash", 0.0002)  # V4.1's geometry (24 heads, 264-byte rows), ~40 MB of tables
 SCENARIO_TIMEOUT = 300
+SCRIPTS = {"mixed": "sglang_engine_cached.py", "cached": "sglang_engine_cached.py", "chains": "sglang_engine_cached.py",
+           "ranks": "sglang_engine_cached.py", "failed_step": "sglang_engine_scheduler.py",
+           "hints": "sglang_engine_scheduler.py"}  # the others: tests/sglang_engine.py's
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +51,7 @@ def scenario(name: str, *args: str, address: str, expect_rc: int = 0, extra_env=
             "SGLANG_PLUGINS": "engram_store", "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1",
             "SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)} \
         | (extra_env or {})
-    cmd = [str(SGLANG_PYTHON), str(REPO / "tests" / "sglang_engine.py"), name, *map(str, args)]
+    cmd = [str(SGLANG_PYTHON), str(REPO / "tests" / SCRIPTS.get(name, "sglang_engine.py")), name, *map(str, args)]
     result = subprocess.run(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                             timeout=SCENARIO_TIMEOUT)
     out = result.stdout + result.stderr
