@@ -4,8 +4,8 @@ Thread-safe. A lookup takes a contiguous extent of the shared region (row ids,
 then rows), writes the ids there, sends one LOOKUP frame per ``frame_rows``
 rows and waits for the RESULTs; the daemon gathers rows straight into the
 extent. :meth:`UnixTransport.submit` hands back the extent as a read-only
-view (zero copy) until :meth:`UnixPending.release`; ``lookup_into`` copies
-into the caller's buffer piece by piece, several pieces in flight.
+view (zero copy) until :meth:`.unix_pending.UnixPending.release`; ``lookup_into``
+copies into the caller's buffer piece by piece, several pieces in flight.
 
 :meth:`UnixTransport.plan_lookup` is one plan-mode round trip (cached daemons):
 rows the daemon holds in DRAM come through the region, the others as a read
@@ -18,11 +18,10 @@ Whichever waiting thread holds no result reads the socket for everyone
 Deadlines: a call waits at most ``timeout`` seconds for its replies, then
 raises :class:`~engram_store.errors.DeadlineExceeded` and closes the
 connection (a late reply must not land in region space given to another
-call); the next call reconnects. Connecting retries with backoff, within
-``connect_timeout``, while the daemon's backlog is full or its socket has no
-listener yet (a restart); the handshake (HELLO, then the WELCOME and its
-payload of at most :data:`~engram_store.wire.frames.MAX_DAEMON_PAYLOAD` bytes)
-ends within the same ``connect_timeout``, however slowly a peer sends it.
+call); the next call reconnects. Connecting and the handshake
+(:mod:`.unix_socket`: retries with backoff while the daemon's backlog is full
+or its socket has no listener yet, a restart; then HELLO, and the WELCOME
+however slowly a peer sends it) end within ``connect_timeout`` together.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import select
 import socket
 import struct
@@ -42,12 +40,14 @@ import numpy as np
 
 from .. import errors
 from ..format import requests
-from ..format.arena_layout import ArenaLayout, ArenaView
+from ..format.arena_layout import ArenaView
 from ..native import shm, syscalls
 from ..wire import frames as wire
 from ..wire.frames import Frame, Op, Status
+from . import unix_socket
 from .plan import PlannedLookups
 from .region import Extents
+from .unix_pending import UnixPending, drain_first
 
 log = logging.getLogger(__name__)
 
@@ -59,54 +59,6 @@ PIECES, PIECES_IN_FLIGHT, PIECE_MIN_ROWS = 4, 2, 16384  # lookup_into's copy-out
 # A call's deadline: above the slowest honest request (a 1M-row lookup of cold rows from
 # NVMe takes seconds), far below what a caller would wait for a daemon that stopped.
 DEFAULT_TIMEOUT_SECONDS = 10.0
-CONNECT_BACKOFF_SECONDS = (0.005, 0.25)  # first and largest pause between connect attempts
-
-
-class UnixPending:
-    """One submitted lookup; ``wait()`` returns a read-only view into the shared region."""
-
-    __slots__ = ("_transport", "_request_ids", "_extent", "_rows", "_error", "_waited", "_released")
-
-    def __init__(self, transport: "UnixTransport", request_ids: list[int], extent: tuple[int, int], rows: np.ndarray) -> None:
-        self._transport, self._request_ids, self._extent, self._rows = transport, request_ids, extent, rows
-        self._error: BaseException | None = None
-        self._waited = False
-        self._released = False
-
-    def wait(self) -> np.ndarray:
-        if not self._waited:
-            self._waited = True
-            for rid in self._request_ids:
-                try:
-                    frame, payload = self._transport._result(rid)
-                except errors.EngramStoreError as exc:
-                    self._error = self._error or exc
-                    if isinstance(exc, errors.Unavailable):
-                        break
-                    continue
-                if frame.status and self._error is None:  # Status.OK is 0
-                    self._error = wire.error_of(frame.status, payload.decode(errors="replace"))
-        if self._error is not None:
-            raise self._error
-        return self._rows
-
-    def release(self) -> None:
-        """Give the extent back (waits for the daemon to be done writing it first)."""
-        if self._released:
-            return
-        try:
-            self.wait()
-        except errors.EngramStoreError:
-            pass
-        self._released = True
-        self._rows = None  # type: ignore[assignment]
-        self._transport._extents.release(*self._extent)
-
-    def __enter__(self) -> np.ndarray:
-        return self.wait()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 class UnixTransport:
@@ -127,13 +79,9 @@ class UnixTransport:
         self.arena: ArenaView | None = None
         try:
             deadline = time.monotonic() + connect_timeout  # connecting and the handshake, together
-            self._sock = _connect(self._sock, path, deadline)
-            self._sock.settimeout(max(1e-3, deadline - time.monotonic()))
-            try:
-                self._sock.sendall(Frame(Op.HELLO, count=shm_bytes).pack())
-            except BrokenPipeError:  # refused at once (a limit): its reason is still there to read
-                pass
-            self._welcome(deadline)
+            self._sock = unix_socket.connect(self._sock, path, deadline)
+            self.info_cached, self._region, self.arena = unix_socket.handshake(self._sock, shm_bytes, deadline)
+            self.region = syscalls.as_array(self._region)
             self._sock.settimeout(None)
             # Sends (small frames) give up too when a stopped daemon leaves the socket full.
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
@@ -161,29 +109,6 @@ class UnixTransport:
         self._broken = ""
         self._reserved: dict[int, int] = {}  # offset -> bytes of reserve() buffers
         self.planned = PlannedLookups(self)  # plan mode over this connection (:mod:`.plan`)
-
-    def _welcome(self, deadline: float) -> None:
-        self._sock.settimeout(_left(deadline))
-        data, fds = shm.recv_with_fds(self._sock, wire.FRAME.size, 2)
-        try:
-            if len(data) < wire.FRAME.size:
-                data += _recv_by(self._sock, wire.FRAME.size - len(data), deadline)
-            frame = Frame.unpack(data)
-            wire.check_header(frame, wire.MAX_DAEMON_PAYLOAD)
-            payload = _recv_by(self._sock, frame.payload_bytes, deadline) if frame.payload_bytes else b""
-            if frame.op != Op.WELCOME or frame.status != Status.OK:
-                raise wire.error_of(frame.status, payload.decode(errors="replace") or f"unexpected op {frame.op}")
-            if not fds:
-                raise wire.ProtocolError("WELCOME arrived without the shared-region fd")
-            self.info_cached: dict[str, Any] = json.loads(payload)
-            self._region = syscalls.map_fd(fds[0], frame.count, writable=True, huge=False)
-            self.region = syscalls.as_array(self._region)
-            arena = self.info_cached.get("arena")
-            if frame.flags & wire.Flag.ARENA and len(fds) > 1 and arena:
-                self.arena = _map_arena(fds[1], arena)
-        finally:
-            for fd in fds:
-                os.close(fd)
 
     # --- requests -----------------------------------------------------------
     def _send(self, data: bytes) -> None:
@@ -280,12 +205,12 @@ class UnixTransport:
             for start in range(0, max(ids.size, 1), piece):
                 chunk = ids[start: start + piece]
                 if len(inflight) >= PIECES_IN_FLIGHT:
-                    self._drain_one(inflight, flat)
+                    drain_first(inflight, flat)
                 while (p := self.submit(layer, chunk, block=not inflight)) is None:
-                    self._drain_one(inflight, flat)
+                    drain_first(inflight, flat)
                 inflight.append((start, p))
             while inflight:
-                self._drain_one(inflight, flat)
+                drain_first(inflight, flat)
         finally:
             for _, p in inflight:
                 p.release()
@@ -326,15 +251,6 @@ class UnixTransport:
     def plan_piece_rows(self) -> int:
         """Rows of one plan lookup at most (a quarter of the shared region)."""
         return max(1, min(self.max_request_rows, (self._extents.size // 4) // (8 + self.row_bytes + 2 * wire.ALIGN)))
-
-    @staticmethod
-    def _drain_one(inflight: list[tuple[int, UnixPending]], flat: np.ndarray) -> None:
-        start, p = inflight.pop(0)
-        try:
-            rows = p.wait()
-            flat[start: start + len(rows)] = rows.reshape(-1, flat.shape[1])
-        finally:
-            p.release()
 
     # --- hints --------------------------------------------------------------------------
     def hint(self, layer: int, row_ids: np.ndarray, key: int) -> int:
@@ -498,58 +414,3 @@ class UnixTransport:
         self.region = None
         region, self._region = self._region, None
         shm.release(region)
-
-
-def _left(deadline: float) -> float:
-    """Seconds to ``deadline``; socket.timeout once it has passed."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise socket.timeout("deadline passed")
-    return left
-
-
-def _recv_by(sock: socket.socket, size: int, deadline: float) -> bytes:
-    """Exactly ``size`` bytes (a bound the caller checked), all of them by ``deadline``: each read
-    waits only for what is left of it, so a peer sending a byte at a time cannot stretch it.
-    socket.timeout at the deadline, ConnectionError on EOF."""
-    buf = bytearray(size)
-    view, got = memoryview(buf), 0
-    while got < size:
-        sock.settimeout(_left(deadline))
-        n = sock.recv_into(view[got:], size - got)
-        if n == 0:
-            raise ConnectionError(f"peer closed the connection after {got} of {size} bytes")
-        got += n
-    return bytes(buf)
-
-
-def _connect(sock: socket.socket, path: str, deadline: float) -> socket.socket:
-    """``sock`` (or a fresh socket) connected to ``path``. Retries with backoff until ``deadline``
-    while the daemon's backlog is full (EAGAIN) or its socket has no listener (a restart);
-    a path with no socket at all fails at once (no daemon there)."""
-    pause = CONNECT_BACKOFF_SECONDS[0]
-    while True:
-        try:
-            sock.settimeout(max(1e-3, deadline - time.monotonic()))
-            sock.connect(path)
-            return sock
-        except (BlockingIOError, ConnectionRefusedError, InterruptedError):
-            if time.monotonic() + pause >= deadline:
-                raise
-        sock.close()
-        time.sleep(pause)
-        pause = min(2 * pause, CONNECT_BACKOFF_SECONDS[1])
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-
-
-def _map_arena(fd: int, described: dict[str, Any]) -> ArenaView:
-    """Map the daemon's arena read-only, after checking that it is sealed against writes
-    and resizing (rows a client reads in place must never change under it) and that it
-    is as large as the layout the daemon described."""
-    layout = ArenaLayout.from_dict(described)
-    want = syscalls.F_SEAL_WRITE | syscalls.F_SEAL_SHRINK
-    if syscalls.seals(fd) & want != want:
-        raise wire.ProtocolError("the daemon's arena memfd is not sealed against writes and shrinking; refusing it")
-    if os.fstat(fd).st_size < layout.size:
-        raise wire.ProtocolError(f"the arena memfd has {os.fstat(fd).st_size} bytes, its layout {layout.size}")
-    return ArenaView.map_fd(fd, layout)
