@@ -2,8 +2,9 @@
 
 - ``client``: ``EngramClient`` (``connect("unix://...")`` or ``grpc[s]://``), reconnects,
   deadlines, lookup handles;
-- ``unix_transport`` (Unix socket + shared memory, the arena mapped zero-copy),
-  ``grpc_transport`` (remote), ``region`` (the allocator of the shared region);
+- ``unix_transport`` (Unix socket + shared memory, the arena mapped zero-copy; connecting and the
+  handshake in ``unix_socket``, a lookup's extent in ``unix_pending``), ``grpc_transport`` (remote),
+  ``region`` (the allocator of the shared region);
 - ``local``: ``LocalClient`` (the same surface over a store in process) and
   ``MemoryTables`` (a table set in one sealed memfd, the no-daemon baseline);
 - ``commands``: the ``stats`` and ``lookup`` subcommands.
