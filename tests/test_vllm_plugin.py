@@ -1,7 +1,7 @@
-"""The vLLM plugin against vLLM 0.33's own code (installed with ``--no-deps`` by ``make test``),
-on CPU with Triton's interpreter, against a real daemon. Each scenario of
-``tests/vllm_engine.py`` runs in a fresh process; bytes are compared there with
-``TableSet.read_rows`` and values with ``gpu_client.dequantize``."""
+"""The vLLM plugin against vLLM 0.33's own code (``--no-deps`` in ``.venv``), on CPU with Triton's
+interpreter, against a real daemon (``make engine-test``). Each scenario of ``tests/vllm_engine.py``
+(resident layers) or ``tests/vllm_engine_paths.py`` (a cached layer) runs in a fresh process; bytes are
+compared there with ``TableSet.read_rows`` and values with ``gpu_client.dequantize``."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from engram_store.format.tableset import TableSet
 from engram_store.spec import get_spec
 from engram_store.tools.synth import write_synthetic
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed (make test installs vllm==0.33.0 --no-deps)")
+pytestmark = [pytest.mark.engine,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vLLM is not installed (make engine-test installs vllm==0.33.0 --no-deps)")]
 
 SPEC = get_spec("deepseek-v4.1-flash", 0.0002)  # V4.1's geometry (24 heads, 264-byte rows), ~40 MB of tables
 SCENARIO_TIMEOUT = 300
