@@ -1,7 +1,8 @@
 """The vLLM plugin against vLLM 0.33's own code (``--no-deps`` in ``.venv``), on CPU with Triton's
-interpreter, against a real daemon (``make engine-test``). Each scenario of ``tests/vllm_engine.py``
-(resident layers) or ``tests/vllm_engine_paths.py`` (a cached layer) runs in a fresh process; bytes are
-compared there with ``TableSet.read_rows`` and values with ``gpu_client.dequantize``."""
+interpreter, against a real daemon (``make engine-test``). Each scenario runs in a fresh process of its
+script: ``tests/vllm_engine.py`` (resident layers), ``tests/vllm_engine_cached.py`` (a cached layer's steps)
+or ``tests/vllm_engine_paths.py`` (the paths a cached layer takes); bytes are compared there with
+``TableSet.read_rows`` and values with ``gpu_client.dequantize``."""
 
 from __future__ import annotations
 
@@ -64,15 +65,17 @@ def mixed(tables, tmp_path_factory):
         d.stop()
 
 
-PATH_SCENARIOS = {"blackwell-paths", "output-points", "fail-quietly", "hints"}  # tests/vllm_engine_paths.py's
+SCRIPTS = {"cached": "vllm_engine_cached.py", "cached-outage": "vllm_engine_cached.py",
+           "cached-corrupt": "vllm_engine_cached.py", "blackwell-paths": "vllm_engine_paths.py",
+           "output-points": "vllm_engine_paths.py", "fail-quietly": "vllm_engine_paths.py",
+           "hints": "vllm_engine_paths.py"}  # the others: tests/vllm_engine.py's
 
 
 def scenario(name: str, *args: str, address: str, wait: bool = True, expect_rc: int = 0, extra_env=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ENGRAM_STORE_", "VLLM_"))}
     env |= {"ENGRAM_STORE_ADDR": address, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
             "VLLM_PLUGINS": "engram_store", "PYTHONUNBUFFERED": "1"} | (extra_env or {})
-    script = "vllm_engine_paths.py" if name in PATH_SCENARIOS else "vllm_engine.py"
-    cmd = [sys.executable, str(REPO / "tests" / script), name, *map(str, args)]
+    cmd = [sys.executable, str(REPO / "tests" / SCRIPTS.get(name, "vllm_engine.py")), name, *map(str, args)]
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)

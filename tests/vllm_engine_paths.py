@@ -1,6 +1,6 @@
 """vLLM 0.33's own code on the paths a cached layer takes by default, through the engram-store plugin:
 scenarios run by ``tests/test_vllm_plugin.py``, each in a fresh process, with the shims of
-``tests/vllm_engine.py`` (which this module imports).
+``tests/vllm_engine.py`` and the step helpers of ``tests/vllm_engine_cached.py`` (which this module imports).
 
     TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= ENGRAM_STORE_ADDR=unix://S python tests/vllm_engine_paths.py SCENARIO ...
 
@@ -18,7 +18,8 @@ import types
 import numpy as np
 import torch
 from engine_helpers import model_config, ok
-from vllm_engine import build, init_distributed, load_plugin, shim, step_batch, step_reading_flipped_page, token_batch
+from vllm_engine import build, init_distributed, load_plugin, shim, token_batch
+from vllm_engine_cached import step_batch, step_reading_flipped_page
 
 
 class FakeStreams:
