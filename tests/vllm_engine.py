@@ -102,6 +102,19 @@ def build(E, layout, index: int, runner=None):
         return E.Engram._create_embedding(object(), layout, index)
 
 
+def plugin_layer(tables_dir: str, index: int, **shim_args):
+    """The plugin loaded, vLLM's distributed state and config shimmed (``shim_args``), and Engram layer
+    ``index``'s embedding built through the plugin: returns the shimmed module, the table set and the
+    embedding."""
+    from engram_store.format.tableset import TableSet
+
+    load_plugin()
+    ts = TableSet.open(tables_dir)
+    init_distributed()
+    E = shim(**shim_args)
+    return E, ts, build(E, E.EngramLayout(model_config(ts.spec)), index)
+
+
 def token_batch(spec, seed: int, tokens: int = 48):
     from engram_store.hashing import row_ids_numpy
 
@@ -214,13 +227,8 @@ def scenario_write_paths(tables_dir: str) -> None:
     from vllm.model_executor.model_loader.reload import inplace
 
     from engram_store.errors import EngineUnsupported
-    from engram_store.format.tableset import TableSet
 
-    load_plugin()
-    spec = TableSet.open(tables_dir).spec
-    init_distributed()
-    E = shim()
-    emb = build(E, E.EngramLayout(model_config(spec)), 0)
+    E, _, emb = plugin_layer(tables_dir, 0)
     model = torch.nn.ModuleList([emb, torch.nn.Linear(4, 4)])
     attempts = {
         "--load-format dummy": lambda: dummy_loader.DummyModelLoader(LoadConfig(load_format="dummy")).load_weights(model, None),
@@ -305,14 +313,8 @@ def scenario_loader(tables_dir: str, ckpt_dir: str) -> None:
 def scenario_hold(tables_dir: str) -> None:
     """Map through the plugin, answer, then wait: after the test restarts the daemon on other
     tables, this process's views must still hold the rows it mapped (read on stdin's word)."""
-    from engram_store.format.tableset import TableSet
-
-    load_plugin()
-    ts = TableSet.open(tables_dir)
+    E, ts, emb = plugin_layer(tables_dir, 0)
     spec = ts.spec
-    init_distributed()
-    E = shim()
-    emb = build(E, E.EngramLayout(model_config(spec)), 0)
     ids = token_batch(spec, seed=3)[spec.layers[0]]
     want = ts.read_rows(spec.layers[0], ids.reshape(-1)).reshape(ids.shape + (spec.row_bytes,))
 

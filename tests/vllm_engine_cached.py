@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import torch
 from engine_helpers import model_config, ok
-from vllm_engine import MAX_TOKENS, build, init_distributed, load_plugin, shim, token_batch
+from vllm_engine import MAX_TOKENS, build, init_distributed, load_plugin, plugin_layer, shim, token_batch
 
 
 def host_visible_check() -> None:
@@ -100,14 +100,8 @@ def scenario_cached_outage(tables_dir: str, pid: str) -> None:
     import signal
     import time
 
-    from engram_store.format.tableset import TableSet
-
-    load_plugin()
-    ts = TableSet.open(tables_dir)
+    E, ts, emb = plugin_layer(tables_dir, 1)
     spec = ts.spec
-    init_distributed()
-    E = shim()
-    emb = build(E, E.EngramLayout(model_config(spec)), 1)
     job = emb._engram_store.job
 
     def steps(first: int, what: str) -> None:
@@ -146,13 +140,9 @@ def step_reading_flipped_page(tables_dir: str, page: str, token: int):
     ``token`` asks for a row of ``page`` (flipped on disk by the test). The chain runs; its failure is for the
     step's host-visible point. Returns the module, the table spec and the step's output."""
     from engram_store.format.layout import PageLayout
-    from engram_store.format.tableset import TableSet
 
-    load_plugin()
-    spec = TableSet.open(tables_dir).spec
-    init_distributed()
-    E = shim()
-    emb = build(E, E.EngramLayout(model_config(spec)), 1)
+    E, ts, emb = plugin_layer(tables_dir, 1)
+    spec = ts.spec
     ids = step_batch(spec, 7)[14]
     ids[token, 0] = int(page) * PageLayout(spec.rows(14), spec.row_bytes).rows_per_page
     out = torch.empty((ids.shape[0], 24, spec.row_bytes), dtype=torch.uint8)

@@ -18,7 +18,7 @@ import types
 import numpy as np
 import torch
 from engine_helpers import model_config, ok
-from vllm_engine import build, init_distributed, load_plugin, shim, token_batch
+from vllm_engine import build, init_distributed, load_plugin, plugin_layer, shim, token_batch
 from vllm_engine_cached import step_batch, step_reading_flipped_page
 
 
@@ -252,16 +252,12 @@ def scenario_hints(tables_dir: str) -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1
 
     from engram_store.client.client import EngramClient
-    from engram_store.format.tableset import TableSet
     from engram_store.integrations.hints import pending_rows
     from engram_store.integrations.vllm import hinting, patches
     from engram_store.tokens import raw_ids_for
 
-    load_plugin()
-    spec = TableSet.open(tables_dir).spec
-    init_distributed()
-    E = shim(tp_size=2, tp_rank=1)  # rank 1 of TP=2: heads 12..24
-    emb = build(E, E.EngramLayout(model_config(spec)), 1)
+    E, ts, emb = plugin_layer(tables_dir, 1, tp_size=2, tp_rank=1)  # rank 1 of TP=2: heads 12..24
+    spec = ts.spec
     columns = slice(emb.head_start, emb.head_start + emb.part_n_hash_cols)
     tokens = np.random.default_rng(8).integers(0, 129_280, 300)
 
