@@ -126,7 +126,7 @@ def scenario_chains(tables_dir: str) -> None:
     from sglang_lanes import POLICIES, SCHEDULES, Streams
 
     from engram_store.format.tableset import TableSet
-    from engram_store.integrations.sglang import chain, hooks, lanes, prefetch
+    from engram_store.integrations.sglang import chain, lanes, prefetch
 
     load_plugin()
     ts = TableSet.open(tables_dir)
@@ -209,7 +209,7 @@ def scenario_ranks(tables_dir: str, address: str) -> None:
     fetching every head (attention DP: ranks with tokens of their own)."""
     from engram_store.client.client import EngramClient
     from engram_store.format.tableset import TableSet
-    from engram_store.integrations.sglang import chain, hooks, prefetch
+    from engram_store.integrations.sglang import hooks, prefetch
 
     load_plugin()
     ts = TableSet.open(tables_dir)
