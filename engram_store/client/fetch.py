@@ -27,7 +27,9 @@ table set), naming both; it then reads its own files.
 
 A step asks the daemon over a connection of its own (one LOOKUP, the rows written into the staging
 under its *gate*: a step that gives up on the daemon revokes its request first, so that no late answer
-ever writes into the staging after the step returned). A daemon that is slow is not waited on for long:
+ever writes into the staging after the step returned; a daemon caught mid-write is waited for until its
+write ends or it is gone, seen by its pidfd or, where none can be had (an older kernel across PID
+namespaces, as for pods without ``hostPID``), by its connection hanging up: ``native/fetch_writer.h``). A daemon that is slow is not waited on for long:
 once it has not answered
 within the *hedge budget* (2 ms plus twice the p99 of its last 128 answers, at most 100 ms or a
 quarter of the deadline; ``hedge`` or ``ENGRAM_STORE_FETCH_HEDGE_SECONDS`` fixes it), the job also

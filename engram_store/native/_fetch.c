@@ -48,7 +48,8 @@
  * torch runs on: gpu_runtime.h; the job needs neither at build time), run_address / call_address(n),
  * attach(fd, region, ids_offset, out_offset, split=False), detach(), probe(), close(), connected, stats(), error(),
  * clear_error(). Module: staging_bytes(), and for tests test_hold_reads(flag) (every reader waits
- * before its next request while set: a stuck device), live_cores(), late_calls().
+ * before its next request while set: a stuck device), test_without_pidfds(flag) (connections get no pidfd
+ * of their daemon: fetch_writer.h's other way), live_cores(), late_calls().
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -68,10 +69,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#ifndef SYS_pidfd_open
-#define SYS_pidfd_open 434
-#endif
-
 #define MAX_QD 256
 #define CTX_POOL 8
 
@@ -84,6 +81,7 @@
 #include "fetch_core.h"    /* core_t, fetch_call, the lifetime rules */
 #include "fetch_reader.h"  /* the reader thread: direct reads, file checks */
 #include "fetch_daemon.h"  /* the daemon exchange, the hedge budget, the back-off */
+#include "fetch_writer.h"  /* whether a daemon writing into the staging is gone (pidfd, or its connection) */
 #include "fetch_board.h"   /* the failure board every rank of a server shares */
 #include "fetch_run.h"     /* the run function: one step within its deadline */
 
@@ -94,8 +92,8 @@ static void core_release(core_t *c) {
     free(c->pos);
     c->pos = NULL;
     if (c->peer_pidfd >= 0) close(c->peer_pidfd);
-    if (c->stuck_pidfd >= 0) close(c->stuck_pidfd);
-    c->peer_pidfd = c->stuck_pidfd = -1;
+    c->peer_pidfd = -1;
+    writer_release(&c->stuck);
     atomic_fetch_sub(&live_cores, 1);
     if (__atomic_load_n(&c->exposed, __ATOMIC_ACQUIRE)) return;  /* a captured graph may still run a call */
     pthread_mutex_destroy(&c->lock);
@@ -260,7 +258,8 @@ static int job_init(Job *j, PyObject *args, PyObject *kw) {
     pthread_mutex_init(&c->msg_lock, NULL);
     c->sock = -1;
     c->rd.efd = -1;
-    c->peer_pidfd = c->stuck_pidfd = -1;
+    c->peer_pidfd = -1;
+    c->stuck = (writer_t){.pidfd = -1, .sock = -1};
     c->backoff_ns = BACKOFF_MIN_NS;
     if (take_files(c, o_files) < 0) return -1;
     if (!sums->blob) {
@@ -417,18 +416,6 @@ static PyObject *job_launch_host(Job *j, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* A pidfd of the process at the other end of a Unix socket, or -1 (unknown: another pid namespace, an old
-   kernel). Its exit ends any write of that daemon into the staging (staging_gate.h). */
-static int peer_pidfd(int fd) {
-    struct ucred cred;
-    socklen_t len = sizeof cred;
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.pid <= 0) return -1;
-    const long pidfd = syscall(SYS_pidfd_open, cred.pid, 0);
-    if (pidfd < 0) return -1;
-    fcntl((int)pidfd, F_SETFD, FD_CLOEXEC);
-    return (int)pidfd;
-}
-
 static PyObject *job_attach(Job *j, PyObject *args) {
     int fd, split = 0;
     PyObject *o_region;
@@ -472,6 +459,7 @@ static PyObject *job_attach(Job *j, PyObject *args) {
         c->split = split;
         if (c->peer_pidfd >= 0) close(c->peer_pidfd);
         c->peer_pidfd = pidfd;
+        c->peer_hup_ns = 0;
     }
     pthread_mutex_unlock(&c->lock);
     Py_END_ALLOW_THREADS
@@ -567,7 +555,7 @@ static PyObject *job_stats(Job *j, PyObject *noargs) {
     const double stuck = reader_stuck_seconds(c);
     PyObject *pending = PyBool_FromLong(__atomic_load_n(&c->pending_id, __ATOMIC_RELAXED) != 0);
     return Py_BuildValue(
-        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsdsdsdsdsdsNsNsNss}", "steps", (long long)c->steps, "rows", (long long)c->rows,
+        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsdsdsdsdsdsNsNsNsNss}", "steps", (long long)c->steps, "rows", (long long)c->rows,
         "daemon_steps", (long long)c->daemon_steps, "direct_steps", (long long)c->direct_steps,
         "direct_pages", (long long)c->direct_pages, "daemon_errors", (long long)c->daemon_errors,
         "drops", (long long)c->drops, "failed_steps", (long long)c->failed_steps, "bad_pages", (long long)c->bad_pages,
@@ -575,11 +563,12 @@ static PyObject *job_stats(Job *j, PyObject *noargs) {
         "backoff_steps", (long long)c->backoff_steps, "late_answers", (long long)c->late_answers,
         "timeouts", (long long)c->timeouts, "stuck_steps", (long long)c->stuck_steps,
         "one_copy_steps", (long long)c->one_copy_steps, "copied_rows", (long long)c->copied_rows,
-        "gate_waits", (long long)c->gate_waits,
+        "gate_waits", (long long)c->gate_waits, "dead_writers", (long long)c->dead_writers,
         "last_seconds", c->last_ns / 1e9, "max_seconds", c->max_ns / 1e9, "total_seconds", c->total_ns / 1e9,
         "hedge_seconds", c->hedge_ns / 1e9, "direct_stuck_seconds", stuck, "daemon_pending", pending,
         "one_copy", PyBool_FromLong(__atomic_load_n(&c->split, __ATOMIC_RELAXED)),
-        "gate_stuck", PyBool_FromLong(__atomic_load_n(&c->gate_stuck, __ATOMIC_RELAXED) != 0), "note", note);
+        "gate_stuck", PyBool_FromLong(__atomic_load_n(&c->gate_stuck, __ATOMIC_RELAXED) != 0),
+        "daemon_pidfd", PyBool_FromLong(__atomic_load_n(&c->peer_pidfd, __ATOMIC_RELAXED) >= 0), "note", note);
 }
 
 static PyObject *job_error(Job *j, PyObject *noargs) {
@@ -706,6 +695,13 @@ static PyObject *py_test_hold_reads(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_test_without_pidfds(PyObject *self, PyObject *args) {
+    int off;
+    if (!PyArg_ParseTuple(args, "p", &off)) return NULL;
+    atomic_store(&no_pidfds, off);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_live_cores(PyObject *self, PyObject *noargs) { return PyLong_FromLongLong(atomic_load(&live_cores)); }
 
 static PyObject *py_late_calls(PyObject *self, PyObject *noargs) { return PyLong_FromLongLong(atomic_load(&late_calls)); }
@@ -716,6 +712,9 @@ static PyMethodDef module_methods[] = {
     {"test_hold_reads", py_test_hold_reads, METH_VARARGS,
      "test_hold_reads(flag): for tests, every reader thread waits before its next request while flag is set "
      "(a device that does not answer)"},
+    {"test_without_pidfds", py_test_without_pidfds, METH_VARARGS,
+     "test_without_pidfds(flag): for tests, connections attached while set get no pidfd of their daemon (an older "
+     "kernel across PID namespaces): a daemon gone mid-write is seen by its connection alone"},
     {"live_cores", py_live_cores, METH_NOARGS, "live_cores() -> jobs whose buffers and files are not freed yet"},
     {"late_calls", py_late_calls, METH_NOARGS, "late_calls() -> runs that found their job closed and returned"},
     {NULL, NULL, 0, NULL},

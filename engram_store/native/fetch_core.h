@@ -52,6 +52,13 @@ typedef struct {
 
 enum { R_IDLE = 0, R_BUSY = 1, R_DONE = 2 };
 
+/* The watch of a daemon's write into the staging (fetch_writer.h): its process, or its connection. */
+typedef struct {
+    int pidfd;      /* the daemon's pidfd, -1 when unknown */
+    int sock;       /* else the connection (a dup), -1 when the step had dropped it */
+    int64_t hup_ns; /* when the daemon's end of the connection was first seen hung up, 0 not yet */
+} writer_t;
+
 typedef struct {
     pthread_mutex_t mu;     /* state, gen, stuck, quit; the result is the run's once state is R_DONE */
     pthread_cond_t cv;
@@ -103,8 +110,9 @@ struct core {
     uint32_t *gate;                    /* the staging memfd's gate word (valid while !closed), or NULL */
     int split;                         /* this connection's daemon took the staging: Flag.SPLIT lookups */
     int peer_pidfd;                    /* the connected daemon's process (pidfd), -1 when unknown */
+    int64_t peer_hup_ns;               /* when this step dropped a connection whose daemon had hung up, 0 */
     uint64_t gate_stuck;               /* a request whose rows the daemon was still writing at a deadline */
-    int stuck_pidfd;                   /* that daemon's process (pidfd), -1 when unknown */
+    writer_t stuck;                    /* that write's watch (fetch_writer.h) */
     /* direct reads (fetch_reader.h) */
     reader_t rd;
     /* status: counters are atomics, the messages sit under msg_lock (read by Python while a run goes on) */
@@ -116,7 +124,7 @@ struct core {
     char note[MSG_BYTES];              /* the last fallback's reason */
     _Atomic int64_t steps, rows, daemon_steps, direct_steps, direct_pages, daemon_errors, drops, failed_steps,
         bad_pages, hedged_steps, busy_steps, backoff_steps, late_answers, timeouts, stuck_steps, last_ns, max_ns,
-        total_ns, hedge_ns, one_copy_steps, copied_rows, gate_waits;
+        total_ns, hedge_ns, one_copy_steps, copied_rows, gate_waits, dead_writers;
     fetch_call **calls;                /* one per distinct row count */
     int ncalls, cap_calls;
     uint8_t *board;                    /* the failure board (fetch_board.h), or NULL; valid while !closed */

@@ -35,7 +35,14 @@
 #define BACKOFF_MAX_NS 2000000000LL
 #define LATE_FRAME_NS 10000000LL  /* a late answer found readable between steps: the rest of its frame */
 
+/* Whether the daemon's end of a connection hung up (both directions shut, or reset). */
+static int hung_up(int sock) {
+    struct pollfd p = {.fd = sock, .events = 0};
+    return poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLERR));
+}
+
 static void drop(core_t *c, const char *why) {
+    if (c->sock >= 0 && hung_up(c->sock)) c->peer_hup_ns = now_ns();  /* a writer's end (fetch_writer.h) */
     if (c->sock >= 0) close(c->sock);
     c->sock = -1;
     c->pending_id = 0;

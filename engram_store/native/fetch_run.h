@@ -11,7 +11,8 @@
  * row of its own goes in, waiting (at most to its deadline) when the daemon is writing at that moment:
  * so no daemon writes into the staging after the step returns, and the winner's rows are the ones the
  * step leaves. A daemon still writing at the deadline (stopped mid-copy) fails the step, and every later
- * step at once, until its write ends or its process exits (staging_gate.h).
+ * step at once, until its write ends or the daemon is gone (its process exited, or its connection hung
+ * up: fetch_writer.h, which works across PID namespaces).
  */
 #ifndef ENGRAM_STORE_FETCH_RUN_H
 #define ENGRAM_STORE_FETCH_RUN_H
@@ -112,23 +113,28 @@ static int take_direct(core_t *c, int64_t m) {
 }
 
 /* The step gives up on its one-copy request: no daemon may write it from now on (waiting, to the
-   deadline at most, for a write in progress to end). 0, or -1 when the daemon still writes. */
+   deadline at most, for a write in progress to end or its writer to be gone: fetch_writer.h). 0, or -1
+   when the daemon still writes (the write's watch kept in c->stuck). */
 static int settle_gate(core_t *c, uint64_t rid, int64_t deadline) {
     if (gate_revoke(c->gate) != GATE_WRITING) return 0;
     atomic_fetch_add(&c->gate_waits, 1);
-    if (gate_wait(c->gate, deadline, c->peer_pidfd)) return 0;
+    writer_t w = writer_of(c);
+    if (writer_wait(c, &w, deadline)) {
+        writer_release(&w);
+        return 0;
+    }
     c->gate_stuck = rid;
-    c->stuck_pidfd = c->peer_pidfd >= 0 ? fcntl(c->peer_pidfd, F_DUPFD_CLOEXEC, 0) : -1;
+    c->stuck = w;
     return -1;
 }
 
-/* Whether the daemon stopped writing the request a step gave up on at its deadline (never waits). */
-static int gate_unstuck(core_t *c) {
+/* Whether the daemon stopped writing the request a step gave up on at its deadline. Waits only for a
+   writer whose connection hung up, to the end of its grace (by `limit` at most). */
+static int gate_unstuck(core_t *c, int64_t limit) {
     if (!c->gate_stuck) return 1;
-    if (!gate_wait(c->gate, 0, c->stuck_pidfd)) return 0;
+    if (!writer_wait(c, &c->stuck, writer_grace_end(&c->stuck, now_ns(), limit))) return 0;
     c->gate_stuck = 0;
-    if (c->stuck_pidfd >= 0) close(c->stuck_pidfd);
-    c->stuck_pidfd = -1;
+    writer_release(&c->stuck);
     return 1;
 }
 
@@ -257,13 +263,15 @@ static int fetch_step(core_t *c, int64_t m, int64_t n, int64_t t0) {
         atomic_fetch_add(&c->daemon_steps, 1);
         return 0;
     }
+    /* before any row of the step's own goes in (and while the connection is there to watch the writer) */
+    const int stuck = opened && settle_gate(c, c->request_id, deadline) < 0;
     if (daemon) {  /* still unanswered: its answer is read and dropped before the next request */
         c->pending_id = c->request_id;
         c->pending_since = sent;
         if (!from_files) drop(c, "no answer within the deadline");
         else daemon_slow(c, end);
     }
-    if (opened && settle_gate(c, c->request_id, deadline) < 0) {  /* before any row of the step's own goes in */
+    if (stuck) {
         if (direct == D_RUNNING || direct == D_WANT) reader_abandon(c, 0);
         fail_gate(c, m);
         return -1;
@@ -296,7 +304,7 @@ static void job_run(core_t *c, int64_t n) {
             memset(c->scales + i * c->scale_bytes, 0, (size_t)c->scale_bytes);
         }
     }
-    if (c->gate_stuck && !gate_unstuck(c)) {  /* a daemon may still write into the staging */
+    if (c->gate_stuck && !gate_unstuck(c, t0 + c->deadline_ns)) {  /* a daemon may still write into the staging */
         fail_gate(c, m);
         atomic_fetch_add(&c->failed_steps, 1);
         board_publish(c);
