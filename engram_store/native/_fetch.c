@@ -100,8 +100,8 @@ static void core_release(core_t *c) {
     pthread_mutex_destroy(&c->msg_lock);
     pthread_mutex_destroy(&c->rd.mu);
     pthread_cond_destroy(&c->rd.cv);
-    for (int i = 0; i < c->ncalls; i++) free(c->calls[i]);
-    free(c->calls);
+    for (int64_t i = 0; i < c->call_nchunks; i++) free(c->call_chunks[i]);
+    free(c->call_chunks);
     free(c);
 }
 
@@ -313,7 +313,9 @@ static int job_init(Job *j, PyObject *args, PyObject *kw) {
     c->deadline_ns = (int64_t)(deadline * 1e9);
     c->hedge_fixed_ns = (int64_t)(hedge * 1e9);
     c->pos = malloc((size_t)max_rows * 8);
-    if (!c->pos || reader_init(c, qd < 1 ? 1 : qd > MAX_QD ? MAX_QD : qd) < 0) {
+    c->call_nchunks = max_rows / CALL_CHUNK + 1;  /* row counts 0..max_rows */
+    c->call_chunks = calloc((size_t)c->call_nchunks, sizeof *c->call_chunks);
+    if (!c->pos || !c->call_chunks || reader_init(c, qd < 1 ? 1 : qd > MAX_QD ? MAX_QD : qd) < 0) {
         PyErr_NoMemory();
         return -1;
     }
@@ -326,28 +328,27 @@ static int ready(Job *j) {
     return j->ready;
 }
 
-/* The call record for n rows, kept for the core's life (run, run_in_native_thread). */
+static int rows_ok(Job *j, long long n) {
+    if (n >= 0 && n <= j->core->max_rows) return 1;
+    PyErr_Format(PyExc_ValueError, "a run takes 0..%lld rows (the staging size), got %lld", (long long)j->core->max_rows, n);
+    return 0;
+}
+
+/* The call record for n rows, kept for the core's life: O(1), its chunk made on first use (fetch_core.h).
+   Under the GIL (call_address, launch_host). */
 static fetch_call *call_record(Job *j, long long n) {
     core_t *core = j->core;
-    if (n < 0 || n > core->max_rows) {
-        PyErr_Format(PyExc_ValueError, "a run takes 0..%lld rows (the staging size), got %lld", (long long)core->max_rows, n);
-        return NULL;
+    if (!rows_ok(j, n)) return NULL;
+    fetch_call **chunk = &core->call_chunks[n / CALL_CHUNK];
+    if (*chunk == NULL) {
+        fetch_call *made = malloc(CALL_CHUNK * sizeof *made);
+        if (!made) return (fetch_call *)PyErr_NoMemory();
+        const int64_t first = n / CALL_CHUNK * CALL_CHUNK;
+        for (int i = 0; i < CALL_CHUNK; i++) made[i] = (fetch_call){.core = core, .rows = first + i};
+        *chunk = made;
+        core->call_used++;
     }
-    for (int i = 0; i < core->ncalls; i++)
-        if (core->calls[i]->rows == n) return core->calls[i];
-    if (core->ncalls == core->cap_calls) {
-        int cap = core->cap_calls ? 2 * core->cap_calls : 8;
-        fetch_call **grown = realloc(core->calls, (size_t)cap * sizeof *grown);
-        if (!grown) return (fetch_call *)PyErr_NoMemory();
-        core->calls = grown;
-        core->cap_calls = cap;
-    }
-    fetch_call *c = malloc(sizeof *c);
-    if (!c) return (fetch_call *)PyErr_NoMemory();
-    c->core = core;
-    c->rows = n;
-    core->calls[core->ncalls++] = c;
-    return c;
+    return &(*chunk)[n % CALL_CHUNK];
 }
 
 /* A call record handed out (call_address, launch_host): a captured graph may run it any time after,
@@ -376,24 +377,22 @@ static PyObject *job_call_address(Job *j, PyObject *args) {
 
 static PyObject *job_run_py(Job *j, PyObject *args) {
     long long n;
-    if (!open_for_runs(j) || !PyArg_ParseTuple(args, "L", &n)) return NULL;
-    fetch_call *c = call_record(j, n);
-    if (!c) return NULL;
+    if (!open_for_runs(j) || !PyArg_ParseTuple(args, "L", &n) || !rows_ok(j, n)) return NULL;
+    fetch_call call = {.core = j->core, .rows = n};  /* a run of its own: no record kept */
     Py_BEGIN_ALLOW_THREADS
-    engram_fetch_host_fn(c);
+    engram_fetch_host_fn(&call);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 static PyObject *job_run_in_native_thread(Job *j, PyObject *args) {
     long long n;
-    if (!open_for_runs(j) || !PyArg_ParseTuple(args, "L", &n)) return NULL;
-    fetch_call *c = call_record(j, n);
-    if (!c) return NULL;
+    if (!open_for_runs(j) || !PyArg_ParseTuple(args, "L", &n) || !rows_ok(j, n)) return NULL;
+    fetch_call call = {.core = j->core, .rows = n};  /* joined below: no record kept */
     pthread_t t;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = pthread_create(&t, NULL, thread_main, c);
+    rc = pthread_create(&t, NULL, thread_main, &call);
     if (rc == 0) pthread_join(t, NULL);
     Py_END_ALLOW_THREADS
     if (rc) {
@@ -555,7 +554,7 @@ static PyObject *job_stats(Job *j, PyObject *noargs) {
     const double stuck = reader_stuck_seconds(c);
     PyObject *pending = PyBool_FromLong(__atomic_load_n(&c->pending_id, __ATOMIC_RELAXED) != 0);
     return Py_BuildValue(
-        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsdsdsdsdsdsNsNsNsNss}", "steps", (long long)c->steps, "rows", (long long)c->rows,
+        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsdsdsdsdsdsNsNsNsNss}", "steps", (long long)c->steps, "rows", (long long)c->rows,
         "daemon_steps", (long long)c->daemon_steps, "direct_steps", (long long)c->direct_steps,
         "direct_pages", (long long)c->direct_pages, "daemon_errors", (long long)c->daemon_errors,
         "drops", (long long)c->drops, "failed_steps", (long long)c->failed_steps, "bad_pages", (long long)c->bad_pages,
@@ -564,6 +563,7 @@ static PyObject *job_stats(Job *j, PyObject *noargs) {
         "timeouts", (long long)c->timeouts, "stuck_steps", (long long)c->stuck_steps,
         "one_copy_steps", (long long)c->one_copy_steps, "copied_rows", (long long)c->copied_rows,
         "gate_waits", (long long)c->gate_waits, "dead_writers", (long long)c->dead_writers,
+        "call_records", (long long)c->call_used * CALL_CHUNK,
         "last_seconds", c->last_ns / 1e9, "max_seconds", c->max_ns / 1e9, "total_seconds", c->total_ns / 1e9,
         "hedge_seconds", c->hedge_ns / 1e9, "direct_stuck_seconds", stuck, "daemon_pending", pending,
         "one_copy", PyBool_FromLong(__atomic_load_n(&c->split, __ATOMIC_RELAXED)),

@@ -11,7 +11,9 @@
  *     touching nothing else (the staging may be gone);
  *   - the shell (lock, closed, call records) of a core whose call records were handed out
  *     (call_address, launch_host: exposed) is never freed, so a late host function always finds
- *     a valid lock and the closed flag. It is a few KiB a job.
+ *     a valid lock and the closed flag. It is a few KiB a job: a 4 KiB chunk of call records per
+ *     256 row counts an engine launched (found in O(1); at most 16 bytes a staging row, where the
+ *     staging itself takes 8 + row_bytes). Synchronous runs (run, run_in_native_thread) use none.
  * One run at a time (lock). The reader works on copies (its own ids, buffers, files) and never
  * touches the staging: only the run copies a result in, and only its own.
  */
@@ -33,6 +35,7 @@ enum { ERR_NONE = 0, ERR_CORRUPT = 1, ERR_IO = 2 };
 
 typedef struct core core_t;
 typedef struct { core_t *core; int64_t rows; } fetch_call;
+#define CALL_CHUNK 256 /* call records made together (4 KiB) */
 
 /* A layer's page checksums in private memory (never a mapping of the .crc file: a file truncated
    under a mapping raises SIGBUS), shared by the jobs of one checksum file in a process. */
@@ -125,8 +128,9 @@ struct core {
     _Atomic int64_t steps, rows, daemon_steps, direct_steps, direct_pages, daemon_errors, drops, failed_steps,
         bad_pages, hedged_steps, busy_steps, backoff_steps, late_answers, timeouts, stuck_steps, last_ns, max_ns,
         total_ns, hedge_ns, one_copy_steps, copied_rows, gate_waits, dead_writers;
-    fetch_call **calls;                /* one per distinct row count */
-    int ncalls, cap_calls;
+    fetch_call **call_chunks;          /* [ceil((max_rows + 1) / CALL_CHUNK)]: the call records handed out, */
+    int64_t call_nchunks, call_used;   /* record n at call_chunks[n / CALL_CHUNK][n % CALL_CHUNK] (chunks made
+                                          on first use, never moved: call_address stays valid); used: chunks made */
     uint8_t *board;                    /* the failure board (fetch_board.h), or NULL; valid while !closed */
     int board_published;               /* this core wrote (or tried to write) its failure there */
 };
