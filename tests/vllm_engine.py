@@ -144,7 +144,7 @@ def scenario_lookup(tables_dir: str) -> None:
         ("vllm.model_executor.model_loader.weight_checksum", "zero_weights"),
         ("vllm.model_executor.model_loader.reload.inplace", "reload_weights"),
         (f"{ENGRAM}.ParallelEngramEmbedding", "lookup"), (f"{ENGRAM}.Engram", "_start_prefetch"),
-        (f"{ENGRAM}.Engram", "_finish_prefetch"), (f"{ENGRAM}.EngramBatch", "create"),
+        (f"{ENGRAM}.EngramBatch", "create"),
         ("vllm.v1.worker.gpu_model_runner", "reload_weights"),  # the runners' by-name imports, rebound too
         ("vllm.v1.worker.gpu.model_runner", "reload_weights"),
         ("vllm.v1.worker.gpu_model_runner.AsyncGPUModelRunnerOutput", "get_output"),

@@ -408,6 +408,12 @@ def _register_staging(job: FetchJob) -> "Registration":
     return reg
 
 
+def staging_is_pinned(tensor: "torch.Tensor") -> bool:
+    """Whether an engine's CPU tensor over a fetch job's staging is page-locked where torch has a GPU
+    (always true without one: nothing reads it over UVA)."""
+    return not _torch_has_gpu() or bool(tensor.is_pinned())
+
+
 def _torch_has_gpu() -> bool:
     from gpu_client.resident import cuda_available
 

@@ -18,11 +18,13 @@ groups):
 * ranks of one server on one host share its failure board (``engram_store.integrations.failures``):
   every fetch job's run function writes its failure there before the step's rows are used, and the
   rows reach the streaming rank only through the model's collectives, after that; so the check reads
-  the board, with no collective per step. Whether every rank of the groups maps the same board is
-  agreed once (an all-gather of its host, device and inode at the first check);
+  the board, with no collective per step. Whether every rank of the groups maps the same board (and
+  whether any serves a cached layer) is surveyed once, collectively (:mod:`..agreement`);
 * otherwise (ranks on several hosts, or started outside the server's process tree) the ranks agree at
   each step, as SGLang agrees on a failed multimodal input: a MAX all-reduce of one flag on the group's
-  CPU (gloo) group, and on a failure every rank raises, naming the rank, layer and pages.
+  CPU (gloo) group, and on a failure every rank raises, naming the rank, layer and pages. A rank
+  without a cached layer (its host's daemon holds the layers resident) agrees too: its tokens carry
+  the other ranks' rows.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import logging
 from typing import Any, Sequence
 
 from ... import errors
+from .. import agreement
 
 log = logging.getLogger(__name__)
 
@@ -50,76 +53,38 @@ def host_visible(result: Any) -> None:
         torch.cuda.current_stream(ids.device).synchronize()
 
 
-def check(tables: Any, groups: Sequence[Any] = (), rank: int = 0) -> None:
+def check(tables: Any, groups: Sequence[Any] = (), rank: int = 0, cached: bool = True) -> None:
     """Raise the first fetch failure of this process since the last check, or on every rank of
-    ``groups`` (torch.distributed CPU groups, in order) the first of any of their ranks."""
+    ``groups`` (torch.distributed CPU groups, in order) the first of any of their ranks (``cached``:
+    whether this rank serves a cached layer; see :func:`.agreement.survey`)."""
     local: errors.EngramStoreError | None = None
     try:
         tables.check_fetches()
     except errors.EngramStoreError as exc:
         local = exc
-    if not groups:
+    mode = batch_mode(groups, tables.failure_board, cached)
+    if mode is agreement.Mode.BOARD:
         if local is not None:
             raise local
-        return
-    if tables.failure_board is not None and board_shared(tuple(groups), tables.failure_board):
-        if local is not None:
-            raise local
-        failure = tables.failure_board.failure()  # another rank's, written before its rows left it
-        if failure is not None:
+        failure = tables.failure_board.failure() if tables.failure_board is not None else None
+        if failure is not None:  # another rank's, written before its rows left it
             raise failure.error()
         return
-    import torch
-    import torch.distributed as dist
-
-    flag = torch.tensor([int(local is not None)], dtype=torch.int32)
-    for group in groups:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if not int(flag.item()):
-        return
-    reports = [_report(rank, local)] if local is not None else []
-    for group in groups:  # a failure is rare: every rank learns what failed where
-        gathered: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, reports, group=group)
-        reports = sorted({report for part in gathered for report in part})
-    if local is not None:
+    if mode is agreement.Mode.AGREE:
+        agreement.agree(local, groups, rank, label="TP rank")
+    elif local is not None:
         raise local
-    first_rank, kind, message, layer, pages = reports[0]
-    text = f"TP rank {first_rank}: {message} (this rank's rows were exact; the step's tokens are not)"
-    if kind == "corrupt":
-        raise errors.CorruptRows(text, layer, pages)
-    raise errors.StorageError(text)
 
 
-_shared_boards: dict[tuple, bool] = {}
+_modes: dict[tuple, agreement.Mode] = {}
 
 
-def board_shared(groups: tuple, board: Any) -> bool:
-    """Whether every rank of ``groups`` maps ``board`` (agreed once per groups, collectively)."""
-    key = (groups, board.path)
-    if key not in _shared_boards:
-        import os
-        import socket
-
-        import torch.distributed as dist
-
-        st = os.stat(board.path)
-        mine = (socket.gethostname(), st.st_dev, st.st_ino)
-        same = True
-        for group in groups:
-            gathered: list = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, mine, group=group)
-            same &= all(g == mine for g in gathered)
-        _shared_boards[key] = same
-        log.info("engram-store: fetch failures of this server's ranks are %s", "read from their shared failure "
-                 "board" if same else "agreed at each step (the ranks do not share a failure board)")
-    return _shared_boards[key]
-
-
-def _report(rank: int, exc: errors.EngramStoreError) -> tuple:
-    if isinstance(exc, errors.CorruptRows):
-        return rank, "corrupt", str(exc), exc.layer, tuple(exc.pages)
-    return rank, "error", str(exc), -1, ()
+def batch_mode(groups: Sequence[Any], board: Any, cached: bool) -> agreement.Mode:
+    """How the ranks of ``groups`` learn of each other's failures (surveyed once per groups, collectively)."""
+    key = (tuple(groups), getattr(board, "path", None))
+    if key not in _modes:
+        _modes[key] = agreement.survey(tuple(groups), board, cached)
+    return _modes[key]
 
 
 @functools.cache
@@ -141,11 +106,15 @@ def before_results(original: Any, scheduler: Any, batch: Any, result: Any, *args
     the host, before SGLang appends or streams them (a process without a cached layer: nothing)."""
     from . import hinting, hooks, prefetch
 
-    if not prefetch.has_cached():
+    groups, rank = sglang_groups()
+    cached = prefetch.has_cached()
+    if not cached and not groups:
+        return original(scheduler, batch, result, *args, **kw)
+    tables = hooks.tables()
+    if batch_mode(groups, tables.failure_board, cached) is agreement.Mode.NONE:
         return original(scheduler, batch, result, *args, **kw)
     host_visible(result)
-    groups, rank = sglang_groups()
-    check(hooks.tables(), groups, rank)
+    check(tables, groups, rank, cached)
     out = original(scheduler, batch, result, *args, **kw)
     hinting.after_results(batch)  # its finished requests' hints withdrawn
     return out

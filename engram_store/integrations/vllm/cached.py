@@ -31,8 +31,12 @@ vLLM paths that would read the staging otherwise are changed for cached layers o
   so every layer prefetches on its own (one INFO line).
 
 A failure (a page that failed its checksum, with no good copy: its rows are zero) is raised where the
-step's tokens become host-visible (:mod:`.runners`), and also by ``Engram._finish_prefetch`` when it
-runs eagerly.
+step's tokens become host-visible and before a KV connector is handed its KV (:mod:`.runners`), never
+inside the forward: a rank leaving the forward early would leave the others waiting in its collectives.
+
+At a layer's first lookup the storage vLLM's kernel reads (``_storage()``) is checked to be the job's
+staging itself (same addresses; page-locked where torch has a GPU): a private copy of it would be read
+for ever as it was at the copy.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from typing import Any
 from ...client.fetch import FetchJob
 from ...errors import EngineUnsupported
 from ..tables import EngramStoreTables
-from . import hinting, runners
+from . import hinting, ranks, runners
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +69,7 @@ class CachedLayer:
     n_hash_cols: int
     max_tokens: int
     positions: dict = field(default_factory=dict)  # device -> int64 [max_tokens, n_hash_cols]
+    storage_checked: bool = False  # check_storage passed
 
     def position_ids(self, tokens: int, device: Any) -> Any:
         """``[tokens, n_hash_cols]`` positional ids of this rank's heads (the rest dead), on ``device``;
@@ -113,6 +118,7 @@ def allocate(embedding: Any, tables: EngramStoreTables, layer: int) -> tuple[Any
     # vLLM's "rows already page-friendly" storage: it never sorts the (positional, in-order) ids of this layer
     embedding._packed = torch.frombuffer(job.staging, dtype=torch.uint8)
     hinting.register(layer, slice(embedding.head_start, embedding.head_start + local))
+    ranks.serve_cached(layer)
     log.info("engram-store: Engram layer %d is cached: this rank's rows of each step (heads [%d, %d), up to %d rows) "
              "are fetched a layer ahead by a fetch job (deadline %.1f s, then direct page reads)", layer,
              embedding.head_start, embedding.head_start + local, job.max_rows, job.deadline)
@@ -147,10 +153,33 @@ def make_lookup(original, tables):
         cached: CachedLayer | None = getattr(self, "_engram_store", None)
         if cached is None or not indices.shape[0] * self.part_n_hash_cols:
             return original(self, indices, out, background)
+        if not cached.storage_checked:
+            check_storage(self, cached)
         fetch(cached, indices)
         original(self, cached.position_ids(indices.shape[0], indices.device), out, background)
 
     return lookup
+
+
+def check_storage(embedding: Any, cached: CachedLayer) -> None:
+    """Refuse a cached layer whose kernel would not read its fetch job's staging itself: vLLM's
+    ``_storage()`` views must start at the staging's weight and scales (a copy, a DP shared-memory table
+    or a device tensor would be read as it was, never as fetched), page-locked where torch has a GPU."""
+    from ..tables import staging_is_pinned
+
+    weight, scales = embedding._storage()
+    want = (cached.job.weight.ctypes.data, cached.job.scales.ctypes.data)
+    got = (int(weight.data_ptr()), int(scales.data_ptr()))
+    if got != want:
+        raise EngineUnsupported(
+            f"Engram layer {cached.layer} is cached, but vLLM's kernel would read its rows at {got[0]:#x}/{got[1]:#x}, "
+            f"not at its fetch job's staging ({want[0]:#x}/{want[1]:#x}): vLLM copied the table storage (another "
+            "vLLM version, or a DP shared-memory table), so fetched rows would never reach the kernel; give the "
+            "layer DRAM on the daemon (placement resident)")
+    if not staging_is_pinned(embedding.weight.data):
+        raise EngineUnsupported(f"Engram layer {cached.layer} is cached, but its staging is not page-locked for the "
+                                "GPU (torch does not report it pinned): the kernel would read a copy")
+    cached.storage_checked = True
 
 
 def _eager_break(original, replacement):
@@ -181,18 +210,6 @@ def make_start_prefetch(original, tables):
         self._prefetch_done.record(stream)
 
     return _eager_break(original, start_prefetch)
-
-
-def make_finish_prefetch(original, tables):
-    """``Engram._finish_prefetch``: vLLM's wait, then (eagerly, at each step that runs it) the fetch jobs'
-    failures."""
-    inner = getattr(original, "__wrapped__", original)
-
-    def finish_prefetch(self, event):
-        inner(self, event)
-        runners.check(tables)
-
-    return _eager_break(original, finish_prefetch)
 
 
 def make_engram_batch_create(original, tables):

