@@ -75,7 +75,7 @@ def run_ranks(tmp_path, cached_ranks: str, fail_rank: int = -1, shared_board: bo
         from engram_store.integrations import failures
 
         board = failures.Board.create()
-        env["ENGRAM_STORE_FAILURE_BOARD"] = board.path
+        env["ENGRAM_STORE_FAILURE_BOARD"] = board.name
     code = "import sys, test_rank_agreement as t; t.rank_main(int(sys.argv[1]), *sys.argv[2:4], int(sys.argv[4]))"
     procs = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(store), cached_ranks, str(fail_rank)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

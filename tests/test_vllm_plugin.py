@@ -257,7 +257,7 @@ def test_a_failure_on_a_rank_that_never_checks_reaches_the_rank_that_does(tmp_pa
         d.start()
         flip(directory, 14, page)
         out = scenario("fail-quietly", directory, str(page), address=d.unix,
-                       extra_env={failures.ENV: board.path})
+                       extra_env={failures.ENV: board.name})
     finally:
         d.stop()
         board.remove()

@@ -63,7 +63,8 @@ CLIENT_ENV = frozenset({
     "ENGRAM_STORE_CONNECT_WAIT_SECONDS",  # engram_store.integrations: seconds a plugin waits at load for a
     # daemon that is not listening yet (default 30)
     "ENGRAM_STORE_FAILURE_BOARD",  # engram_store.integrations.failures: set by the plugins themselves, the
-    # failure board (a 4 KiB file in /dev/shm) a server's first process makes for every rank it starts
+    # failure board (/proc/PID/fd/N#ID: a sealed 4 KiB memfd) a server's first process makes for the ranks it
+    # starts (a process it did not start makes its own)
 })
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # printable ASCII without spaces: it travels in a header
 

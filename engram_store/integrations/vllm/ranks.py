@@ -61,3 +61,11 @@ def mode() -> agreement.Mode:
 def known() -> agreement.Mode | None:
     """The mode if surveyed already (never a collective: safe inside a forward)."""
     return _mode
+
+
+def reset() -> None:
+    """A new engine in this process: its layers and mode are its own."""
+    global _mode
+    with _lock:
+        _cached_layers.clear()
+        _mode = None

@@ -115,6 +115,7 @@ def _checked_get_output(original, tables):
 
 def _building(original):
     def load_model(self, *args, **kwargs):
+        _new_engine()
         with model_runner(self):
             return original(self, *args, **kwargs)
 
@@ -157,6 +158,18 @@ def check(tables) -> None:
     local = _local_failure(tables)
     if local is not None:
         raise _stick(local)
+
+
+def _new_engine() -> None:
+    """A model is built: an engine built in this process after a failed one starts clean (its own failure
+    board where this process made the failed one's, the ranks surveyed anew)."""
+    global _failure
+    with _failure_lock:
+        if _failure is None:
+            return
+        _failure = None
+    failures.renew()
+    ranks.reset()
 
 
 def begin_step(tables) -> None:
