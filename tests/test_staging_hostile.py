@@ -253,3 +253,45 @@ def test_a_client_that_goes_away_mid_request_costs_nothing_else(daemon, tables):
         raw.close()
         os.close(fd)  # the daemon's mapping keeps the pages until its connection ends
     others_get_exact_rows(daemon, tables)
+
+
+def vm_size(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+def test_a_sparse_staging_with_far_blocks_maps_only_its_blocks(daemon, tables):
+    """A 64 TiB sparse memfd with its blocks and gate at the end (the daemon once mapped everything from
+    byte 0, 64 TiB a staging): accepted, its rows exact, and the daemon's address space grows by the
+    blocks' pages only."""
+    far = 64 << 40
+    geometry = wst.StagingGeometry(DIM, SB, ROWS, far, far + ROWS * DIM, far + ROWS * SPEC.row_bytes)
+    raws, fds = [Raw(daemon) for _ in range(4)], []
+    try:
+        before = vm_size(daemon.proc.pid)
+        for raw in raws:
+            fds.append(memfd(size=geometry.gate_offset + 4096))
+            frame, text = raw.staging([fds[-1]], geometry.pack())
+            assert frame.status == wire.Status.OK, text
+        grown = vm_size(daemon.proc.pid) - before
+        assert grown < 64 << 20, f"the daemon mapped {grown} bytes for four stagings of {ROWS} rows"
+        view = mmap.mmap(fds[0], 4 * mmap.PAGESIZE + ROWS * SPEC.row_bytes, mmap.MAP_SHARED,
+                         mmap.PROT_READ | mmap.PROT_WRITE, offset=far - 4 * mmap.PAGESIZE)
+        whole = np.frombuffer(view, np.uint8)[4 * mmap.PAGESIZE:]
+        ids = np.random.default_rng(3).integers(0, SPEC.rows(CACHED), 64)
+        gate_map = mmap.mmap(fds[0], mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE,
+                             offset=geometry.gate_offset)
+        frame, text = raws[0].split_lookup(CACHED, ids, gate=np.frombuffer(gate_map, np.uint32)[:1])
+        assert frame.status == wire.Status.OK, text
+        expect = tables.read_rows(CACHED, ids)
+        np.testing.assert_array_equal(whole[: ROWS * DIM].reshape(ROWS, DIM)[:64], expect[:, :DIM])
+        np.testing.assert_array_equal(whole[ROWS * DIM: ROWS * SPEC.row_bytes].reshape(ROWS, SB)[:64], expect[:, DIM:])
+        del whole
+        view.close()
+        gate_map.close()
+    finally:
+        for raw in raws:
+            raw.close()
+        for fd in fds:
+            os.close(fd)
+    others_get_exact_rows(daemon, tables)

@@ -8,11 +8,13 @@ mapped, so that no client can make the daemon fault on it:
   write seals (the daemon writes it);
 - the geometry: the daemon's row format, 1..``max_request_rows`` rows, blocks and gate aligned,
   apart, inside the file's size;
-- its blocks' bytes taken from the clients' shared-memory budget (``max_total_client_shm_bytes``;
+- the bytes it maps taken from the clients' shared-memory budget (``max_total_client_shm_bytes``;
   at most ``max_client_shm_bytes`` for one client), as a region of that size would be.
 
-Anything else is refused with a typed error (the connection goes on with ordinary lookups). The
-daemon maps only the bytes the geometry needs, writable, until the connection closes.
+Anything else is refused with a typed error (the connection goes on with ordinary lookups; a refusal
+for the budget is logged at WARNING). The daemon maps each block and the gate on its own (the pages
+that hold them, writable, until the connection closes), never the file between them: a sparse memfd
+of any size with its blocks far apart costs the daemon the blocks' pages only.
 
 :func:`serve_split` answers a ``LOOKUP`` with ``Flag.SPLIT`` on the Python path: the ids are copied
 out of the region, ``PAD_ID`` positions left alone, the others looked up by the store into a
@@ -50,25 +52,44 @@ WRITE_SEALS = syscalls.F_SEAL_WRITE | syscalls.F_SEAL_FUTURE_WRITE
 
 
 class ClientStaging:
-    """A client's staging memfd, mapped by the daemon: ``weights`` / ``scales`` (uint8 ``[rows, *]``
-    views) and the gate word at ``gate_offset`` of ``mapping``. ``budget_bytes`` were taken from the
+    """A client's staging memfd, mapped by the daemon block by block: ``weights`` / ``scales`` (uint8
+    ``[rows, *]`` views) and the gate word. ``budget_bytes`` (the mapped bytes) were taken from the
     clients' budget; :meth:`close` gives nothing back (the connection does)."""
 
-    def __init__(self, mapping: mmap.mmap, geometry: wst.StagingGeometry, budget_bytes: int) -> None:
-        self.mapping, self.geometry, self.budget_bytes = mapping, geometry, budget_bytes
+    def __init__(self, fd: int, geometry: wst.StagingGeometry) -> None:
+        self.geometry = geometry
+        self.mappings: list[mmap.mmap] = []
+        views = []
+        try:
+            for _, start, end in geometry.extents():
+                at = start - start % mmap.PAGESIZE
+                mapping = mmap.mmap(fd, syscalls.round_up(end - at, mmap.PAGESIZE), mmap.MAP_SHARED,
+                                    mmap.PROT_READ | mmap.PROT_WRITE, offset=at)
+                self.mappings.append(mapping)
+                views.append(np.frombuffer(mapping, dtype=np.uint8)[start - at: end - at])
+        except BaseException:
+            self.close()
+            raise
         g = geometry
-        whole = np.frombuffer(mapping, dtype=np.uint8)
-        self.weights = whole[g.weight_offset: g.weight_offset + g.rows * g.weight_bytes].reshape(g.rows, g.weight_bytes)
-        self.scales = whole[g.scale_offset: g.scale_offset + g.rows * g.scale_bytes].reshape(g.rows, g.scale_bytes)
-        self.gate = whole[g.gate_offset: g.gate_offset + wst.GATE_BYTES]
+        self.weights = views[0].reshape(g.rows, g.weight_bytes)
+        self.scales = views[1].reshape(g.rows, g.scale_bytes)
+        self.gate = views[2]
         self.rows = g.rows
+        self.budget_bytes = mapped_bytes(g)
 
     def close(self) -> None:
         self.weights = self.scales = self.gate = None  # type: ignore[assignment]
-        try:
-            self.mapping.close()
-        except BufferError:  # a view still held (the native path's, released first): freed with it
-            log.warning("a client staging is still referenced after its connection closed; it is unmapped later")
+        for mapping in self.mappings:
+            try:
+                mapping.close()
+            except BufferError:  # a view still held (the native path's, released first): freed with it
+                log.warning("a client staging is still referenced after its connection closed; it is unmapped later")
+
+
+def mapped_bytes(g: wst.StagingGeometry) -> int:
+    """Bytes the daemon maps for a staging of geometry ``g``: the pages of each block and of the gate."""
+    page = mmap.PAGESIZE
+    return sum(syscalls.round_up(end - (start - start % page), page) for _, start, end in g.extents())
 
 
 def usable(store: Any) -> bool:
@@ -135,18 +156,21 @@ def map_staging(fds: list[int], payload: bytes, *, row_bytes: int, dim: int, max
                                     "writes the rows into it")
     if st.st_size < g.end:
         raise errors.InvalidRequest(f"STAGING: the memfd holds {st.st_size} bytes, its geometry needs {g.end}")
-    nbytes = g.rows * row_bytes
+    nbytes = mapped_bytes(g)
     if nbytes > max_bytes:
-        raise errors.ResourceExhausted(f"STAGING: {nbytes} bytes of rows; at most {max_bytes} (max_client_shm_bytes)")
+        log.warning("a client staging refused: %d rows map %d bytes, more than max_client_shm_bytes %d", g.rows,
+                    nbytes, max_bytes)
+        raise errors.ResourceExhausted(f"STAGING: {g.rows} rows map {nbytes} bytes; at most {max_bytes} "
+                                       "(max_client_shm_bytes)")
     if not budget.take(nbytes):
-        raise errors.ResourceExhausted(budget.refusal(nbytes, "client staging"))
+        message = budget.refusal(nbytes, "client staging")
+        log.warning("a client staging refused: %s", message)
+        raise errors.ResourceExhausted(message)
     try:
-        mapping = mmap.mmap(fd, syscalls.round_up(g.end, mmap.PAGESIZE), mmap.MAP_SHARED,
-                            mmap.PROT_READ | mmap.PROT_WRITE)
+        return ClientStaging(fd, g)
     except (OSError, ValueError) as exc:
         budget.give(nbytes)
         raise errors.InvalidRequest(f"STAGING: the memfd cannot be mapped for writing ({exc})") from None
-    return ClientStaging(mapping, g, nbytes)
 
 
 def serve_split(conn: "Connection", frame: wire.Frame, later: list) -> BaseException | None:
