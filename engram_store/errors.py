@@ -65,6 +65,11 @@ class Unavailable(EngramStoreError):
     """The daemon is starting, stopping or unreachable."""
 
 
+class UntrustedDaemon(Unavailable):
+    """The process at the daemon's socket runs as a user the client does not trust as its daemon
+    (``SO_PEERCRED``); nothing was sent to it, and no row of it is used."""
+
+
 class DeadlineExceeded(EngramStoreError):
     """The daemon did not answer a call within its deadline (stopped, stalled or overloaded).
     Not an :class:`Unavailable`: retrying at once would wait as long again. The connection is

@@ -1,7 +1,10 @@
 """Opening a connection to the daemon's Unix socket: connecting with backoff, then the handshake.
 
 :func:`connect` retries, with backoff, while the daemon's backlog is full or its socket has
-no listener yet (a restart). :func:`handshake` sends HELLO and reads the WELCOME and its
+no listener yet (a restart), then checks who listens (:func:`check_peer`): the kernel's
+``SO_PEERCRED`` uid of the process at the other end must be one the client trusts, so a process
+that bound the path (a socket directory others can write, a stale path after the daemon stopped)
+never answers lookups or writes rows into an engine's staging. :func:`handshake` sends HELLO and reads the WELCOME and its
 payload (at most :data:`~engram_store.wire.frames.MAX_DAEMON_PAYLOAD` bytes) by one deadline,
 however slowly a peer sends them, then maps the shared region and the arena the daemon hands
 over with it; the arena only once it is sealed against writes and as large as its layout.
@@ -10,18 +13,24 @@ The connection's requests and replies are :mod:`.unix_transport`'s.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import pwd
 import socket
+import struct
 import time
 from typing import Any, NamedTuple
 
+from .. import errors
 from ..format.arena_layout import ArenaLayout, ArenaView
 from ..native import shm, syscalls
 from ..wire import frames as wire
 from ..wire.frames import Frame, Op, Status
 
 CONNECT_BACKOFF_SECONDS = (0.005, 0.25)  # first and largest pause between connect attempts
+DAEMON_UID_ENV = "ENGRAM_STORE_DAEMON_UID"  # the daemon's users (names or uids, comma-separated)
+PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 class Welcome(NamedTuple):
@@ -64,6 +73,7 @@ def connect(sock: socket.socket, path: str, deadline: float) -> socket.socket:
         try:
             sock.settimeout(max(1e-3, deadline - time.monotonic()))
             sock.connect(path)
+            check_peer(sock, path)
             return sock
         except (BlockingIOError, ConnectionRefusedError, InterruptedError):
             if time.monotonic() + pause >= deadline:
@@ -72,6 +82,49 @@ def connect(sock: socket.socket, path: str, deadline: float) -> socket.socket:
         time.sleep(pause)
         pause = min(2 * pause, CONNECT_BACKOFF_SECONDS[1])
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+
+
+def check_peer(sock: socket.socket, path: str) -> None:
+    """Raise :class:`~engram_store.errors.UntrustedDaemon` (closing ``sock``) unless the process listening
+    at ``path`` runs as a user :func:`daemon_uids` trusts."""
+    pid, uid, _ = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
+    trusted = daemon_uids(path)
+    if uid not in trusted:
+        sock.close()
+        raise errors.UntrustedDaemon(
+            f"the process listening at unix://{path} (pid {pid}, uid {uid}) is not an engram-store daemon this client "
+            f"trusts (uids {sorted(trusted)}: {DAEMON_UID_ENV}, else root, this process's user and the owner of the "
+            "socket's directory); nothing was sent to it. Check who owns the socket directory and that only the "
+            "daemon's user can write it")
+
+
+def daemon_uids(path: str) -> frozenset[int]:
+    """The uids a daemon at ``path`` may run as: those ``ENGRAM_STORE_DAEMON_UID`` names; without it root,
+    this process's user and the owner of the socket's directory (the daemon's, as deployed)."""
+    named = os.environ.get(DAEMON_UID_ENV, "").strip()
+    if named:
+        return _named_uids(named)
+    uids = {0, os.geteuid()}
+    try:
+        uids.add(os.stat(os.path.dirname(os.path.abspath(path))).st_uid)
+    except OSError:
+        pass
+    return frozenset(uids)
+
+
+@functools.cache
+def _named_uids(named: str) -> frozenset[int]:
+    uids = set()
+    for item in (part.strip() for part in named.split(",")):
+        if item.isdigit():
+            uids.add(int(item))
+            continue
+        try:
+            uids.add(pwd.getpwnam(item).pw_uid)
+        except KeyError:
+            raise errors.ConfigError(f"{DAEMON_UID_ENV}={named!r}: no user {item!r} on this host (names or uids, "
+                                     "comma-separated)") from None
+    return frozenset(uids)
 
 
 def handshake(sock: socket.socket, shm_bytes: int, deadline: float) -> Welcome:
