@@ -60,8 +60,15 @@ CLIENT_ENV = frozenset({
     "ENGRAM_STORE_FETCH_HEDGE_SECONDS",  # engram_store.client.fetch: a fixed hedge budget, seconds a step
     # waits for the daemon before it also reads the pages itself (unset: measured, 2 ms + 2 x p99 of its
     # answers, at most 100 ms; equal to the deadline: never)
+    "ENGRAM_STORE_DIRECT_BUDGET_PAGES",  # engram_store.client.direct_budget: direct page reads in flight that
+    # all fetch jobs on the node reading one device may have together, hedged and fallback reads alike;
+    # beyond it a step waits for its daemon (unset: the device's queue depth from sysfs, else 1024; 0: no bound)
+    "ENGRAM_STORE_DIRECT_BUDGET_DIR",  # engram_store.client.direct_budget: the directory of the budget files,
+    # one a device (default /dev/shm; a directory every engine container on the node mounts makes it node-wide)
     "ENGRAM_STORE_CONNECT_WAIT_SECONDS",  # engram_store.integrations: seconds a plugin waits at load for a
     # daemon that is not listening yet (default 30)
+    "ENGRAM_STORE_DAEMON_UID",  # engram_store.client.unix_socket: the users a daemon may run as, for clients
+    # (names or uids, comma-separated; unset: root, the client's user and the owner of the socket's directory)
     "ENGRAM_STORE_FAILURE_BOARD",  # engram_store.integrations.failures: set by the plugins themselves, the
     # failure board (/proc/PID/fd/N#ID: a sealed 4 KiB memfd) a server's first process makes for the ranks it
     # starts (a process it did not start makes its own)
