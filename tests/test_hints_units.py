@@ -11,7 +11,7 @@ import pytest
 from storage_helpers import FLASH, cache_budget, check_rows, make_tables
 
 from engram_store.daemon.limits import PeerBuckets, TokenBucket
-from engram_store.storage.hints import HintCounters, HintQueue, HintSettings
+from engram_store.storage.hints import HINT_ROWS, HintCounters, HintQueue, HintSettings
 from engram_store.storage.row_cache import RowCache
 from engram_store.storage.tiered import TieredStore
 
@@ -34,16 +34,17 @@ def rows(n: int, start: int = 0) -> np.ndarray:
 
 
 def test_queue_bounds_overall_and_per_holder():
-    q, c, _ = queue(1000)
-    assert q.add(14, rows(400), key=1, holder="a") == 250  # a quarter of the queue per holder
-    assert q.add(14, rows(400, 1000), key=2, holder="a") == 0
+    q, c, _ = queue(4000)
+    kept = 1000 - HINT_ROWS  # a quarter of the queue per client, a hint costing its rows and HINT_ROWS
+    assert q.add(14, rows(1200), key=1, holder="a") == kept
+    assert q.add(14, rows(400, 5000), key=2, holder="a") == 0
     for i, holder in enumerate("bcd"):
-        assert q.add(14, rows(300, 2000 + 1000 * i), key=3 + i, holder=holder) == 250
-    assert q.add(14, rows(10, 9000), key=9, holder="e") == 0  # 1000 rows queued: full
-    assert q.queued_rows == 1000
+        assert q.add(14, rows(1100, 10_000 + 2000 * i), key=3 + i, holder=holder) == kept
+    assert q.add(14, rows(10, 90_000), key=9, holder="e") == 0  # 4000 row units queued: full
+    assert q.queued_rows == 4 * kept and q.queued_cost == 4000
     snap = c.snapshot()
-    assert snap["hint_rows_dropped_queue_full"] == 150 + 400 + 3 * 50 + 10
-    assert snap["hint_rows_received"] == 400 + 400 + 900 + 10 and snap["hint_rows_pending"] == 1000
+    assert snap["hint_rows_dropped_queue_full"] == (1200 - kept) + 400 + 3 * (1100 - kept) + 10
+    assert snap["hint_rows_received"] == 1200 + 400 + 3300 + 10 and snap["hint_rows_pending"] == 4 * kept
 
 
 def test_holders_take_turns_and_a_hint_goes_in_order():
@@ -59,14 +60,43 @@ def test_holders_take_turns_and_a_hint_goes_in_order():
 
 def test_an_equal_hint_of_the_same_key_adds_a_holder_and_withdrawals_count_holders():
     q, c, _ = queue(100_000)
-    assert q.add(14, rows(50), key=7, holder="rank0") == 50
-    assert q.add(14, rows(50), key=7, holder="rank1") == 0  # the same rows: attached
-    assert q.add(14, rows(50, 1), key=7, holder="rank2") == 50  # other rows, same key: its own hint
+    assert q.add(14, rows(50), key=7, holder="rank0", owner="engine") == 50
+    assert q.add(14, rows(50), key=7, holder="rank1", owner="engine") == 0  # the same rows: attached
+    assert q.add(14, rows(50, 1), key=7, holder="rank2", owner="engine") == 50  # other rows, same key: its own hint
     assert c.snapshot()["hint_rows_attached"] == 50
     assert q.withdraw(7, "rank0") == 0  # rank1 still holds the first hint
     assert q.withdraw(7, "rank1") == 50
     assert q.withdraw_holder("rank2") == 50 and q.empty
-    assert c.snapshot()["hint_rows_dropped_withdrawn"] == 100 and c.snapshot()["hint_rows_pending"] == 0
+    assert c.snapshot()["hint_rows_dropped_withdrawn"] == 100
+
+
+def test_a_key_is_its_owners():
+    """Another client's equal hint of the same key neither attaches to the owner's (keeping it alive after the
+    owner withdraws) nor lets it withdraw the owner's; its own hint is its own (issue 37, item 5)."""
+    q, c, _ = queue(100_000)
+    assert q.add(14, rows(50), key=7, holder="a#1", owner="a") == 50
+    assert q.add(14, rows(50), key=7, holder="b#1", owner="b") == 50  # not attached: b's own hint
+    assert c.snapshot()["hint_rows_attached"] == 0
+    assert q.withdraw(7, "b#2") == 0  # a connection of b that holds nothing
+    assert q.withdraw(7, "b#1") == 50 and q.queued_rows == 50  # b's hint only
+    assert q.withdraw(8, "a#1") == 0  # a key a never sent
+    assert q.withdraw(7, "a#1") == 50 and q.empty  # the owner's withdraw drops all it sent
+
+
+def test_bounds_are_per_owner_across_its_connections():
+    """Five connections of one client share one client's quarter; another client still gets its own."""
+    q, _, _ = queue(4000)
+    queued = sum(q.add(14, rows(900, 10_000 * i), key=i, holder=f"a#{i}", owner="a") for i in range(5))
+    assert queued == 900 and q.queued_cost == 900 + HINT_ROWS  # the first hint; the others past a's quarter
+    assert q.add(14, rows(900, 90_000), key=1, holder="b#1", owner="b") == 900
+
+
+def test_rows_repeated_in_a_hint_are_queued_once():
+    q, c, _ = queue(100_000)
+    hint = np.concatenate([np.full(100_000, 5), rows(3, 7), np.full(10, 7), rows(2)])
+    assert q.add(14, hint, key=1, holder="a") == 6  # 100k copies of one row queue one row (issue 37, item 5)
+    assert q.take(100)[1].tolist() == [5, 7, 8, 9, 0, 1]  # each where it first appears
+    assert c.snapshot()["hint_rows_skipped"] == len(hint) - 6
 
 
 def test_hints_age_out_unread():

@@ -164,19 +164,22 @@ class DeferringStore(RowStore, Protocol):
 class HintingStore(RowStore, Protocol):
     """A :class:`RowStore` that reads ahead rows it is told lookups will ask for soon (hints).
 
-    - ``hint(layer, row_ids, key, holder, rate_limited=0) -> int``: queue ``row_ids`` (any integer
-      array, in the order they will be asked for) of ``layer`` as hint ``key`` of ``holder`` (a
-      client's name); returns the rows queued (0: none needed, a resident layer, hints off, bounds
-      reached). ``rate_limited``: more rows of the hint the caller dropped (counted). Never waits for
-      a read. Raises ``UnknownLayer`` / ``RowOutOfRange`` / ``InvalidRequest`` for bad input,
-      ``StorageError`` for an unavailable layer or a closed store. The store reads the rows later,
-      behind its lookups, within its own bounds (memory, queue depth, a share of its cache).
-    - ``withdraw(key, holder) -> int``: ``holder`` no longer needs ``key``'s hints; returns the queued
-      rows dropped (those no other holder holds). ``withdraw_holder(holder)``: all of its hints.
+    - ``hint(layer, row_ids, key, holder, rate_limited=0, owner=None) -> int``: queue ``row_ids`` (any
+      integer array, in the order they will be asked for) of ``layer`` as hint ``key`` of ``holder`` (one
+      connection of the client ``owner``: its identity, whatever connection it uses; default: the
+      holder is a client of its own); returns the rows queued (0: none needed, a resident layer, hints
+      off, bounds reached). Bounds are per owner; a key is its owner's. ``rate_limited``: more rows of
+      the hint the caller dropped (counted). Never waits for a read. Raises ``UnknownLayer`` /
+      ``RowOutOfRange`` / ``InvalidRequest`` for bad input, ``StorageError`` for an unavailable layer or
+      a closed store. The store reads the rows later, behind its lookups, within its own bounds
+      (memory, queue depth, a share of its cache).
+    - ``withdraw(key, holder) -> int``: ``holder`` no longer needs its owner's hints of ``key``; returns
+      the queued rows dropped (those no other holder holds). ``withdraw_holder(holder)``: all of its hints.
     - ``hints_idle() -> bool``: nothing queued and nothing being read.
     """
 
-    def hint(self, layer: int, row_ids: np.ndarray, key: int, holder: str, *, rate_limited: int = 0) -> int: ...
+    def hint(self, layer: int, row_ids: np.ndarray, key: int, holder: str, *, rate_limited: int = 0,
+             owner: str | None = None) -> int: ...
 
     def withdraw(self, key: int, holder: str) -> int: ...
 

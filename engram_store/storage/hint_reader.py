@@ -17,7 +17,10 @@ hands it to the store (``read_batch``), which reads its pages:
 
 Every :data:`SETTLE_SECONDS` it settles the cache's hinted share (``settle``: rows a lookup read go
 to the policy, rows that aged unread are freed) and drops queued hints that aged. When the hinted
-share is full it settles and waits rather than read rows it could not keep.
+share is full, or the cache has no slot a hinted row may take (every row in it is one lookups keep
+hitting: see :meth:`~.row_cache.RowCache.admit_hinted`), it settles and waits rather than read rows it
+could not keep. When the queue empties after a flood it hands the freed memory back
+(:meth:`~.hints.HintQueue.trim`).
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class HintReader:
                 finally:
                     self.busy = False
                 if got is None:
+                    self.queue.trim()  # emptied after a flood: its memory goes back to the system
                     self.queue.wait(SETTLE_SECONDS)
             except Exception:  # a failed batch must not end the reader; its rows were only a hint
                 log.exception("reading a batch of hinted rows failed")

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import StorageError
 from ..format import requests
 from .hint_reader import STARVE_SECONDS, HintReader
-from .hints import HintCounters, HintQueue, HintSettings
+from .hints import ROW_BYTES, HintCounters, HintQueue, HintSettings
 
 STARVED_READS = 4  # lookups read for STARVE_SECONDS on end: this many times the hint queue depth in rows go anyway
 ADMIT_PATIENCE_SECONDS = 0.05  # the hint reader waits this long at most for slots evicted under readers
@@ -33,9 +33,11 @@ class StoreHints:
         self._hint_reader = HintReader(self._hints, self._hint_room, self._read_hinted, self._settle_hints)
 
     # --- the daemon's side -------------------------------------------------------------------
-    def hint(self, layer: int, row_ids: np.ndarray, key: int, holder: str, *, rate_limited: int = 0) -> int:
+    def hint(self, layer: int, row_ids: np.ndarray, key: int, holder: str, *, rate_limited: int = 0,
+             owner: str | None = None) -> int:
         """Queue ``row_ids`` of ``layer`` (any integer array; in the order the engine will ask for them)
-        as the hint ``key`` of ``holder`` (a client); returns the rows queued. Never waits for NVMe.
+        as the hint ``key`` of ``holder`` (a connection of the client ``owner``; default: a client of its
+        own); returns the rows queued. Never waits for NVMe.
         ``rate_limited``: rows of this hint the caller dropped for the client's rate (counted). Raises
         UnknownLayer, RowOutOfRange or InvalidRequest for bad input, StorageError when the layer is
         unavailable or the store closed."""
@@ -50,7 +52,7 @@ class StoreHints:
                 self._hint_counters.add(requests=1, rows_received=len(rows) + rate_limited, rows_skipped=len(rows))
                 self._hint_counters.drop("rate", rate_limited)
                 return 0
-            queued = self._hints.add(lf.layer, rows, int(key), holder, rate_limited)
+            queued = self._hints.add(lf.layer, rows, int(key), holder, rate_limited, owner=owner)
             if queued:
                 self._hint_reader.start()
             return queued
@@ -58,8 +60,8 @@ class StoreHints:
             self._exit()
 
     def withdraw(self, key: int, holder: str) -> int:
-        """``holder`` no longer needs hint ``key`` (its request finished or was aborted): rows no other
-        holder holds are dropped unread. Returns those rows."""
+        """``holder`` no longer needs its client's hint ``key`` (its request finished or was aborted): rows
+        no other holder holds are dropped unread. Returns those rows."""
         return self._hints.withdraw(int(key), holder)
 
     def withdraw_holder(self, holder: str) -> int:
@@ -73,7 +75,7 @@ class StoreHints:
     def hint_stats(self) -> dict[str, int | float]:
         d = self._hint_counters.snapshot()
         d["hint_rows_queued"] = self._hints.queued_rows
-        d["hint_queued_bytes"] = self._hints.queued_rows * 8
+        d["hint_queued_bytes"] = self._hints.queued_cost * ROW_BYTES  # ids and bookkeeping: what the bound counts
         d["hint_cache_slots_used"] = self._cache.hinted_count if self._cache is not None else 0
         d["hint_cache_slots_limit"] = self._hint_limit()
         return d
