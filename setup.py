@@ -72,7 +72,7 @@ setup(
                            "engram_store/native/frame.h", "engram_store/native/fetch_core.h",
                            "engram_store/native/fetch_reader.h", "engram_store/native/fetch_daemon.h",
                            "engram_store/native/fetch_run.h", "engram_store/native/fetch_board.h",
-                           "engram_store/native/fetch_writer.h",
+                           "engram_store/native/fetch_writer.h", "engram_store/native/fetch_budget.h",
                            "engram_store/native/gpu_runtime.h", "engram_store/native/staging_gate.h"],
                   libraries=["dl"], optional=True),
     ]),

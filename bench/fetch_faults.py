@@ -19,8 +19,14 @@ two clients alternating, ``--repeats`` times each, in the same run. Reported per
 step p50 / p99 / max and the run's total (median [min..max] over the repeats), and the job's counters
 (direct, hedged, failed steps).
 
+With ``--node-jobs`` (16) jobs stepping together, the node scenarios (``bench/fetch_node.py``): undisturbed,
+a slow daemon with the jobs' direct reads within the node's budget, and the same without a bound that
+binds; reported: step p50 / p99 / max over all jobs, how steps were served, direct pages in flight at most
+beside the budget.
+
     python bench/fetch_faults.py --baseline-rev HEAD~1 --json out.json
-    python bench/fetch_faults.py --quick --json -      # seconds: this tree only, few steps
+    python bench/fetch_faults.py --scenarios node-undisturbed node-slow node-slow-unbounded --repeats 3
+    python bench/fetch_faults.py --quick --json -      # seconds: this tree only, few steps, 4 node jobs
 """
 
 from __future__ import annotations
@@ -39,11 +45,12 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-if sys.argv[1:2] != ["--worker"]:  # a worker imports the engram_store of the client it measures (PYTHONPATH)
+if sys.argv[1:2] not in (["--worker"], ["--node-worker"]):  # a worker imports its client's engram_store (PYTHONPATH)
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import JsonReport, add_report_args, ensure_tables  # noqa: E402
+from fetch_node import NODE_SCENARIOS, QUEUE_DEPTH, budget_header, node_worker, print_node, run_node, summarize_node  # noqa: E402
 
 SCENARIOS = ("undisturbed", "flapping", "stopped")
 WARM_STEPS = 20  # more than the answers the hedge budget is first measured over
@@ -171,7 +178,7 @@ def print_table(doc: dict) -> None:
           f"{doc['flap'][0]:g} s of every {doc['flap'][1]:g} s, deadline {doc['deadline']:g} s; "
           "ms, median [min..max] over runs")
     print(f"{'client':<22} {'scenario':<12} {'p50':>22} {'p99':>22} {'max':>22} {'total s':>14}  counters")
-    for row in doc["results"]:
+    for row in (r for r in doc["results"] if r["scenario"] in SCENARIOS):
         s = row["summary"]
         total = f"{s['total']['median']:.2f} [{s['total']['min']:.2f}..{s['total']['max']:.2f}]"
         counters = " ".join(f"{k}={v}" for k, v in s["counters"].items() if v and k != "steps")
@@ -179,6 +186,7 @@ def print_table(doc: dict) -> None:
               f"{total:>14}  wrong={s['wrong_steps']} {counters}")
     for scenario, ratio in doc.get("p99_ratio", {}).items():
         print(f"p99 {scenario}: baseline / this tree = {ratio:.1f}x")
+    print_node(doc)
 
 
 # --------------------------------------------------------------------------- main
@@ -186,10 +194,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         return worker(argv[1])
+    if argv[:1] == ["--node-worker"]:
+        return node_worker(argv[1])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 2)[2],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline-rev", default=None, help="git revision whose client to measure too (e.g. HEAD~1)")
-    ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS + NODE_SCENARIOS,
+                    default=list(SCENARIOS + NODE_SCENARIOS))
+    ap.add_argument("--node-jobs", type=int, default=16, help="jobs of the node scenarios (16: vLLM TP=8, 2 layers)")
+    ap.add_argument("--slow", default="0.08/0.1", metavar="STOPPED/PERIOD",
+                    help="the node-slow daemon: seconds stopped of every period")
+    ap.add_argument("--budget-pages", type=int, default=None,
+                    help="the node's direct-read budget (default: the table device's queue depth, as in production)")
     ap.add_argument("--steps", type=int, default=40, help="measured steps per run")
     ap.add_argument("--rows", type=int, default=64 * 24, help="rows a step (64 * 24: a decode step of batch 64)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per client and scenario (alternating clients)")
@@ -203,17 +219,20 @@ def main(argv: list[str] | None = None) -> int:
     add_report_args(ap, "smoke size: 8 steps, one run, flap 0.3/0.4, this tree only")
     args = ap.parse_args(argv)
     if args.quick:
-        args.steps, args.repeats, args.flap = 8, 1, "0.3/0.4"
-    stopped, period = (float(x) for x in args.flap.split("/"))
-    if not 0 < stopped < period:
-        ap.error(f"--flap {args.flap}: expected STOPPED/PERIOD seconds, 0 < STOPPED < PERIOD")
+        args.steps, args.repeats, args.flap, args.node_jobs = 8, 1, "0.3/0.4", 4
+    cycles = {}
+    for name in ("flap", "slow"):
+        stopped, period = (float(x) for x in getattr(args, name).split("/"))
+        if not 0 < stopped < period:
+            ap.error(f"--{name} {getattr(args, name)}: expected STOPPED/PERIOD seconds, 0 < STOPPED < PERIOD")
+        cycles[name] = (stopped, period)
     with JsonReport(args) as out:
-        doc = run(args, (stopped, period))
+        doc = run(args, cycles["flap"], cycles["slow"])
         out.emit(doc, lambda: print_table(doc))
     return 0
 
 
-def run(args, flap: tuple[float, float]) -> dict:
+def run(args, flap: tuple[float, float], slow: tuple[float, float]) -> dict:
     from engine_step import Daemon
 
     from engram_store.spec import get_spec
@@ -238,14 +257,29 @@ def run(args, flap: tuple[float, float]) -> dict:
                              "pid": daemon.proc.pid, "deadline": args.deadline, "seed": repeat, "flap": flap,
                              "scenario": scenario, "steps": args.steps}
                         print(f"{name}: {scenario}, run {repeat + 1}/{args.repeats} ...", file=sys.stderr)
-                        runs.setdefault((name, scenario), []).append(run_worker(root, w))
+                        if scenario in SCENARIOS:
+                            runs.setdefault((name, scenario), []).append(run_worker(root, w))
+                            continue
+                        budget = scratch / f"budget-{scenario}-{repeat}-{len(runs)}"  # this run's own counters
+                        budget.mkdir()
+                        env = {"ENGRAM_STORE_DIRECT_BUDGET_DIR": str(budget)}
+                        if scenario == "node-slow-unbounded":
+                            env["ENGRAM_STORE_DIRECT_BUDGET_PAGES"] = str(args.node_jobs * QUEUE_DEPTH)
+                        elif args.budget_pages is not None:
+                            env["ENGRAM_STORE_DIRECT_BUDGET_PAGES"] = str(args.budget_pages)
+                        warm = 4 if args.quick else WARM_STEPS
+                        got = run_node(__file__, root, w | {"warm": warm}, args.node_jobs, env, daemon.proc.pid,
+                                       None if scenario == "node-undisturbed" else slow, budget)
+                        runs.setdefault((name, scenario), []).append(got | {"budget": budget_header(budget)})
         finally:
             daemon.stop()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    results = [{"client": name, "scenario": scenario, "summary": summarize(r)} for (name, scenario), r in runs.items()]
+    results = [{"client": name, "scenario": scenario,
+                "summary": summarize(r) if scenario in SCENARIOS else summarize_node(r, pct)}
+               for (name, scenario), r in runs.items()]
     doc = {"rows": args.rows, "layer": layer, "steps": args.steps, "repeats": args.repeats, "flap": list(flap),
-           "deadline": args.deadline, "results": results}
+           "deadline": args.deadline, "node_jobs": args.node_jobs, "slow": list(slow), "results": results}
     if len(clients) == 2:
         base, mine = clients
         doc["p99_ratio"] = {s: _ratio(results, base, mine, s) for s in args.scenarios}

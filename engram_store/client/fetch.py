@@ -64,6 +64,7 @@ from ..native import load, shm, syscalls
 from ..spec import ModelSpec
 from ..wire import frames as wire
 from ..wire import staging as wst
+from . import direct_budget
 from .table_files import TableFiles, TableIdentity
 from .unix_transport import UnixTransport
 
@@ -85,6 +86,7 @@ def native_fetch():
         raise errors.EngineUnsupported("engram_store.native._fetch is not built: engines cannot be served cached "
                                        "Engram layers; reinstall engram-store with a C compiler (pip install .)")
     wire.check_native_layout(module.FRAME_FIELDS, "engram_store/native/_fetch.c")
+    direct_budget.check_native_layout(module)
     native = (module.FLAG_SPLIT, module.SPLIT_PAD_ID, tuple(module.GATE_STATES))
     python = (int(wire.Flag.SPLIT), wst.PAD_ID, (wst.GATE_REVOKED, wst.GATE_OPEN, wst.GATE_WRITING, wst.GATE_DONE))
     if native != python:
@@ -168,9 +170,16 @@ class FetchJob:
             watched = files.take()
         finally:
             files.close()
-        self.native = native.Job(self.layer, self.layer_rows, self.row_bytes, self.dim, files.rows_per_page,
-                                 self.staging, files.checksums, watched, queue_depth, self.deadline,
-                                 self.hedge or 0.0, memoryview(self._memory)[nbytes: nbytes + wst.GATE_BYTES])
+        self.device = watched[0][2]  # the table files' device: the node's direct-read budget is its
+        budget = direct_budget.open_budget(self.device)
+        try:
+            self.native = native.Job(self.layer, self.layer_rows, self.row_bytes, self.dim, files.rows_per_page,
+                                     self.staging, files.checksums, watched, queue_depth, self.deadline,
+                                     self.hedge or 0.0, memoryview(self._memory)[nbytes: nbytes + wst.GATE_BYTES],
+                                     budget)
+        finally:
+            if budget >= 0:
+                os.close(budget)  # the job keeps its own dup
         self.max_rows = int(self.native.max_rows)
         ids_at, weight_at, scales_at = self.native.offsets
         self._geometry = wst.StagingGeometry(self.dim, self.scale_bytes, self.max_rows, weight_at, scales_at, nbytes)
@@ -264,6 +273,11 @@ class FetchJob:
         raise errors.StorageError(f"engram-store fetch job: {message}")
 
     def stats(self) -> dict[str, Any]:
+        """The job's counters. How each step was served: ``daemon_steps`` (of which ``waited_steps`` waited
+        for the daemon because the node's direct-read budget was spent), ``hedged_direct_steps`` (read
+        directly after asking the daemon), ``fallback_direct_steps`` (read directly without it);
+        ``budget_refusals``: steps the budget refused a direct read at least once; ``direct_budget_pages``:
+        the node's budget now (0: none)."""
         return self.native.stats() | {"connected": self.connected, "reconnects": self.reconnects,
                                       "max_rows": self.max_rows, "deadline_seconds": self.deadline}
 

@@ -5,7 +5,7 @@
  *     A layer's page checksums (uint32 per page, in layer page order) copied into private memory,
  *     shared by the jobs given the same object (never a mapping of the .crc file).
  * Job(layer, layer_rows, row_bytes, dim, rows_per_page, staging, checksums, files, queue_depth,
- *     deadline_seconds, hedge_seconds=0, gate=None)
+ *     deadline_seconds, hedge_seconds=0, gate=None, budget=-1)
  *     `staging` is a writable buffer the job uses for its life (the caller registers it with the GPU):
  *     int64 ids [max_rows], then the payload block uint8 [max_rows, dim], then the scale block
  *     uint8 [max_rows, row_bytes - dim], each starting on a 4 KiB boundary (max_rows is derived
@@ -16,6 +16,8 @@
  *     the fds and closes them). hedge_seconds > 0 fixes the hedge budget (below); 0 measures it.
  *     `gate`: the staging memfd's gate word (4 writable bytes, engram_store/wire/staging.py), needed
  *     for connections whose daemon writes the rows into the staging itself (attach(..., split=True)).
+ *     `budget`: an fd (the job keeps a dup) of the node's budget file of direct pages in flight
+ *     (fetch_budget.h, client/direct_budget.py); -1: direct reads unbounded.
  *
  * engram_fetch_host_fn(void *call) is the run function: `call` (call_address(n)) names the job and
  * the row count n of one step (a captured CUDA graph bakes the pointer in, so there is one call per
@@ -33,7 +35,9 @@
  *      never reach the staging (a late daemon answer is read and dropped before the next request;
  *      one a deadline late drops the connection). With no daemon (gone, dropped, answering an error,
  *      still busy with a request a step gave up on, or backed off after missing its budget again and
- *      again), the rows are read directly at once;
+ *      again), the rows are read directly at once. Direct reads of all jobs on the node share one
+ *      budget of pages in flight (fetch_budget.h): with none of it free, a step waits for the daemon
+ *      (asked even while backing off) or for the budget, to its deadline, instead of reading;
  *   4. nothing complete by the deadline (a stuck device, a stopped daemon with direct reads stuck):
  *      the rows are zero and the failure is recorded; the reader keeps its buffers until its read
  *      ends, and direct reads fail at once meanwhile. A page failing its check, a read error, or a
@@ -79,6 +83,7 @@
 #include "staging_gate.h"  /* the staging's gate: one host copy (wire/staging.py) */
 #include "gpu_runtime.h"  /* gpu_launcher_get: the host-function launch of the GPU runtime torch runs on */
 #include "fetch_core.h"    /* core_t, fetch_call, the lifetime rules */
+#include "fetch_budget.h"  /* the node's budget of direct pages in flight */
 #include "fetch_reader.h"  /* the reader thread: direct reads, file checks */
 #include "fetch_daemon.h"  /* the daemon exchange, the hedge budget, the back-off */
 #include "fetch_writer.h"  /* whether a daemon writing into the staging is gone (pidfd, or its connection) */
@@ -94,6 +99,7 @@ static void core_release(core_t *c) {
     if (c->peer_pidfd >= 0) close(c->peer_pidfd);
     c->peer_pidfd = -1;
     writer_release(&c->stuck);
+    budget_unmap(c);
     atomic_fetch_sub(&live_cores, 1);
     if (__atomic_load_n(&c->exposed, __ATOMIC_ACQUIRE)) return;  /* a captured graph may still run a call */
     pthread_mutex_destroy(&c->lock);
@@ -234,8 +240,8 @@ static int take_files(core_t *c, PyObject *files) {
 
 static int job_init(Job *j, PyObject *args, PyObject *kw) {
     static char *names[] = {"layer", "layer_rows", "row_bytes", "dim", "rows_per_page", "staging", "checksums",
-                            "files", "queue_depth", "deadline_seconds", "hedge_seconds", "gate", NULL};
-    int layer, qd;
+                            "files", "queue_depth", "deadline_seconds", "hedge_seconds", "gate", "budget", NULL};
+    int layer, qd, budget = -1;
     long long layer_rows, row_bytes, dim, rpp;
     double deadline, hedge = 0;
     PyObject *o_staging, *o_files, *o_gate = Py_None;
@@ -244,8 +250,9 @@ static int job_init(Job *j, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_RuntimeError, "Job is initialized once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iLLLLOO!Oid|dO", names, &layer, &layer_rows, &row_bytes, &dim, &rpp,
-                                     &o_staging, &ChecksumsType, &sums, &o_files, &qd, &deadline, &hedge, &o_gate))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iLLLLOO!Oid|dOi", names, &layer, &layer_rows, &row_bytes, &dim, &rpp,
+                                     &o_staging, &ChecksumsType, &sums, &o_files, &qd, &deadline, &hedge, &o_gate,
+                                     &budget))
         return -1;
     core_t *c = j->core = calloc(1, sizeof *c);
     if (!c) {
@@ -260,6 +267,16 @@ static int job_init(Job *j, PyObject *args, PyObject *kw) {
     c->rd.efd = -1;
     c->peer_pidfd = -1;
     c->stuck = (writer_t){.pidfd = -1, .sock = -1};
+    c->budget_fd = -1;
+    c->budget_next = (uint32_t)getpid() * 2654435761u + (uint32_t)layer * 40503u;  /* jobs start apart */
+    if (budget >= 0) {  /* a dup: the caller closes its fd; the locks go with the open file description */
+        const int fd = fcntl(budget, F_DUPFD_CLOEXEC, 0);
+        if (fd < 0 || budget_map(c, fd) < 0) {
+            if (fd >= 0) close(fd);
+            PyErr_SetString(PyExc_ValueError, "budget: the fd of a direct-read budget file (client/direct_budget.py)");
+            return -1;
+        }
+    }
     c->backoff_ns = BACKOFF_MIN_NS;
     if (take_files(c, o_files) < 0) return -1;
     if (!sums->blob) {
@@ -554,7 +571,7 @@ static PyObject *job_stats(Job *j, PyObject *noargs) {
     const double stuck = reader_stuck_seconds(c);
     PyObject *pending = PyBool_FromLong(__atomic_load_n(&c->pending_id, __ATOMIC_RELAXED) != 0);
     return Py_BuildValue(
-        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsdsdsdsdsdsNsNsNsNss}", "steps", (long long)c->steps, "rows", (long long)c->rows,
+        "{sLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsLsdsdsdsdsdsNsNsNsNss}", "steps", (long long)c->steps, "rows", (long long)c->rows,
         "daemon_steps", (long long)c->daemon_steps, "direct_steps", (long long)c->direct_steps,
         "direct_pages", (long long)c->direct_pages, "daemon_errors", (long long)c->daemon_errors,
         "drops", (long long)c->drops, "failed_steps", (long long)c->failed_steps, "bad_pages", (long long)c->bad_pages,
@@ -564,6 +581,9 @@ static PyObject *job_stats(Job *j, PyObject *noargs) {
         "one_copy_steps", (long long)c->one_copy_steps, "copied_rows", (long long)c->copied_rows,
         "gate_waits", (long long)c->gate_waits, "dead_writers", (long long)c->dead_writers,
         "call_records", (long long)c->call_used * CALL_CHUNK,
+        "hedged_direct_steps", (long long)c->hedged_direct_steps, "fallback_direct_steps",
+        (long long)c->fallback_direct_steps, "waited_steps", (long long)c->waited_steps,
+        "budget_refusals", (long long)c->budget_refusals, "direct_budget_pages", (long long)budget_pages(c),
         "last_seconds", c->last_ns / 1e9, "max_seconds", c->max_ns / 1e9, "total_seconds", c->total_ns / 1e9,
         "hedge_seconds", c->hedge_ns / 1e9, "direct_stuck_seconds", stuck, "daemon_pending", pending,
         "one_copy", PyBool_FromLong(__atomic_load_n(&c->split, __ATOMIC_RELAXED)),
@@ -741,6 +761,11 @@ PyMODINIT_FUNC PyInit__fetch(void) {
         PyModule_AddIntConstant(m, "SPLIT_PAD_ID", SPLIT_PAD_ID) < 0 ||
         PyModule_AddObject(m, "GATE_STATES", Py_BuildValue("(iiii)", GATE_REVOKED, GATE_OPEN, GATE_WRITING,
                                                            GATE_DONE)) < 0 ||
+        PyModule_AddObject(m, "BUDGET_OFFSETS", Py_BuildValue(
+            "{sisisisisisisisisisi}", "magic", BUDGET_MAGIC_AT, "version", BUDGET_VERSION_AT, "granules",
+            BUDGET_GRANULES_AT, "granule_pages", BUDGET_GRANULE_AT, "reserved", BUDGET_RESERVED_AT, "reserved_max",
+            BUDGET_MAX_AT, "refused", BUDGET_REFUSED_AT, "locks", BUDGET_LOCKS, "magic_value", (int)BUDGET_MAGIC,
+            "version_value", BUDGET_VERSION)) < 0 ||
         PyModule_AddObject(m, "BOARD_OFFSETS", Py_BuildValue(
             "{sisisisisisisisisi}", "bytes", BOARD_BYTES, "failed", BOARD_FAILED, "kind", BOARD_KIND, "pid", BOARD_PID,
             "layer", BOARD_LAYER, "npages", BOARD_NPAGES, "claim", BOARD_CLAIM, "pages", BOARD_PAGES,

@@ -1,6 +1,6 @@
 /* The fetch job's native state (native/_fetch.c), shared by its parts: the reader thread
  * (fetch_reader.h), the daemon exchange (fetch_daemon.h) and the run function (_fetch.c).
- * Include after Python.h, aio.h and frame.h.
+ * Include after Python.h, aio.h and frame.h (MAX_QD defined).
  *
  * Lifetime. A core lives on the heap, apart from the Python Job object: a captured CUDA graph
  * bakes a call record's address (fetch_call: core and row count) into its host node, and the
@@ -82,6 +82,9 @@ typedef struct {
     int64_t *ext_off, *ext_len, *first_row, *row_off, *bad;
     uint8_t *packed;                   /* [max_rows, row_bytes] rows read, in sorted order */
     uint8_t *scratch;                  /* qd pages, 4 KiB aligned */
+    int qd_now;                        /* this request's queue depth (the node's budget may give less than qd) */
+    int32_t held[MAX_QD];              /* the budget's granules it holds (fetch_budget.h), given back at its end */
+    int nheld;
     /* the result */
     int64_t nbad, pages, err_off, err_stripe;
     int err, short_read, cancelled;
@@ -118,6 +121,9 @@ struct core {
     writer_t stuck;                    /* that write's watch (fetch_writer.h) */
     /* direct reads (fetch_reader.h) */
     reader_t rd;
+    int budget_fd;                     /* the node's budget of direct pages in flight (fetch_budget.h), -1 none */
+    uint8_t *budget;                   /* its header page (mapped), or NULL: direct reads unbounded */
+    uint32_t budget_next;              /* the granule this job tries first */
     /* status: counters are atomics, the messages sit under msg_lock (read by Python while a run goes on) */
     pthread_mutex_t msg_lock;
     char error[MSG_BYTES];             /* the first unreported failure ("" none) */
@@ -127,7 +133,8 @@ struct core {
     char note[MSG_BYTES];              /* the last fallback's reason */
     _Atomic int64_t steps, rows, daemon_steps, direct_steps, direct_pages, daemon_errors, drops, failed_steps,
         bad_pages, hedged_steps, busy_steps, backoff_steps, late_answers, timeouts, stuck_steps, last_ns, max_ns,
-        total_ns, hedge_ns, one_copy_steps, copied_rows, gate_waits, dead_writers;
+        total_ns, hedge_ns, one_copy_steps, copied_rows, gate_waits, dead_writers,
+        hedged_direct_steps, fallback_direct_steps, waited_steps, budget_refusals;
     fetch_call **call_chunks;          /* [ceil((max_rows + 1) / CALL_CHUNK)]: the call records handed out, */
     int64_t call_nchunks, call_used;   /* record n at call_chunks[n / CALL_CHUNK][n % CALL_CHUNK] (chunks made
                                           on first use, never moved: call_address stays valid); used: chunks made */

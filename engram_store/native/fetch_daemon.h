@@ -1,7 +1,7 @@
 /* The fetch job's exchange with the daemon (native/_fetch.c): one LOOKUP at a time on the job's
  * connection, the rows written by the daemon into the connection's shared region.
  *
- *   daemon_usable(c, now)     whether this step may ask the daemon: connected, no earlier request
+ *   daemon_usable(c, now, backoff)  whether this step may ask the daemon: connected, no earlier request
  *                             still unanswered (its late answer is read and dropped here, matched by
  *                             request id; unanswered a deadline after it was sent: the connection is
  *                             dropped), not backing off
@@ -121,13 +121,15 @@ static int settle_pending(core_t *c, int64_t now) {
     return 0;
 }
 
-static int daemon_usable(core_t *c, int64_t now) {
+/* backoff: whether a back-off may skip the daemon (not when the node's direct-read budget is spent: then
+   waiting for the daemon is the way to be served) */
+static int daemon_usable(core_t *c, int64_t now, int backoff) {
     if (c->sock < 0) return 0;
     if (c->pending_id && !settle_pending(c, now)) {
         if (c->sock >= 0) atomic_fetch_add(&c->busy_steps, 1);
         return 0;
     }
-    if (now < c->backoff_until && reader_idle(c)) {  /* (with direct reads busy, the daemon is asked anyway) */
+    if (backoff && now < c->backoff_until && reader_idle(c)) {  /* (with direct reads busy, the daemon is asked anyway) */
         atomic_fetch_add(&c->backoff_steps, 1);
         return 0;
     }

@@ -5,7 +5,9 @@
  *
  *   reader_submit(c, m, &gen)   hand over the run's taken rows (their ids copied): 1 handed over;
  *                               0 busy with a request a run gave up on (its end is counted on efd);
- *                               -1 unavailable (stuck past a deadline, or no thread)
+ *                               -1 unavailable (stuck past a deadline, or no thread); -2 the node's
+ *                               budget of direct pages in flight is spent (fetch_budget.h; the read
+ *                               runs at the depth the budget gives, its granules given back at its end)
  *   reader_poll(c, gen)         after efd fired: 1 when request gen is done (its result is the run's)
  *   reader_abandon(c, stuck)    the run gives up on its request: the reader stops submitting, and
  *                               its result is dropped; stuck: later requests are refused at once
@@ -134,7 +136,7 @@ static void read_request(core_t *c) {
         b.a.crc_stride = K;
         b.a.crc_phase = stripe;
         b.a.bad = r->bad + r->nbad;
-        int64_t got = read_aio(&b, r->qd);
+        int64_t got = read_aio(&b, r->qd_now);
         if (got < 0) got = read_sync(&b);
         r->pages += n_ext;
         r->nbad += b.a.nbad;
@@ -158,6 +160,8 @@ static void *reader_main(void *arg) {
         pthread_mutex_unlock(&r->mu);
         test_hold();
         read_request(c);
+        budget_give(c, r->held, r->nheld);  /* its pages are no longer in flight */
+        r->nheld = 0;
         pthread_mutex_lock(&r->mu);
         r->state = R_DONE;
         r->stuck = 0;
@@ -205,6 +209,14 @@ static int reader_submit(core_t *c, int64_t m, uint64_t *gen) {
         const int stuck = r->stuck;
         pthread_mutex_unlock(&r->mu);
         return stuck ? -1 : 0;
+    }
+    r->qd_now = r->qd;
+    if (c->budget) {  /* a share of the node's budget: at most this read's pages, at most qd */
+        r->qd_now = (int)budget_take(c, m < r->qd ? m : r->qd, r->held, &r->nheld);
+        if (!r->qd_now) {
+            pthread_mutex_unlock(&r->mu);
+            return -2;
+        }
     }
     uint64_t count;
     while (read(r->efd, &count, sizeof count) > 0) {  /* ends already seen */

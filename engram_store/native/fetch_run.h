@@ -17,7 +17,8 @@
 #ifndef ENGRAM_STORE_FETCH_RUN_H
 #define ENGRAM_STORE_FETCH_RUN_H
 
-enum { D_NONE, D_WANT, D_RUNNING, D_HELD, D_UNAVAILABLE };  /* this step's direct read */
+enum { D_NONE, D_WANT, D_RUNNING, D_HELD, D_UNAVAILABLE, D_REFUSED };  /* this step's direct read */
+#define BUDGET_RETRY_NS 2000000LL /* a step the node's direct-read budget refused asks it again this often */
 
 static void zero_rows(core_t *c, int64_t m) {
     for (int64_t k = 0; k < m; k++) {
@@ -163,6 +164,10 @@ static void fail_step(core_t *c, int64_t m, int asked_daemon, int direct) {
                  asked_daemon ? " and the daemon did not answer" : " and the daemon is not connected");
     else if (direct == D_NONE)
         snprintf(why, sizeof why, "the daemon did not answer");
+    else if (direct == D_REFUSED)
+        snprintf(why, sizeof why, "%sno direct read could start: the node's budget of direct pages in flight "
+                 "(ENGRAM_STORE_DIRECT_BUDGET_PAGES) was taken by other jobs' reads throughout",
+                 asked_daemon ? "the daemon did not answer and " : "the daemon is not connected and ");
     else
         snprintf(why, sizeof why, "%sthe direct read of its table files did not complete (a stuck device?)",
                  asked_daemon ? "the daemon did not answer and " : "");
@@ -179,9 +184,10 @@ static void fail_step(core_t *c, int64_t m, int asked_daemon, int direct) {
 static int fetch_step(core_t *c, int64_t m, int64_t n, int64_t t0) {
     const int64_t deadline = t0 + c->deadline_ns;
     int daemon = 0, asked = 0, direct = D_NONE, hedged = 0, from_daemon = 0, from_files = 0, opened = 0;
+    int refused = 0, direct_asked = 0;  /* the node's budget refused a direct read; the daemon was asked first */
     uint64_t gen = 0;
-    int64_t sent = 0, hedge_at = 0;
-    int usable = daemon_usable(c, t0);
+    int64_t sent = 0, hedge_at = 0, retry_at = 0;
+    int usable = daemon_usable(c, t0, budget_room(c));
     if (usable) {
         const int split = c->split;
         const uint64_t before = c->request_id;
@@ -198,9 +204,16 @@ static int fetch_step(core_t *c, int64_t m, int64_t n, int64_t t0) {
         direct = D_WANT;
     }
     for (;;) {
-        if (direct == D_WANT) {
+        if (direct == D_WANT && now_ns() >= retry_at) {
             const int s = reader_submit(c, m, &gen);
-            direct = s > 0 ? D_RUNNING : s < 0 ? D_UNAVAILABLE : D_WANT;
+            if (s == -2) {  /* the node's budget is spent: wait (for the daemon, or the budget) instead */
+                if (!refused) atomic_fetch_add(&c->budget_refusals, 1);
+                refused = 1;
+                retry_at = now_ns() + BUDGET_RETRY_NS;
+            } else {
+                direct = s > 0 ? D_RUNNING : s < 0 ? D_UNAVAILABLE : D_WANT;
+                if (s > 0) direct_asked = asked;
+            }
         }
         if (direct == D_HELD && !daemon) {
             from_files = 1;
@@ -209,7 +222,8 @@ static int fetch_step(core_t *c, int64_t m, int64_t n, int64_t t0) {
         if (!daemon && direct != D_WANT && direct != D_RUNNING) break;
         const int64_t now = now_ns();
         if (now >= deadline) break;
-        const int64_t until = daemon && direct == D_NONE && hedge_at < deadline ? hedge_at : deadline;
+        int64_t until = daemon && direct == D_NONE && hedge_at < deadline ? hedge_at : deadline;
+        if (direct == D_WANT && retry_at > now && retry_at < until) until = retry_at;
         struct pollfd p[2];
         int np = 0, ps = -1, pe = -1;
         if (daemon) p[ps = np++] = (struct pollfd){.fd = c->sock, .events = POLLIN};
@@ -261,6 +275,7 @@ static int fetch_step(core_t *c, int64_t m, int64_t n, int64_t t0) {
         daemon_answered(c, end - sent, !hedged);
         if (hedged) daemon_slow(c, end);
         atomic_fetch_add(&c->daemon_steps, 1);
+        if (refused) atomic_fetch_add(&c->waited_steps, 1);  /* served by waiting instead of reading directly */
         return 0;
     }
     /* before any row of the step's own goes in (and while the connection is there to watch the writer) */
@@ -278,10 +293,11 @@ static int fetch_step(core_t *c, int64_t m, int64_t n, int64_t t0) {
     }
     if (from_files) {
         atomic_fetch_add(&c->direct_steps, 1);
+        atomic_fetch_add(direct_asked ? &c->hedged_direct_steps : &c->fallback_direct_steps, 1);
         return take_direct(c, m);
     }
     if (direct == D_RUNNING || direct == D_WANT) reader_abandon(c, 1);
-    fail_step(c, m, asked, direct);
+    fail_step(c, m, asked, direct == D_WANT && refused ? D_REFUSED : direct);
     return -1;
 }
 
