@@ -120,7 +120,7 @@ def run_node(script: str, root: Path, w: dict, jobs: int, env: dict[str, str], p
         outs = [p.stdout.read() for p in procs]
     finally:
         done.set()
-        if slower:
+        if slower and slower.is_alive():
             slower.join()
         os.kill(pid, signal.SIGCONT)
         for p in procs:

@@ -140,11 +140,9 @@ def open_budget(dev: int) -> int:
 
 
 def _check_locks(fd: int, path: Path) -> None:
-    """The filesystem takes OFD locks (a byte past every granule, locked and let go)."""
-    probe = HEADER_BYTES + (1 << 20)
+    """The filesystem takes OFD locks (asked of the first granule: F_OFD_GETLK takes nothing)."""
     try:
-        for kind in (fcntl.F_WRLCK, fcntl.F_UNLCK):
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", kind, os.SEEK_SET, probe, 1, 0))
+        fcntl.fcntl(fd, fcntl.F_OFD_GETLK, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, HEADER_BYTES, 1, 0))
     except OSError as exc:
         raise errors.ConfigError(f"the node's direct-read budget {path} cannot be locked ({exc}): put it on a local "
                                  f"filesystem ({DIR_ENV}), or {PAGES_ENV}=0 for no budget") from None
