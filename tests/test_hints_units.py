@@ -220,3 +220,30 @@ def test_a_patient_admission_gets_the_slots_a_reader_held():
                                   patience=1.0) == (3, 0)
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "lru"])
+def test_hinted_rows_never_evict_rows_lookups_hit(policy):
+    """A cache holding a hot set lookups keep reading, a few cold rows and some free slots: a flood of hinted
+    rows takes the free and cold slots only, however large its share (issue 37, item 2)."""
+    n_slots, rb = 1000, 8
+    cache = RowCache({14: 100_000}, rb, n_slots, policy, huge=False)
+    try:
+        data = lambda r: np.zeros((len(r), rb), np.uint8)  # noqa: E731
+        hot, cold = rows(700, 10_000), rows(100, 50_000)
+        for part in (hot[:250], hot[250:500], hot[500:], cold):
+            cache.admit(14, part, data(part))
+        for _ in range(2):  # lookups read the hot set
+            token, found = cache.begin(14, hot)
+            cache.end(token)
+            assert (found > 0).all()
+        flood = rows(5000, 70_000)
+        put = sum(cache.admit_hinted(14, flood[lo:lo + 100], data(flood[lo:lo + 100]), limit=600, now=0.0)[0]
+                  for lo in range(0, len(flood), 100))
+        assert put == 300  # 200 free slots and 100 cold rows, not the share's 600
+        assert cache.hint_no_slot_at == 0.0  # the hint reader pauses instead of reading rows it cannot keep
+        assert (cache.maps[0][hot] > 0).all() and (cache.maps[0][cold] == 0).all()
+        settled = cache.settle_hints(now=100.0, max_age=5.0)  # unread, aged: their slots free again
+        assert settled == (0, 300) and cache.hinted_count == 0 and (cache.maps[0][hot] > 0).all()
+    finally:
+        cache.close()

@@ -20,6 +20,7 @@ from .hints import ROW_BYTES, HintCounters, HintQueue, HintSettings
 
 STARVED_READS = 4  # lookups read for STARVE_SECONDS on end: this many times the hint queue depth in rows go anyway
 ADMIT_PATIENCE_SECONDS = 0.05  # the hint reader waits this long at most for slots evicted under readers
+NO_SLOT_PAUSE_SECONDS = 0.25  # the cache had no free or cold slot for a hinted row: read none for this long
 
 class StoreHints:
     """The hint methods of :class:`~.tiered.TieredStore`. They use the store's own parts: ``_files``,
@@ -85,6 +86,11 @@ class StoreHints:
         return int(self._cache.n_slots * self.hint_settings.cache_share) if self._cache is not None else 0
 
     def _hint_room(self) -> int:
+        """Slots the hinted share may still take: none for a while after the cache had no free or cold slot
+        (every row in it one that lookups keep hitting), so the reader waits instead of reading rows it
+        could not keep."""
+        if time.monotonic() - self._cache.hint_no_slot_at < NO_SLOT_PAUSE_SECONDS:
+            return 0
         return self._hint_limit() - self._cache.hinted_count
 
     def _settle_hints(self) -> None:

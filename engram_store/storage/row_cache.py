@@ -6,7 +6,10 @@ cost no memory; on transparent huge pages where the host allows, as every
 lookup reads them at random rows), and an eviction policy (:mod:`.policies`).
 
 Hinted rows (:mod:`.hints`: rows an engine will ask for soon, read ahead) take slots too, at most
-a bounded share of them (:meth:`RowCache.admit_hinted`). The eviction policy does not track them, so
+a bounded share of them (:meth:`RowCache.admit_hinted`): a ceiling, not a quota. They take free
+slots, and slots of rows the policy finds cold (no lookup read them since they were admitted or last
+aged: :meth:`~.policies.EvictionPolicy.evict_cold`); never a row lookups keep hitting, so a flood of
+hints leaves the lookups' working set where it was. The eviction policy does not track them, so
 they neither push hot rows out one by one nor get evicted before they are used; a lookup finds them
 like any row. :meth:`RowCache.settle_hints` hands the ones a lookup read to the policy (as if a lookup
 had just admitted them) and frees those that aged unread.
@@ -117,6 +120,7 @@ class RowCache:
         self.hint_state = np.zeros(n_slots, dtype=np.uint8)
         self.hinted_count = 0
         self.hint_admissions = 0  # goes up with every admit_hinted that put rows in (lookups compare it)
+        self.hint_no_slot_at = float("-inf")  # when admit_hinted last found no free or cold slot
         self._hint_buckets: collections.deque[list] = collections.deque()  # [admitted at, [slots], [keys]]
 
     # --- readers -------------------------------------------------------
@@ -175,8 +179,9 @@ class RowCache:
                      patience: float = 0.0) -> tuple[int, int]:
         """Put hinted rows just read (``rows`` distinct int64, ``data`` their bytes) into slots, while fewer
         than ``limit`` slots hold hinted rows; rows cached already are skipped. Slots come from the free
-        stack, else from the policy's evictions (``patience``: see :meth:`_slots`). Returns (rows put in,
-        rows found cached already)."""
+        stack, else from the policy's cold rows (:meth:`~.policies.EvictionPolicy.evict_cold`; never a row
+        with hits); ``patience``: see :meth:`_slots`. When neither has a slot, ``hint_no_slot_at`` is set
+        to ``now``. Returns (rows put in, rows found cached already)."""
         li = self.layer_index[layer]
         with self.lock:
             new = np.flatnonzero(self.maps[li][rows] == 0)
@@ -184,7 +189,9 @@ class RowCache:
             new = new[: max(0, limit - self.hinted_count)]
             if not len(new):
                 return 0, cached
-            slots = self._slots(len(new), patience)
+            slots = self._slots(len(new), patience, cold_only=True)
+            if len(slots) < len(new):
+                self.hint_no_slot_at = now
             wanted = len(new)
             new, slots = self._still_new(li, rows, new, slots, patience)
             cached += wanted - len(new)  # cached by someone else while this waited for slots
@@ -239,13 +246,15 @@ class RowCache:
             self._hint_buckets = kept
             return handed, freed
 
-    def _slots(self, n: int, patience: float) -> np.ndarray:  # lock held (released while waiting)
-        """Up to ``n`` free slots: the free stack, then the policy's evictions. Slots evicted while lookups
-        are reading the cache come back only once those end (their epochs): with ``patience`` (seconds)
-        the caller waits for them, polling, the lock released in between; without, it gets what is free."""
+    def _slots(self, n: int, patience: float, cold_only: bool = False) -> np.ndarray:  # lock held (released while waiting)
+        """Up to ``n`` free slots: the free stack, then the policy's evictions (``cold_only``: of rows no lookup
+        read, see :meth:`~.policies.EvictionPolicy.evict_cold`). Slots evicted while lookups are reading the
+        cache come back only once those end (their epochs): with ``patience`` (seconds) the caller waits for
+        them, polling, the lock released in between; without, it gets what is free."""
         slots = self._take_free(n)
         if len(slots) < n:
-            self._retire(self.policy.evict(n - len(slots), self.slot_key))
+            evict = self.policy.evict_cold if cold_only else self.policy.evict
+            self._retire(evict(n - len(slots), self.slot_key))
             slots = np.concatenate([slots, self._take_free(n - len(slots))])
         deadline = time.monotonic() + patience
         while len(slots) < n and self.limbo and time.monotonic() < deadline:

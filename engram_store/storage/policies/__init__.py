@@ -31,6 +31,12 @@ class EvictionPolicy(Protocol):
       stop tracking them; returns int32 slots. ``slot_keys`` maps slot -> key for
       policies that remember evicted keys. Fewer are returned only when fewer
       slots are tracked.
+    - ``evict_cold(count, slot_keys)``: up to ``count`` tracked slots whose rows no lookup has read
+      since they were admitted (or since the policy last aged them), stop tracking them; returns
+      int32 slots, maybe fewer or none. It never takes a row with a hit recorded, never ages one
+      (hit counts are left as they are) and looks at a bounded number of entries a call: the slots
+      hinted rows may take (:meth:`~engram_store.storage.row_cache.RowCache.admit_hinted`), so a
+      flood of hints never evicts the rows lookups keep hitting.
     - ``tracked``: number of slots the policy holds.
     - ``hit_counts()``: ``(counts, cap)`` when ``on_hit`` is exactly ``counts[slots] =
       min(counts[slots], cap - 1) + 1`` (uint8, numpy's semantics for repeated slots), so native
@@ -47,6 +53,8 @@ class EvictionPolicy(Protocol):
     def on_hit(self, slots: np.ndarray) -> None: ...
 
     def evict(self, count: int, slot_keys: np.ndarray) -> np.ndarray: ...
+
+    def evict_cold(self, count: int, slot_keys: np.ndarray) -> np.ndarray: ...
 
     def metadata_bytes(self) -> int: ...
 

@@ -9,6 +9,11 @@ row that comes back soon goes straight to main. One-hit wonders therefore
 never push hot rows out, which is what plain LRU gets wrong on Zipf and scan
 mixes (see ``bench/lookup.py`` for hit rates against LRU and Belady).
 
+Hinted rows (read ahead of lookups) take only cold slots (:meth:`S3FifoPolicy.evict_cold`):
+entries read by no lookup since they entered their queue or were last passed by the CLOCK
+hand; the rows lookups keep hitting are rotated past untouched (their counts kept), so a flood
+of hints neither evicts nor ages them.
+
 Everything works on batches: a window of queue entries is examined with numpy
 per round, and a round frees as many slots as the batch needs, so the cost is
 a few vector operations per request, never a Python step per row.
@@ -26,6 +31,7 @@ SMALL_FRACTION = 0.10
 GHOST_FRACTION = 0.90
 MIN_WINDOW = 256
 MAX_ROUNDS = 64  # after this many rounds of one evict() call, take entries regardless of frequency
+COLD_ROUNDS = 4  # windows of each queue one evict_cold() call looks at, at most
 # freq 1 + two int32 rings + ghost (one uint32 per entry, table up to 2x its capacity)
 BYTES_PER_SLOT = 1 + 8 + 8
 
@@ -148,6 +154,28 @@ class S3FifoPolicy:
                 freed = self._evict_main(need, force)
             victims.append(freed)
             need -= len(freed)
+        return np.concatenate(victims) if victims else np.zeros(0, dtype=np.int32)
+
+    def evict_cold(self, count: int, slot_keys: np.ndarray) -> np.ndarray:
+        victims: list[np.ndarray] = []
+        need = count
+        for ring, small in ((self.small, True), (self.main, False)):
+            total, seen = ring.count, 0  # one turn of the queue at most
+            for _ in range(COLD_ROUNDS):
+                if need <= 0 or seen >= total:
+                    break
+                window = ring.peek(min(self._window(ring, need), total - seen))
+                cold = self.freq[window] == 0
+                cut = self._cut(cold, need)
+                window, cold = window[:cut], cold[:cut]
+                ring.pop(cut)
+                ring.push(window[~cold])  # hit rows go round, their counts as they were
+                gone = window[cold]
+                if small:
+                    self.ghost.add(slot_keys[gone])
+                victims.append(gone)
+                need -= len(gone)
+                seen += cut
         return np.concatenate(victims) if victims else np.zeros(0, dtype=np.int32)
 
     def _window(self, ring: Ring, need: int) -> int:
