@@ -84,8 +84,9 @@ class Connection:
         self.inflight = 0
         self.finished = threading.Event()
         self.connected_at = self.last_active = time.monotonic()
-        self.holder = hint_requests.holder_name(uid)  # HINT / WITHDRAW: this connection's name as a hint holder
-        self.hint_rate = limits.TokenBucket(server.config.hint_rows_per_second)
+        # HINT / WITHDRAW: the client (its uid, all its connections together: bounds, rate, keys) and this
+        # connection's name as a holder of its hints
+        self.hint_owner, self.holder = hint_requests.owner_name(uid), hint_requests.holder_name(uid)
         self.hinted = False
         self.welcomed = False
         self.staging: client_staging.ClientStaging | None = None  # Op.STAGING: rows into the client's memfd

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import hmac
 import json
 import logging
@@ -97,6 +98,17 @@ class TokenCheck:
                 "grpc_token_file (EngramClient.connect(..., token_file=PATH) or ENGRAM_STORE_GRPC_TOKEN_FILE)")
 
 
+def hint_owner(context: grpc.aio.ServicerContext) -> str:
+    """Who a Hint or Withdraw call comes from, as the owner of its hints: the client certificate the TLS
+    handshake verified (``grpc_tls_client_ca``: the same client over all its connections), else the
+    call's connection. A shared ``grpc_token_file`` token is every gRPC client's, so it tells none
+    apart: each connection is then a client of its own (never its host, which clients share)."""
+    pem = (context.auth_context() or {}).get("x509_pem_cert")
+    if pem:
+        return "grpc:cert:" + hashlib.sha256(pem[0]).hexdigest()[:32]
+    return "grpc:conn:" + context.peer()
+
+
 class _Malformed:
     """What the request deserializer returns for bytes that are not the request message."""
 
@@ -136,7 +148,7 @@ class EngramStoreService:
         self.draining = False
         self.token_check: TokenCheck | None = None  # set by GrpcServer when grpc_token_file is configured
         self.slots = limits.CallSlots(max(64, config.max_clients), config.grpc_max_calls_per_peer)
-        self.hint_rates = limits.PeerBuckets(config.hint_rows_per_second)  # hinted rows a peer host may send a second
+        self.hint_rates = limits.PeerBuckets(config.hint_rows_per_second)  # hinted rows a client may send a second
         self._refusals_logged = 0
 
     def attach(self, store: RowStore) -> None:
@@ -273,16 +285,16 @@ class EngramStoreService:
         self.stats.record(ids.size, store.row_bytes, time.perf_counter() - t0)
 
     async def Hint(self, request: pb.HintRequest, context: grpc.aio.ServicerContext) -> pb.HintReply:
-        """Queue rows the peer will look up soon (the store reads them behind its lookups); answered at once.
-        The peer's host is the hint's holder: withdrawals from any of its connections count."""
+        """Queue rows the caller will look up soon (the store reads them behind its lookups); answered at once.
+        The caller's identity (:func:`hint_owner`) owns the hint: its rate, its share of the queue, its keys."""
         try:
             store, ids = self._request(request)
-            host = limits.CallSlots.peer_host(context.peer())
-            granted = self.hint_rates.take(host, ids.size)
+            owner = hint_owner(context)
+            granted = self.hint_rates.take(owner, ids.size)
             queued = 0
             if isinstance(store, HintingStore):  # the ids are copied: the queue keeps them past this request
-                hint = functools.partial(store.hint, request.layer, ids[:granted].copy(), request.key, f"grpc:{host}",
-                                         rate_limited=ids.size - granted)
+                hint = functools.partial(store.hint, request.layer, ids[:granted].copy(), request.key, owner,
+                                         rate_limited=ids.size - granted, owner=owner)
                 queued = await asyncio.get_running_loop().run_in_executor(self.pool, hint)
         except Exception as exc:
             await self._fail(context, exc, time.perf_counter())
@@ -290,10 +302,10 @@ class EngramStoreService:
         return pb.HintReply(rows_queued=queued)
 
     async def Withdraw(self, request: pb.WithdrawRequest, context: grpc.aio.ServicerContext) -> pb.WithdrawReply:
+        """Drop what the caller still has queued under the key (another client's hints of it are left alone)."""
         try:
             store = self._serving()
-            host = limits.CallSlots.peer_host(context.peer())
-            dropped = store.withdraw(request.key, f"grpc:{host}") if isinstance(store, HintingStore) else 0
+            dropped = store.withdraw(request.key, hint_owner(context)) if isinstance(store, HintingStore) else 0
         except Exception as exc:
             await self._fail(context, exc, time.perf_counter())
             raise

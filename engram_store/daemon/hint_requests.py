@@ -3,11 +3,16 @@
 A HINT frame names ``count`` row ids of ``layer`` at ``ids_offset`` of the client's region and the
 hint's key in ``out_offset`` (see :mod:`engram_store.wire.frames`). The connection's reader copies
 the ids out of the region, takes what the client's rate allows (``hint_rows_per_second``, a
-:class:`~.limits.TokenBucket` per connection; the rest dropped and counted), hands them to the
+:class:`~.limits.TokenBucket` per client; the rest dropped and counted), hands them to the
 store (:meth:`~engram_store.storage.base.HintingStore.hint`: queued, never read here) and answers
 RESULT with ``count`` = the rows queued: the client's region is free again, and nothing it does
 afterwards waits for a read. A WITHDRAW (``out_offset`` = a key) drops the queued rows of that key
-that no other client holds; a connection that closes withdraws everything it sent.
+that no other connection of the client holds; a connection that closes withdraws everything it sent.
+
+The client is its uid (``SO_PEERCRED``, what the kernel vouches for): every connection of a uid,
+whatever its process, shares one rate, one share of the queue and one set of keys, which no other
+uid can withdraw or keep alive. (Not its pid: an engine's ranks are several processes sending the
+same hints, and a user may fork at will.)
 
 Errors (a bad layer, dtype, count or range, ids out of the layer) are answered like a lookup's,
 with the typed status and a message; a store without hints answers OK with 0 rows.
@@ -34,20 +39,25 @@ _HOLDERS = itertools.count(1)
 _DTYPES = {DType.INT64: DType.INT64.numpy, DType.INT32: DType.INT32.numpy}
 
 
+def owner_name(uid: int) -> str:
+    """A Unix client's name as the owner of hints: its uid."""
+    return f"unix:uid:{uid}"
+
+
 def holder_name(uid: int) -> str:
     """A connection's name as a hint holder: unique in this daemon."""
-    return f"unix:{uid}:{next(_HOLDERS)}"
+    return f"{owner_name(uid)}#{next(_HOLDERS)}"
 
 
 def serve_hint(conn: Connection, frame: Frame) -> None:
     store = conn.server.store
     try:
         ids = _ids(conn, frame)
-        granted = conn.hint_rate.take(len(ids))
+        granted = conn.server.hint_rates.take(conn.hint_owner, len(ids))
         queued = 0
         if isinstance(store, HintingStore):
             queued = store.hint(frame.layer, ids[:granted], frame.out_offset, conn.holder,
-                                rate_limited=len(ids) - granted)
+                                rate_limited=len(ids) - granted, owner=conn.hint_owner)
             conn.hinted = True
     except errors.EngramStoreError as exc:
         conn._reply_error(frame, wire.status_of(exc), str(exc))

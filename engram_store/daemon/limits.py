@@ -10,8 +10,9 @@
   drains. So no worker ever blocks on a client's socket; a connection whose
   outbox passes its bound, or whose socket takes nothing for ``stall_seconds``,
   is dropped.
-* :class:`TokenBucket` (and :class:`PeerBuckets`, one per gRPC peer host): hinted rows
-  one client may send a second (``hint_rows_per_second``); rows past it are dropped.
+* :class:`TokenBucket` (and :class:`PeerBuckets`, one per client: a Unix uid, a gRPC
+  certificate or connection): hinted rows one client may send a second
+  (``hint_rows_per_second``); rows past it are dropped.
 * :class:`RoundRobin`: lookups of many connections share the worker pool in
   turns. Each connection (a :class:`Lane`) has at most ``per_lane`` pieces in the
   pool at once and goes to the back of the line after each piece, so a large
@@ -243,7 +244,7 @@ class TokenBucket:
 
 
 class PeerBuckets:
-    """A :class:`TokenBucket` per peer (gRPC host), the ``max_peers`` most recently seen kept: a
+    """A :class:`TokenBucket` per peer (a client's identity), the ``max_peers`` most recently seen kept: a
     forgotten peer starts again with a full bucket, so the map stays bounded whoever connects."""
 
     def __init__(self, rate: float, max_peers: int = 4096) -> None:

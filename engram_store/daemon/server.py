@@ -81,6 +81,7 @@ class UnixServer:
         self.busy_poll_seconds = config.busy_poll_us / 1e6
         self.native = fastpath.NativePath.for_store(store, config)
         self.region_budget = limits.ByteBudget(config.max_total_client_shm_bytes, "max_total_client_shm_bytes")
+        self.hint_rates = limits.PeerBuckets(config.hint_rows_per_second)  # hinted rows a second, per client (uid)
         self.turns = limits.RoundRobin(pool, per_lane=config.worker_count // 4)
         self.piece_rows = max(1024, PIECE_BYTES // store.row_bytes)
         self.sender: limits.Sender | None = None
