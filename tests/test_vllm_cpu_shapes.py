@@ -49,7 +49,7 @@ pytestmark = [
                        reason=f"{VLLM_CPU_PYTHON} is absent (make engine-test builds it)"),
 ]
 RANKS = 2
-TIMEOUT = 420  # one engine, its ranks on 2 cores: ~40 s to start, ~8 steps of ~4 s (measured ~80-130 s, loaded)
+TIMEOUT = 420  # one engine, its ranks on 2 cores: ~40 s to start, ~6 steps of ~4 s (measured ~80-130 s, loaded)
 SCRIPT = REPO / "tests" / "vllm_cpu_shapes.py"
 
 

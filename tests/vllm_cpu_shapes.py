@@ -41,7 +41,7 @@ PROMPTS = [
     "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32",
 ]
 FIRST_WAVE = 2  # PROMPTS[:FIRST_WAVE] from step 0, the rest from step WAVE
-MAX_TOKENS = 6
+MAX_TOKENS = 4
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
 WAVE = 2  # PROMPTS[FIRST_WAVE:] are new in this step: the step whose page the failing runs flip
 
