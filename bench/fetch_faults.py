@@ -50,7 +50,8 @@ if sys.argv[1:2] not in (["--worker"], ["--node-worker"]):  # a worker imports i
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import JsonReport, add_report_args, ensure_tables  # noqa: E402
-from fetch_node import NODE_SCENARIOS, QUEUE_DEPTH, budget_header, node_worker, print_node, run_node, summarize_node  # noqa: E402
+from fetch_node import (NODE_SCENARIOS, QUEUE_DEPTH, DiskLimit, budget_header, node_worker, print_node,  # noqa: E402
+                        run_node, summarize_node)
 
 SCENARIOS = ("undisturbed", "flapping", "stopped")
 WARM_STEPS = 20  # more than the answers the hedge budget is first measured over
@@ -204,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node-jobs", type=int, default=16, help="jobs of the node scenarios (16: vLLM TP=8, 2 layers)")
     ap.add_argument("--slow", default="0.08/0.1", metavar="STOPPED/PERIOD",
                     help="the node-slow daemon: seconds stopped of every period")
+    ap.add_argument("--disk-iops", type=int, default=0,
+                    help="node-slow scenarios on a busy disk instead: the daemon and the jobs share this many reads "
+                         "a second of the tables' device (a blkio cgroup: root, cgroup v1)")
     ap.add_argument("--budget-pages", type=int, default=None,
                     help="the node's direct-read budget (default: the table device's queue depth, as in production)")
     ap.add_argument("--steps", type=int, default=40, help="measured steps per run")
@@ -247,8 +251,9 @@ def run(args, flap: tuple[float, float], slow: tuple[float, float]) -> dict:
             rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.baseline_rev], check=True,
                                  capture_output=True, text=True).stdout.strip()
             clients = {f"baseline {rev}": build_baseline(rev, scratch), "this tree": REPO}
-        daemon = Daemon(tables, args.dram_bytes, 64)
+        daemon, disk = Daemon(tables, args.dram_bytes, 64), None
         try:
+            disk = DiskLimit(tables / "manifest.json", args.disk_iops) if args.disk_iops else None
             runs: dict[tuple[str, str], list[dict]] = {}
             for scenario in args.scenarios:
                 for repeat in range(args.repeats):
@@ -269,17 +274,20 @@ def run(args, flap: tuple[float, float], slow: tuple[float, float]) -> dict:
                             env["ENGRAM_STORE_DIRECT_BUDGET_PAGES"] = str(args.budget_pages)
                         warm = 4 if args.quick else WARM_STEPS
                         got = run_node(__file__, root, w | {"warm": warm}, args.node_jobs, env, daemon.proc.pid,
-                                       None if scenario == "node-undisturbed" else slow, budget)
+                                       None if scenario == "node-undisturbed" else slow, budget, disk)
                         runs.setdefault((name, scenario), []).append(got | {"budget": budget_header(budget)})
         finally:
             daemon.stop()
+            if disk:
+                disk.close()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     results = [{"client": name, "scenario": scenario,
                 "summary": summarize(r) if scenario in SCENARIOS else summarize_node(r, pct)}
                for (name, scenario), r in runs.items()]
     doc = {"rows": args.rows, "layer": layer, "steps": args.steps, "repeats": args.repeats, "flap": list(flap),
-           "deadline": args.deadline, "node_jobs": args.node_jobs, "slow": list(slow), "results": results}
+           "deadline": args.deadline, "node_jobs": args.node_jobs, "slow": list(slow), "disk_iops": args.disk_iops,
+           "results": results}
     if len(clients) == 2:
         base, mine = clients
         doc["p99_ratio"] = {s: _ratio(results, base, mine, s) for s in args.scenarios}

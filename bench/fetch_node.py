@@ -2,8 +2,10 @@
 layers), each in a process of its own, step together against one daemon, as an engine server's ranks do.
 
 - ``node-undisturbed``: the daemon runs;
-- ``node-slow``: the daemon is slow (SIGSTOPped ``STOPPED`` of every ``PERIOD`` seconds, ``--slow``: its
-  answers come late, as from a busy disk), the jobs' direct reads within the node's budget
+- ``node-slow``: the daemon is slow: SIGSTOPped ``STOPPED`` of every ``PERIOD`` seconds (``--slow``: its
+  answers come late), or, with ``--disk-iops N`` (root, cgroup v1 blkio), on a busy disk: the daemon
+  and the jobs share N reads a second of the tables' device, so a job's direct read competes with the
+  daemon's; the jobs' direct reads within the node's budget
   (``client/direct_budget.py``: ``--budget-pages``, default the device's queue depth);
 - ``node-slow-unbounded``: the same with a budget every job's reads fit in (jobs x queue depth): what
   the jobs' direct reads add to the disk without the bound.
@@ -76,6 +78,36 @@ def node_worker(spec_json: str) -> int:
     return 0
 
 
+class DiskLimit:
+    """A busy disk: the processes of a blkio cgroup (cgroup v1, root) share ``iops`` reads a second of the
+    device that holds ``path`` (the daemon's reads and the jobs' direct reads alike, as on one NVMe)."""
+
+    ROOT = Path("/sys/fs/cgroup/blkio")
+
+    def __init__(self, path: Path, iops: int) -> None:
+        block = Path(f"/sys/dev/block/{os.major(os.stat(path).st_dev)}:{os.minor(os.stat(path).st_dev)}").resolve()
+        disk = block if (block / "queue").exists() else block.parent  # a partition: its disk
+        if not (self.ROOT / "blkio.throttle.read_iops_device").exists():
+            raise RuntimeError("--disk-iops needs cgroup v1's blkio controller at /sys/fs/cgroup/blkio (and root)")
+        self.group = self.ROOT / f"engram-store-bench-{os.getpid()}"
+        self.group.mkdir()
+        (self.group / "blkio.throttle.read_iops_device").write_text(f"{(disk / 'dev').read_text().strip()} {iops}\n")
+
+    def add(self, pid: int) -> None:
+        (self.group / "cgroup.procs").write_text(f"{pid}\n")
+
+    def remove(self, pid: int) -> None:
+        try:
+            (self.ROOT / "cgroup.procs").write_text(f"{pid}\n")
+        except OSError:
+            pass  # (gone)
+
+    def close(self) -> None:
+        for pid in (self.group / "cgroup.procs").read_text().split():
+            self.remove(int(pid))
+        self.group.rmdir()
+
+
 def _slow(pid: int, stopped: float, period: float, done: threading.Event) -> None:
     while not done.wait(period - stopped):
         os.kill(pid, signal.SIGSTOP)
@@ -97,21 +129,25 @@ def reset_budget(directory: Path) -> None:
 
 
 def run_node(script: str, root: Path, w: dict, jobs: int, env: dict[str, str], pid: int, slow: tuple | None,
-             budget: Path) -> dict:
-    """``jobs`` workers of client ``root`` stepping together; the daemon slowed while they step when ``slow``;
-    the node's budget file in ``budget``."""
+             budget: Path, disk: DiskLimit | None = None) -> dict:
+    """``jobs`` workers of client ``root`` stepping together; the daemon slowed while they step when ``slow``
+    (SIGSTOPped), or the daemon and the workers on a busy disk when ``disk``; the budget file in ``budget``."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_STORE_")} | env
     base["PYTHONPATH"] = str(root)
     procs = [subprocess.Popen([sys.executable, script, "--node-worker", json.dumps(w | {"seed": w["seed"] * 100 + k})],
                               cwd=root, env=base, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for k in range(jobs)]
     done = threading.Event()
-    slower = threading.Thread(target=_slow, args=(pid, *slow, done), daemon=True) if slow else None
+    slower = threading.Thread(target=_slow, args=(pid, *slow, done), daemon=True) if slow and not disk else None
     try:
         for p in procs:
             if p.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"a node worker failed before its steps (rc {p.wait()})")
         reset_budget(budget)
+        if slow and disk:
+            for p in procs:
+                disk.add(p.pid)
+            disk.add(pid)
         if slower:
             slower.start()
         for p in procs:
@@ -122,6 +158,8 @@ def run_node(script: str, root: Path, w: dict, jobs: int, env: dict[str, str], p
         done.set()
         if slower and slower.is_alive():
             slower.join()
+        if disk:
+            disk.remove(pid)
         os.kill(pid, signal.SIGCONT)
         for p in procs:
             if p.poll() is None and p.wait(600) != 0:
@@ -163,8 +201,10 @@ def print_node(doc: dict) -> None:
     def ms(d: dict) -> str:
         return f"{1e3 * d['median']:7.1f} [{1e3 * d['min']:.1f}..{1e3 * d['max']:.1f}]"
 
-    print(f"\n{doc['node_jobs']} jobs stepping together, slow daemon: stopped {doc['slow'][0]:g} s of every "
-          f"{doc['slow'][1]:g} s; steps in ms, median [min..max] over runs; per-run lists for the rest")
+    slow = (f"daemon and jobs on a disk of {doc['disk_iops']} reads/s" if doc.get("disk_iops") else
+            f"daemon stopped {doc['slow'][0]:g} s of every {doc['slow'][1]:g} s")
+    print(f"\n{doc['node_jobs']} jobs stepping together; slow: {slow}; steps in ms, median [min..max] over runs; "
+          "per-run lists for the rest")
     print(f"{'client':<20} {'scenario':<20} {'p50':>20} {'p99':>20} {'max':>22}  direct pages in flight max / budget; "
           "served by daemon (waited) / hedged direct / fallback direct / failed")
     for row in rows:

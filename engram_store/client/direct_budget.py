@@ -9,7 +9,7 @@ of all jobs on a node that read the same device share one budget of pages in fli
 :data:`GRANULE_PAGES` pages, and reads at the depth it got; with none free the step waits for its daemon
 (or, without one, for the budget) up to its deadline instead of reading.
 
-The budget is a file, ``engram-store-direct-<major>-<minor>`` (the table files' device) in
+The budget is a file, ``engram-store-direct-v2-<major>-<minor>`` (the table files' device) in
 :data:`DIR_ENV` (default ``/dev/shm``; a directory every engine container on the node mounts, such as
 the daemon socket's ``hostPath``, makes it node-wide across pods too). Its size, in pages:
 :data:`PAGES_ENV` if set (0: no budget, direct reads unbounded), else the device's queue depth
@@ -39,7 +39,8 @@ DEFAULT_DIR = "/dev/shm"
 DEFAULT_PAGES = 1024  # a device whose queue depth sysfs does not give (tmpfs, overlay, network filesystems)
 GRANULE_PAGES = 16  # the budget is taken in granules of this many pages (a job at depth 64 holds 4)
 MAX_GRANULES = 4096  # native/fetch_budget.h BUDGET_MAX_GRANULES: a budget of 65536 pages at most
-HEADER_BYTES = 4096
+HEADER_BYTES = 4096  # the header page; then a byte a granule: its holder's mark (native/fetch_budget.h)
+FILE_BYTES = 8192
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,14 @@ class Header:
     version: int  # VERSION
     granules: int  # granules in the budget now (the last sizing wins)
     granule_pages: int  # pages a granule
-    reserved: int  # pages reserved now by all jobs' direct reads (a metric: the locks are the budget)
+    reserved: int  # pages reserved now by all jobs' direct reads (a metric: the locks are the budget; a granule
+    # whose holder died holding it stays counted until another job takes it over)
     reserved_max: int  # the most pages reserved at once since the file was made
     refused: int  # direct reads refused for want of budget
 
     LAYOUT = struct.Struct("<IIIIqqq")
     MAGIC = 0x54474442  # "BDGT"
-    VERSION = 1
+    VERSION = 2
     OFFSETS = {"magic": 0, "version": 4, "granules": 8, "granule_pages": 12, "reserved": 16, "reserved_max": 24,
                "refused": 32}
 
@@ -76,7 +78,8 @@ class Header:
 def check_native_layout(native: Any) -> None:
     """The native module's offsets are this layout's (a stale build is refused)."""
     got = dict(native.BUDGET_OFFSETS)
-    want = Header.OFFSETS | {"locks": HEADER_BYTES, "magic_value": Header.MAGIC, "version_value": Header.VERSION}
+    want = Header.OFFSETS | {"locks": HEADER_BYTES, "magic_value": Header.MAGIC, "version_value": Header.VERSION,
+                             "held": HEADER_BYTES, "file_bytes": FILE_BYTES}
     if got != want:
         raise errors.ConfigError(f"engram_store/native/_fetch.c and client/direct_budget.py disagree on the budget "
                                  f"file (C {got}, Python {want}); rebuild the native modules (pip install -e .)")
@@ -108,7 +111,8 @@ def budget_pages(dev: int, sysfs: Path = Path("/sys")) -> int:
 
 
 def budget_path(dev: int) -> Path:
-    return Path(os.environ.get(DIR_ENV) or DEFAULT_DIR) / f"engram-store-direct-{os.major(dev)}-{os.minor(dev)}"
+    name = f"engram-store-direct-v{Header.VERSION}-{os.major(dev)}-{os.minor(dev)}"  # (another layout: another file)
+    return Path(os.environ.get(DIR_ENV) or DEFAULT_DIR) / name
 
 
 def open_budget(dev: int) -> int:
@@ -154,7 +158,7 @@ def _make(path: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".engram-store-direct-")
     try:
         header = Header(Header.MAGIC, Header.VERSION, 1, GRANULE_PAGES, 0, 0, 0)
-        os.write(fd, Header.LAYOUT.pack(*[getattr(header, f) for f in Header.OFFSETS]).ljust(HEADER_BYTES, b"\0"))
+        os.write(fd, Header.LAYOUT.pack(*[getattr(header, f) for f in Header.OFFSETS]).ljust(FILE_BYTES, b"\0"))
         os.fchmod(fd, 0o660)  # the engines of one user or group take part (others get ConfigError)
         try:
             os.link(tmp, path)

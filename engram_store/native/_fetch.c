@@ -762,10 +762,10 @@ PyMODINIT_FUNC PyInit__fetch(void) {
         PyModule_AddObject(m, "GATE_STATES", Py_BuildValue("(iiii)", GATE_REVOKED, GATE_OPEN, GATE_WRITING,
                                                            GATE_DONE)) < 0 ||
         PyModule_AddObject(m, "BUDGET_OFFSETS", Py_BuildValue(
-            "{sisisisisisisisisisi}", "magic", BUDGET_MAGIC_AT, "version", BUDGET_VERSION_AT, "granules",
+            "{sisisisisisisisisisisisi}", "magic", BUDGET_MAGIC_AT, "version", BUDGET_VERSION_AT, "granules",
             BUDGET_GRANULES_AT, "granule_pages", BUDGET_GRANULE_AT, "reserved", BUDGET_RESERVED_AT, "reserved_max",
             BUDGET_MAX_AT, "refused", BUDGET_REFUSED_AT, "locks", BUDGET_LOCKS, "magic_value", (int)BUDGET_MAGIC,
-            "version_value", BUDGET_VERSION)) < 0 ||
+            "version_value", BUDGET_VERSION, "held", BUDGET_HELD_AT, "file_bytes", BUDGET_FILE_BYTES)) < 0 ||
         PyModule_AddObject(m, "BOARD_OFFSETS", Py_BuildValue(
             "{sisisisisisisisisi}", "bytes", BOARD_BYTES, "failed", BOARD_FAILED, "kind", BOARD_KIND, "pid", BOARD_PID,
             "layer", BOARD_LAYER, "npages", BOARD_NPAGES, "claim", BOARD_CLAIM, "pages", BOARD_PAGES,
