@@ -168,12 +168,14 @@ def _rss(pid: int) -> int:
 
 def test_a_flood_of_hints_is_bounded_and_leaves_lookups_exact(tables, tmp_path):
     """One client sends hints at about 1M rows a second; the daemon keeps its bounds (rate, queue, memory),
-    another client's hint still gets its share of the queue, and a third client's lookups are exact."""
+    another client's hint (over gRPC: every Unix connection of this uid is the flooder) still gets its share
+    of the queue, and a third connection's lookups are exact."""
     max_queued, rate = 200_000, 300_000
     rng = np.random.default_rng(7)
     with daemon(tables, tmp_path, "--hint-max-queued-rows", str(max_queued), "--hint-rows-per-second", str(rate),
                 "--hint-queue-depth", "4") as d:
-        flooder, other, looker = (EngramClient.connect(d.unix) for _ in range(3))
+        flooder, looker = (EngramClient.connect(d.unix) for _ in range(2))
+        other = EngramClient.connect(d.grpc, token_file=d.token_file)  # another client: this uid shares its bounds
         stop = threading.Event()
         sent = [0]
 

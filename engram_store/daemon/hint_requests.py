@@ -1,9 +1,9 @@
 """HINT and WITHDRAW over the Unix socket: rows a client will look up soon, and their withdrawal.
 
 A HINT frame names ``count`` row ids of ``layer`` at ``ids_offset`` of the client's region and the
-hint's key in ``out_offset`` (see :mod:`engram_store.wire.frames`). The connection's reader copies
-the ids out of the region, takes what the client's rate allows (``hint_rows_per_second``, a
-:class:`~.limits.TokenBucket` per client; the rest dropped and counted), hands them to the
+hint's key in ``out_offset`` (see :mod:`engram_store.wire.frames`). The connection's reader takes
+what the client's rate allows (``hint_rows_per_second``, a :class:`~.limits.TokenBucket` per
+client; the rest dropped and counted, never copied), copies those ids out of the region, hands them to the
 store (:meth:`~engram_store.storage.base.HintingStore.hint`: queued, never read here) and answers
 RESULT with ``count`` = the rows queued: the client's region is free again, and nothing it does
 afterwards waits for a read. A WITHDRAW (``out_offset`` = a key) drops the queued rows of that key
@@ -52,12 +52,14 @@ def holder_name(uid: int) -> str:
 def serve_hint(conn: Connection, frame: Frame) -> None:
     store = conn.server.store
     try:
-        ids = _ids(conn, frame)
-        granted = conn.server.hint_rates.take(conn.hint_owner, len(ids))
+        dtype = _checked(conn, frame)
+        granted = conn.server.hint_rates.take(conn.hint_owner, frame.count)
+        # only the ids the rate lets in are copied out of the region: a client past its rate costs no copy
+        ids = conn.array[frame.ids_offset: frame.ids_offset + granted * dtype.itemsize].view(dtype).copy()
         queued = 0
         if isinstance(store, HintingStore):
-            queued = store.hint(frame.layer, ids[:granted], frame.out_offset, conn.holder,
-                                rate_limited=len(ids) - granted, owner=conn.hint_owner)
+            queued = store.hint(frame.layer, ids, frame.out_offset, conn.holder,
+                                rate_limited=frame.count - granted, owner=conn.hint_owner)
             conn.hinted = True
     except errors.EngramStoreError as exc:
         conn._reply_error(frame, wire.status_of(exc), str(exc))
@@ -85,9 +87,10 @@ def withdraw_all(conn: Connection) -> None:
             log.exception("withdrawing a closed connection's hints failed")
 
 
-def _ids(conn: Connection, frame: Frame):
-    """The hint's ids, copied out of the region (the client may reuse it once answered); typed errors
-    for a bad request, as a lookup's."""
+def _checked(conn: Connection, frame: Frame):
+    """The numpy dtype of the hint's ids, once its layer, dtype, count and extent in the region are checked;
+    typed errors for a bad request, as a lookup's. (The ids are copied out of the region: the client may
+    reuse it once answered.)"""
     requests.check_layer(frame.layer, conn.server.layers)
     dtype = _DTYPES.get(frame.dtype)
     if dtype is None:
@@ -98,4 +101,4 @@ def _ids(conn: Connection, frame: Frame):
     if end > len(conn.array) or frame.ids_offset % 8:
         raise errors.InvalidRequest(f"hint ids [{frame.ids_offset}, {end}) fall outside the {len(conn.array)}-byte "
                                     "shared region or do not start on a multiple of 8")
-    return conn.array[frame.ids_offset: end].view(dtype).copy()
+    return dtype
