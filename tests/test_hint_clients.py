@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -15,9 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from daemon_helpers import DaemonProcess
+from test_grpc_auth import _ca, _signed
 from test_hints_daemon import LAYER, SPEC, daemon, store_stats, tables, wait_hints_done  # noqa: F401 (fixture)
 
 from engram_store.client.client import EngramClient
+from engram_store.storage.placement import slot_bytes
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user (nobody)")
@@ -96,30 +99,61 @@ _SECOND_CLIENT = r"""
 import json, sys
 import numpy as np
 from engram_store.client.client import EngramClient
-target, token_file, layer, rows = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-with EngramClient.connect(target, token_file=token_file) as client:
-    ids = np.random.default_rng(4).choice(int(sys.argv[5]), rows, replace=False)
+target, connect, layer, rows, layer_rows = sys.argv[1], json.loads(sys.argv[2]), *map(int, sys.argv[3:6])
+with EngramClient.connect(target, **connect) as client:
+    ids = np.random.default_rng(4).choice(layer_rows, rows, replace=False)
     print(json.dumps([client.hint(layer, ids, key=7), client.withdraw(5)]))
 """
 
 
+def _second_client(target: str, **connect: str) -> tuple[int, int]:
+    """In another process (one process's gRPC channels share a connection): hint 10,000 rows under key 7,
+    then withdraw key 5; (rows queued, rows withdrawn)."""
+    out = subprocess.run([sys.executable, "-c", _SECOND_CLIENT, target, json.dumps(connect), str(LAYER), "10000",
+                          str(SPEC.rows(LAYER))], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    queued, withdrawn = json.loads(out.stdout)
+    return queued, withdrawn
+
+
 def test_a_grpc_client_can_neither_withdraw_another_clients_key_nor_drain_its_rate(tables, tmp_path):  # noqa: F811
-    """Two gRPC clients on one host (two processes: one process's channels share a connection), with the
-    shared token: each connection is a client of its own (the token names none), so neither reaches the
-    other's key or rate (both were the host's before)."""
+    """Two gRPC clients on one host with the shared token: each connection is a client of its own (the
+    token names none), so neither reaches the other's key or rate (both were the host's before)."""
     rate = 20_000
     with daemon(tables, tmp_path, *STALLED, "--hint-rows-per-second", str(rate)) as d, \
             EngramClient.connect(d.grpc, token_file=d.token_file) as first:
         mine = _rows(15_000, 2)
         assert first.hint(LAYER, mine, key=5) == len(mine)
         assert first.hint(LAYER, _rows(50_000, 3), key=6) < 50_000  # past its second's worth: cut
-        out = subprocess.run([sys.executable, "-c", _SECOND_CLIENT, d.grpc, d.token_file, str(LAYER), "10000",
-                              str(SPEC.rows(LAYER))], capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        queued, withdrawn = json.loads(out.stdout)
-        assert queued == 10_000  # its own bucket
-        assert withdrawn == 0  # not its key: nothing of the first's dropped
+        assert _second_client(d.grpc, token_file=d.token_file) == (10_000, 0)  # its own rate; not its key
         assert first.withdraw(5) > len(mine) // 2  # still queued (the reader took a batch at most)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+def test_over_mtls_the_client_is_its_certificate(tables, tmp_path):  # noqa: F811
+    """With client certificates, a client is its certificate over all its connections: another process
+    with the same certificate shares its quarter of the queue and may withdraw its key; one with another
+    certificate neither."""
+    ca = _ca(tmp_path, "trusted")
+    server = _signed(tmp_path, "server", ca, san="DNS:localhost,IP:127.0.0.1")
+    certs = {name: _signed(tmp_path, name, ca) for name in ("engine-a", "engine-b")}
+    tls = {name: {"tls_ca": str(ca[1]), "tls_cert": str(cert), "tls_key": str(key)}
+           for name, (key, cert) in certs.items()}
+    queue_rows = 200_000
+    (tmp_path / "run").mkdir()
+    d = DaemonProcess(tables.directory, tmp_path / "run", grpc_token=False,
+                      dram_bytes=str(90_000 * slot_bytes(SPEC.row_bytes, "s3fifo")),
+                      extra=["--store-mode", "cached", "--scrub-bytes-per-second", "0", *STALLED,
+                             "--hint-max-queued-rows", str(queue_rows), "--grpc-tls-cert", str(server[1]),
+                             "--grpc-tls-key", str(server[0]), "--grpc-tls-client-ca", str(ca[1])])
+    with d, EngramClient.connect(f"grpcs://{d.ready['grpc']}", **tls["engine-a"]) as first:
+        target = f"grpcs://{d.ready['grpc']}"
+        mine = _rows(15_000, 2)
+        assert first.hint(LAYER, mine, key=5) == len(mine)
+        assert first.hint(LAYER, _rows(50_000, 3), key=6) < 50_000  # the rest of its quarter
+        assert _second_client(target, **tls["engine-b"]) == (10_000, 0)  # another client: its own quarter, keys
+        queued, withdrawn = _second_client(target, **tls["engine-a"])  # the same client, another connection
+        assert queued == 0 and withdrawn > len(mine) // 2
 
 
 @as_root
