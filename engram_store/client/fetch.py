@@ -37,7 +37,11 @@ reads the rows' pages from the table files itself (O_DIRECT, each 4 KiB page che
 crc32c the daemon checks against), and the first complete source wins. A daemon still busy with a request a step gave up on
 is skipped until its late answer is read and dropped; one that misses its budget three times in a row
 is skipped for 50 ms, doubling up to 2 s while it keeps missing. A daemon that is gone is dropped
-and a thread of this process reconnects in the background.
+and a thread of this process reconnects in the background. The direct reads of all jobs on the node
+that read one device share one budget of pages in flight (:mod:`.direct_budget`: the device's queue
+depth, or ``ENGRAM_STORE_DIRECT_BUDGET_PAGES``): with none of it free a step waits for its daemon (or
+for the budget) to its deadline instead of adding reads to a busy disk; :meth:`FetchJob.stats` says
+which path served each step.
 
 Every step ends within ``deadline`` (default :data:`DEFAULT_DEADLINE_SECONDS`, or
 ``ENGRAM_STORE_FETCH_DEADLINE_SECONDS``): direct reads run in a reader thread the step waits for, so
