@@ -214,6 +214,10 @@ class HintQueue:
         received = len(rows)
         self.counters.add(requests=1, rows_received=received + rate_limited)
         self.counters.drop("rate", rate_limited)
+        with self.cond:  # no room for it, nothing to attach it to: dropped before any work on its rows
+            if self.closed or (self._room(owner) <= 0 and key not in self._by_key.get(owner, {})):
+                self.counters.drop("queue_full", received)
+                return 0
         rows = _distinct(rows)
         n = len(rows)
         self.counters.add(rows_skipped=received - n)
@@ -230,14 +234,12 @@ class HintQueue:
                         self._hold(holder, owner, key, +1)
                     self.counters.add(rows_attached=n)
                     return 0
-            mine = self._by_owner.get(owner)
-            room = min(self.settings.max_queued_rows - self.queued_cost,
-                       self.per_owner - (mine.cost if mine is not None else 0)) - HINT_ROWS
-            keep = max(0, min(n, room))
+            keep = max(0, min(n, self._room(owner)))
             self.counters.drop("queue_full", n - keep)
             if not keep:
                 return 0
             hint = Hint(key, layer, rows[:keep].copy() if keep < n else rows, owner, self.clock(), (holder,))
+            mine = self._by_owner.get(owner)
             if mine is None:
                 mine = self._by_owner[owner] = _Hints()
             mine.append(hint)
@@ -336,6 +338,13 @@ class HintQueue:
             self.cond.notify_all()
 
     # --- bookkeeping (cond held) ---------------------------------------------------------------------
+    def _room(self, owner: str) -> int:
+        """Rows one more hint of ``owner`` may queue: what is left of the queue and of the owner's quarter,
+        less the hint's own bookkeeping."""
+        mine = self._by_owner.get(owner)
+        return min(self.settings.max_queued_rows - self.queued_cost,
+                   self.per_owner - (mine.cost if mine is not None else 0)) - HINT_ROWS
+
     def _hold(self, holder: str, owner: str, key: int, delta: int) -> None:
         held = self._holding.get(holder)
         if held is None:
