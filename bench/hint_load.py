@@ -13,8 +13,9 @@ step, after a warm-up that reads the hot set in. Each round then measures, ``--s
   later    ``--after`` seconds after that (35 s: the hinted rows of the flood aged out by then, 30 s)
 
 Reported per phase: the looker's p50 and p99 (the median over rounds and its min..max), its miss share
-(rows its lookups read from NVMe / rows looked up), the daemon's RSS and hint counters at the phase's
-end (queued rows, hinted slots used, rows dropped for lack of room), and the flood/quiet p99 ratio.
+(rows its lookups read from NVMe / rows looked up), the daemon's CPU (cores busy over the phase), its
+RSS and hint counters at the phase's end (queued rows, hinted slots used, rows dropped for lack of
+room), and the flood/quiet p99 ratio.
 Run ``--quick`` for a smoke run.
 """
 
@@ -95,6 +96,13 @@ def start_daemon(args: argparse.Namespace, tables: Path, work: Path) -> tuple[su
     return proc, json.loads(ready.read_text())
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
@@ -160,9 +168,11 @@ def run(args: argparse.Namespace) -> int:
 def one_round(args: argparse.Namespace, proc: subprocess.Popen, looker: Looker, target: str, layer: int,
               layer_rows: int) -> dict:
     def phase(seconds: float) -> dict:
+        cpu0, t0 = cpu_seconds(proc.pid), time.monotonic()
         got = looker.run(seconds)
         st = looker.store()
-        got.update(rss_mib=rss_bytes(proc.pid) / 2**20, hint_rows_queued=st["hint_rows_queued"],
+        got.update(daemon_cores=(cpu_seconds(proc.pid) - cpu0) / (time.monotonic() - t0),
+                   rss_mib=rss_bytes(proc.pid) / 2**20, hint_rows_queued=st["hint_rows_queued"],
                    hint_queued_mib=st["hint_queued_bytes"] / 2**20, hint_slots_used=st["hint_cache_slots_used"],
                    hint_slots_limit=st["hint_cache_slots_limit"],
                    hint_rows_dropped_no_room=st["hint_rows_dropped_no_room"])
@@ -200,7 +210,8 @@ def print_table(summary: dict, args: argparse.Namespace) -> None:
           f"{args.flooders} connections of {args.hint_rows}-row hints; {args.rounds} rounds of {args.seconds:g} s "
           f"phases, 'later' {args.after:g} s after the flood (median (min..max) over rounds)")
     cols = (("p50_ms", "p50 ms", 3), ("p99_ms", "p99 ms", 3), ("miss_share", "miss share", 4),
-            ("rss_mib", "daemon RSS MiB", 1), ("hint_rows_queued", "hints queued", 0),
+            ("daemon_cores", "daemon CPU cores", 2), ("rss_mib", "daemon RSS MiB", 1),
+            ("hint_rows_queued", "hints queued", 0),
             ("hint_slots_used", "hinted slots", 0))
     print(f"{'phase':<8}" + "".join(f"{title:>28}" for _, title, _ in cols))
     for p in PHASES:
