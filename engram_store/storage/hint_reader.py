@@ -80,9 +80,8 @@ class HintReader:
                     self.queue.drop_aged()
                     next_settle = clock() + SETTLE_SECONDS
                 room = self._room()
-                if room <= 0:
+                if room <= 0:  # (the periodic settle above still drops hints that aged meanwhile)
                     self._settle()
-                    next_settle = clock() + SETTLE_SECONDS
                     if self._room() <= 0:
                         self.stopping.wait(FULL_PAUSE_SECONDS)
                         continue

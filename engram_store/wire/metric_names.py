@@ -158,16 +158,17 @@ FAMILIES: tuple[Family, ...] = (
     # hints: rows engines will look up soon, read ahead behind the lookups (rows of hints, duplicates included)
     _c("hint_requests", "Hints received (one per layer and client)", "store_hint_requests"),
     _c("hint_rows_received", "Rows in the hints received", "store_hint_rows_received"),
-    _c("hint_rows_attached", "Hinted rows equal to a hint another client had queued under the same key (not queued "
+    _c("hint_rows_attached", "Hinted rows equal to a hint the same client had queued under the same key (not queued "
        "again)", "store_hint_rows_attached"),
-    _c("hint_rows_skipped", "Hinted rows found in DRAM or being read by a lookup when their turn came (not read)",
-       "store_hint_rows_skipped"),
+    _c("hint_rows_skipped", "Hinted rows repeated within their hint, or found in DRAM or being read by a lookup when "
+       "their turn came (not read)", "store_hint_rows_skipped"),
     _c("hint_rows_read", "Hinted rows read from NVMe into the cache's hinted share", "store_hint_rows_read"),
     _c("hint_rows_hit", "Hinted rows a lookup read before they aged (then kept as any cached row)",
        "store_hint_rows_hit"),
     _c("hint_rows_dropped", "Hinted rows not used, by reason: queue_full (the hint queue's bounds), rate (the "
        "client's hint_rows_per_second), withdrawn, aged (unread after hint_max_age_seconds), expired (read, never "
-       "looked up), no_room (read when the hinted share was full or no slot was free)",
+       "looked up), no_room (read when the hinted share was full or no slot was free or cold: hinted rows never "
+       "take a row lookups keep hitting)",
        "store_hint_rows_dropped_{reason}", reason=("queue_full", "rate", "withdrawn", "aged", "expired", "no_room")),
     _c("hint_pages_read", "4 KiB pages read for hints", "store_hint_pages_read"),
     _c("hint_read_bytes", "Bytes read from NVMe for hints", "store_hint_bytes_read"),
@@ -175,7 +176,8 @@ FAMILIES: tuple[Family, ...] = (
     _g("hint_rows_queued", "Hinted rows waiting to be read", "store_hint_rows_queued"),
     _g("hint_rows_pending", "Hinted rows received and not yet read, skipped or dropped (queued or being read)",
        "store_hint_rows_pending"),
-    _g("hint_queued_bytes", "Bytes of memory the queued hints hold", "store_hint_queued_bytes"),
+    _g("hint_queued_bytes", "Bytes of memory the queued hints hold (8 a row, 768 a hint: what "
+       "hint_max_queued_rows counts)", "store_hint_queued_bytes"),
     _g("hint_cache_slots_used", "Cache slots holding hinted rows no lookup has read yet (the hinted share)",
        "store_hint_cache_slots_used"),
     _g("hint_cache_slots_limit", "Cache slots hinted rows may hold at most (hint_cache_share of the slots)",
