@@ -54,11 +54,11 @@ changed, replaced or removed since the job opened it (``StorageError`` naming la
 
 from __future__ import annotations
 
+import atexit
 import logging
 import mmap
 import os
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -327,19 +327,43 @@ class _Supervisor:
     daemon closed while its job sat between steps (its ``client_idle_timeout_seconds``, a restart) is
     noticed here (``probe``) and remade at once, so the next step still goes to the daemon; the late
     answer of a request a step gave up on is read and dropped there too (or the connection dropped
-    once it is a deadline late)."""
+    once it is a deadline late).
+
+    The thread ends before the interpreter finalizes (:meth:`stop`, an ``atexit`` hook). CPython ends a
+    daemon thread still running then with ``pthread_exit`` when it next takes the GIL, and this one may
+    be outside the GIL in C++ code: the cyclic GC runs on whichever thread allocates, and torch's
+    destructors release the GIL (a gloo ``ProcessGroup`` that a failed step's traceback kept past
+    ``destroy_process_group``, freed here, joins its threads so). The forced unwind then meets a
+    ``noexcept`` destructor and libstdc++ aborts the process ("terminate called without an active
+    exception", rc -6)."""
 
     def __init__(self) -> None:
         self._jobs: list[FetchJob] = []
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     def watch(self, job: FetchJob) -> None:
         with self._lock:
             self._jobs.append(job)
+            if self._stopping.is_set():
+                return  # the interpreter is exiting: no thread to outlive it
             if self._thread is None or not self._thread.is_alive():
+                if self._thread is None:
+                    atexit.register(self.stop)
                 self._thread = threading.Thread(target=self._loop, name="engram-store-fetch-reconnect", daemon=True)
                 self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread and wait for it: a reconnect in progress ends within its timeout."""
+        self._stopping.set()
+        with self._lock:
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(RECONNECT_TIMEOUT_SECONDS + 1.0)
+            if thread.is_alive():
+                log.warning("engram-store: the fetch jobs' reconnect thread did not end within %.0f s at exit",
+                            RECONNECT_TIMEOUT_SECONDS + 1.0)
 
     def forget(self, job: FetchJob) -> None:
         with self._lock:
@@ -347,8 +371,7 @@ class _Supervisor:
                 self._jobs.remove(job)
 
     def _loop(self) -> None:
-        while True:
-            time.sleep(RECONNECT_SECONDS)
+        while not self._stopping.wait(RECONNECT_SECONDS):
             with self._lock:
                 jobs = list(self._jobs)
             for job in jobs:
@@ -358,6 +381,8 @@ class _Supervisor:
             for job in jobs:
                 if job.connected:
                     continue
+                if self._stopping.is_set():
+                    return
                 try:
                     job.connect(RECONNECT_TIMEOUT_SECONDS)
                 except errors.EngramStoreError:
