@@ -181,7 +181,7 @@ def one_round(args: argparse.Namespace, proc: subprocess.Popen, looker: Looker, 
     result = {"quiet": phase(args.seconds)}
     flooder = subprocess.Popen([sys.executable, "-c", FLOODER, target, str(layer), str(layer_rows),
                                 str(args.hint_rows), str(args.flooders)], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, text=True, preexec_fn=lambda: os.nice(args.flooder_nice))
     assert flooder.stdout.readline().strip() == "started"
     result["flood"] = phase(args.seconds)
     out, _ = flooder.communicate("", timeout=300)
@@ -232,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=1536, help="row ids per lookup (1536: a decode step of 64 tokens)")
     ap.add_argument("--hint-rows", type=int, default=50_000, help="row ids per hint of the flood")
     ap.add_argument("--flooders", type=int, default=2, help="connections the flooding client hints over")
+    ap.add_argument("--flooder-nice", type=int, default=0,
+                    help="niceness of the flooding process (19: its own CPU yields to the looker's, so what is left "
+                         "is the daemon's doing; on a host with few cores the flood's CPU otherwise weighs too)")
     ap.add_argument("--seconds", type=float, default=5.0, help="seconds of lookups per phase")
     ap.add_argument("--after", type=float, default=35.0, help="seconds after the flood that the 'later' phase starts")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of (quiet, flood, ended, later)")
