@@ -153,11 +153,11 @@ def require_checked_runner(layer: int) -> None:
 
 def check(tables) -> None:
     """Raise the first fetch failure of this process or of any rank on the failure board (sticky). Where
-    the ranks agree per step (or before the survey) only an agreed failure is raised here: a rank raising
-    its own failure alone, outside the settle, would leave its peers in the settle's collective."""
+    the ranks agree per step only an agreed failure is raised here: a rank raising its own failure alone,
+    outside the settle, would leave its peers in the settle's collective."""
     if _failure is not None:
         raise _failure
-    if ranks.known() in (None, agreement.Mode.AGREE):
+    if ranks.known() is agreement.Mode.AGREE:
         return
     local = _local_failure(tables)
     if local is not None:
