@@ -54,7 +54,7 @@ ROW_BYTES = 8  # a queued row id
 HINT_BYTES = 768
 HINT_ROWS = HINT_BYTES // ROW_BYTES
 ATTACH_SCAN = 16  # a hint is compared with this many of the latest of its owner's key at most (ranks send together)
-TRIM_AFTER_BYTES = 16 << 20  # the queue emptied after holding this much: hand the heap's free pages back
+TRIM_AFTER_BYTES = 4 << 20  # the queue emptied after holding this much: hand the heap's free pages back
 # why hinted rows were not used: the queue's bounds, the client's rate, its withdraw, queued too long, read but
 # never looked up before max_age_seconds, read when the hinted share was full or no slot could be freed at once
 # (slots evicted while lookups read them are reused only once those end; rows lookups hit are never evicted)
