@@ -133,7 +133,7 @@ class DaemonConfig:
     hint_queue_depth: int = 16  # NVMe reads in flight for hinted rows at most; lookups' reads go first
     hint_max_age_seconds: float = 30.0  # hinted rows unread by then are dropped; read but not looked up, freed
     hint_rows_per_second: int = 2_000_000  # hinted rows one client may send a second (a second's worth at once)
-    hint_max_queued_rows: int = 8 << 20  # hinted rows waiting to be read, all clients (8 bytes each; a quarter per client)
+    hint_max_queued_rows: int = 8 << 20  # hinted rows waiting to be read, all clients (8 B each, +96 a hint; 1/4 a client)
     socket: str = "/run/engram-store/engram-store.sock"  # Unix socket path; "" disables it
     socket_mode: int = 0o660  # permission bits of the socket file
     socket_group: str = ""  # group owning the socket ("" keeps the daemon's group)
