@@ -246,7 +246,7 @@ class RowCache:
             self._hint_buckets = kept
             return handed, freed
 
-    def _slots(self, n: int, patience: float, cold_only: bool = False) -> np.ndarray:  # lock held (released while waiting)
+    def _slots(self, n: int, patience: float, cold_only: bool = False) -> np.ndarray:  # lock held (let go to wait)
         """Up to ``n`` free slots: the free stack, then the policy's evictions (``cold_only``: of rows no lookup
         read, see :meth:`~.policies.EvictionPolicy.evict_cold`). Slots evicted while lookups are reading the
         cache come back only once those end (their epochs): with ``patience`` (seconds) the caller waits for
