@@ -92,7 +92,7 @@ def test_a_failure_on_one_rank_stops_every_rank_at_the_steps_check(tmp_path, sha
         env.pop(board.ENV, None)
         made = board.Board.create() if shared_board else None
         if made is not None:
-            env[board.ENV] = made.path
+            env[board.ENV] = made.name
         code = "import sys, test_sglang_failures as t; t.rank_main(int(sys.argv[1]), *sys.argv[2:4], int(sys.argv[4]))"
         procs = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(tmp_path / "store"), d.unix,
                                    str(BAD_PAGE * rows_per_page + 4)], cwd=REPO, env=env, stdout=subprocess.PIPE,
