@@ -91,7 +91,10 @@ def agree(local: errors.EngramStoreError | None, groups: Sequence[Any], rank: in
         dist.all_gather_object(gathered, reports, group=group)
         reports = sorted({report for part in gathered for report in part})
     if local is not None:
-        raise local
+        try:
+            raise local
+        finally:  # the raising frame must not hold its own exception (a cycle pinning the groups)
+            local = None
     first_rank, kind, message, layer, pages = reports[0]
     text = f"{label} {first_rank}: {message} (this rank's rows were exact; the step's tokens and KV are not)"
     if kind == "corrupt":

@@ -29,6 +29,7 @@ Where the plugins call it (both engines run it in every rank's process):
 
 from __future__ import annotations
 
+import atexit
 import collections
 import hashlib
 import logging
@@ -45,6 +46,7 @@ from ..tokens import BLOCKED, RawIds
 log = logging.getLogger(__name__)
 
 MAX_BACKLOG = 256  # hints and withdrawals waiting for the sender thread; past it new hints are dropped (counted)
+EXIT_JOIN_SECONDS = 3.0  # at interpreter exit, how long the sender may take to finish a send in progress
 
 
 def hint_key(request_id: str) -> int:
@@ -149,21 +151,25 @@ class PromptHints:
         with self._cond:
             return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout)
 
-    def close(self) -> None:
-        """Stop the sender (queued hints are dropped); the client given as an object stays open."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the sender (queued hints are dropped; waiting at most ``timeout`` seconds for a send in
+        progress); the client given as an object stays open."""
         with self._cond:
             self._closed = True
             self._jobs.clear()
             self._cond.notify_all()
             thread = self._thread
         if thread is not None:
-            thread.join()
+            thread.join(timeout)
 
     # --- the sender thread -------------------------------------------------------------------------
     def _start(self) -> None:  # _cond held
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="engram-prompt-hints", daemon=True)
             self._thread.start()
+            # ended before the interpreter finalizes: a daemon thread still running then may free torch
+            # objects (the garbage collector runs on any thread) while CPython ends it, which aborts
+            atexit.register(self.close, EXIT_JOIN_SECONDS)
 
     def _run(self) -> None:
         while True:
