@@ -19,7 +19,7 @@ two clients alternating, ``--repeats`` times each, in the same run. Reported per
 step p50 / p99 / max and the run's total (median [min..max] over the repeats), and the job's counters
 (direct, hedged, failed steps).
 
-With ``--node-jobs`` (16) jobs stepping together, the node scenarios (``bench/fetch_node.py``): undisturbed,
+With ``--node-jobs`` (16) jobs stepping together, the node scenarios (``bench/_fetch_node.py``): undisturbed,
 a slow daemon with the jobs' direct reads within the node's budget, and the same without a bound that
 binds; reported: step p50 / p99 / max over all jobs, how steps were served, direct pages in flight at most
 beside the budget.
@@ -50,7 +50,7 @@ if sys.argv[1:2] not in (["--worker"], ["--node-worker"]):  # a worker imports i
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import JsonReport, add_report_args, ensure_tables  # noqa: E402
-from fetch_node import (NODE_SCENARIOS, QUEUE_DEPTH, DiskLimit, budget_header, node_worker, print_node,  # noqa: E402
+from _fetch_node import (NODE_SCENARIOS, QUEUE_DEPTH, DiskLimit, budget_header, node_worker, print_node,  # noqa: E402
                         run_node, summarize_node)
 
 SCENARIOS = ("undisturbed", "flapping", "stopped")
