@@ -43,22 +43,24 @@ SERVED = ("daemon_steps", "waited_steps", "hedged_direct_steps", "fallback_direc
 KEEP = SERVED + ("steps", "hedged_steps", "budget_refusals", "direct_pages", "timeouts")
 
 
-def node_worker(spec_json: str) -> int:
-    """One job of a node run, in a child whose ``engram_store`` is the client measured (PYTHONPATH):
-    warm steps, "ready", then the measured steps once the parent says "go"."""
-    from engram_store.client.fetch import FetchJob
-    from engram_store.format.tableset import TableSet
+class CheckedSteps:
+    """A worker's fetch job (from its spec ``w``: tables, address, layer, rows, deadline, seed) and its
+    steps: random ids, the step's time, its rows compared with the table files (a step that failed is
+    counted by the job's stats, its zero rows not compared); ``wrong`` counts steps with other rows."""
 
-    w = json.loads(spec_json)
-    tables = TableSet.open(w["tables"])
-    layer, rows = w["layer"], w["rows"]
-    job = FetchJob(w["address"], layer, rows, deadline=w["deadline"])
-    rng = np.random.default_rng(w["seed"])
-    wrong = 0
+    def __init__(self, w: dict) -> None:
+        from engram_store.client.fetch import FetchJob
+        from engram_store.format.tableset import TableSet
 
-    def step() -> float:
-        nonlocal wrong
-        ids = rng.integers(0, tables.rows(layer), rows)
+        self.tables = TableSet.open(w["tables"])
+        self.layer, self.rows = w["layer"], w["rows"]
+        self.job = FetchJob(w["address"], self.layer, self.rows, deadline=w["deadline"])
+        self.rng = np.random.default_rng(w["seed"])
+        self.wrong = 0
+
+    def step(self) -> float:
+        job, rows = self.job, self.rows
+        ids = self.rng.integers(0, self.tables.rows(self.layer), rows)
         job.ids[:rows] = ids
         t0 = time.perf_counter()
         job.run(rows)
@@ -67,10 +69,18 @@ def node_worker(spec_json: str) -> int:
             job.raise_if_failed()
         except Exception:  # noqa: BLE001 - a failed step is counted (its rows are zero), the run goes on
             return took
-        want = tables.read_rows(layer, ids)
-        wrong += int(not (np.array_equal(job.weight[:rows], want[:, : job.dim])
-                          and np.array_equal(job.scales[:rows], want[:, job.dim:])))
+        want = self.tables.read_rows(self.layer, ids)
+        self.wrong += int(not (np.array_equal(job.weight[:rows], want[:, : job.dim])
+                               and np.array_equal(job.scales[:rows], want[:, job.dim:])))
         return took
+
+
+def node_worker(spec_json: str) -> int:
+    """One job of a node run, in a child whose ``engram_store`` is the client measured (PYTHONPATH):
+    warm steps, "ready", then the measured steps once the parent says "go"."""
+    w = json.loads(spec_json)
+    steps = CheckedSteps(w)
+    job, step = steps.job, steps.step
 
     for _ in range(w["warm"]):
         step()
@@ -78,11 +88,11 @@ def node_worker(spec_json: str) -> int:
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return 1
-    wrong = 0
+    steps.wrong = 0
     times = [step() for _ in range(w["steps"])]
     stats = job.stats()
     job.close()
-    print(json.dumps({"times": times, "wrong": wrong, "stats": {k: stats[k] - before[k] for k in KEEP if k in stats},
+    print(json.dumps({"times": times, "wrong": steps.wrong, "stats": {k: stats[k] - before[k] for k in KEEP if k in stats},
                       "budget_pages": stats.get("direct_budget_pages", 0)}), flush=True)
     return 0
 

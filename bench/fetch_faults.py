@@ -50,8 +50,8 @@ if sys.argv[1:2] not in (["--worker"], ["--node-worker"]):  # a worker imports i
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import JsonReport, add_report_args, ensure_tables  # noqa: E402
-from _fetch_node import (NODE_SCENARIOS, QUEUE_DEPTH, DiskLimit, budget_header, node_worker, print_node,  # noqa: E402
-                        run_node, summarize_node)
+from _fetch_node import (NODE_SCENARIOS, QUEUE_DEPTH, CheckedSteps, DiskLimit, budget_header, node_worker,  # noqa: E402
+                        print_node, run_node, summarize_node)
 
 SCENARIOS = ("undisturbed", "flapping", "stopped")
 WARM_STEPS = 20  # more than the answers the hedge budget is first measured over
@@ -63,35 +63,14 @@ def worker(spec_json: str) -> int:
     import signal
     import threading
 
-    from engram_store.client.fetch import FetchJob
-    from engram_store.format.tableset import TableSet
-
     w = json.loads(spec_json)
-    tables = TableSet.open(w["tables"])
-    layer, rows, pid = w["layer"], w["rows"], w["pid"]
-    job = FetchJob(w["address"], layer, rows, deadline=w["deadline"])
-    rng = np.random.default_rng(w["seed"])
-    wrong = 0
-
-    def step() -> float:
-        nonlocal wrong
-        ids = rng.integers(0, tables.rows(layer), rows)
-        job.ids[:rows] = ids
-        t0 = time.perf_counter()
-        job.run(rows)
-        took = time.perf_counter() - t0
-        try:
-            job.raise_if_failed()
-        except Exception:  # noqa: BLE001 - a failed step is counted (its rows are zero), the run goes on
-            pass
-        want = tables.read_rows(layer, ids)
-        wrong += int(not (np.array_equal(job.weight[:rows], want[:, : job.dim])
-                          and np.array_equal(job.scales[:rows], want[:, job.dim:])))
-        return took
+    pid = w["pid"]
+    steps = CheckedSteps(w)
+    job, step = steps.job, steps.step
 
     for _ in range(WARM_STEPS):
         step()
-    wrong, before = 0, job.stats()
+    steps.wrong, before = 0, job.stats()
     done = threading.Event()
 
     def flap() -> None:
@@ -121,7 +100,7 @@ def worker(spec_json: str) -> int:
             "drops", "timeouts")
     import engram_store
 
-    print(json.dumps({"times": times, "total": total, "wrong": wrong, "package": engram_store.__file__,
+    print(json.dumps({"times": times, "total": total, "wrong": steps.wrong, "package": engram_store.__file__,
                       "stats": {k: stats[k] - before[k] for k in keep if k in stats}}))
     return 0
 
