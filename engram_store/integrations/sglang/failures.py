@@ -62,6 +62,10 @@ def check(tables: Any, groups: Sequence[Any] = (), rank: int = 0, cached: bool =
         tables.check_fetches()
     except errors.EngramStoreError as exc:
         local = exc
+    if not groups:  # one rank: its own jobs are all there is (the board holds nothing else)
+        if local is not None:
+            raise local
+        return
     mode = batch_mode(groups, tables.failure_board, cached)
     if mode is agreement.Mode.BOARD:
         if local is not None:
