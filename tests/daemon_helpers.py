@@ -144,6 +144,19 @@ class DaemonProcess:
         self.stop()
 
 
+def mixed_daemon(tables: Path, workdir: Path, cache_bytes: int = 2 << 20, extra: tuple = ()) -> DaemonProcess:
+    """A daemon (not started) holding the table set's first layer resident and its second cached behind a
+    cache of ``cache_bytes`` (2 MiB: a few thousand rows at the tests' scales, so steps read NVMe)."""
+    from engram_store.format.tableset import TableSet
+    from engram_store.storage.resident import resident_layout
+
+    spec = TableSet.open(tables).spec
+    first, cached = spec.layers[0], spec.layers[1]
+    dram = resident_layout([(first, spec.rows(first))], spec.row_format).size + cache_bytes
+    return DaemonProcess(Path(tables), Path(workdir), dram_bytes=str(dram),
+                         extra=["--placement", f"{first}=resident,{cached}=cached", *extra])
+
+
 def raw_connect(path: str, shm_bytes: int = 1 << 20) -> tuple[socket.socket, wire.Frame, bytes, list[int]]:
     """Handshake by hand: returns the socket, the WELCOME frame, its payload and the fds (caller closes)."""
     from engram_store.native import shm

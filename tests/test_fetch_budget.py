@@ -18,19 +18,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess
+from daemon_helpers import mixed_daemon
 
 from engram_store import errors
 from engram_store.client import direct_budget
 from engram_store.client.fetch import FetchJob
 from engram_store.format.tableset import TableSet
 from engram_store.spec import get_spec
-from engram_store.storage.resident import resident_layout
 from engram_store.tools.synth import write_synthetic
 
 SPEC = get_spec("deepseek-v4.1-flash", 0.0002)
 FIRST, CACHED = SPEC.layers
-DRAM = resident_layout([(FIRST, SPEC.rows(FIRST))], SPEC.row_format).size + (2 << 20)
 STEP_ROWS = 64 * 8
 DIM = SPEC.row_format.dim
 PAGES = 32  # two granules
@@ -51,8 +49,7 @@ def budget_env(tmp_path, monkeypatch):
 
 @pytest.fixture
 def daemon(tables, tmp_path):
-    d = DaemonProcess(tables.directory, tmp_path, dram_bytes=str(DRAM),
-                      extra=["--placement", f"{FIRST}=resident,{CACHED}=cached"]).start()
+    d = mixed_daemon(tables.directory, tmp_path).start()
     try:
         yield d
     finally:

@@ -13,17 +13,15 @@ import time
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, sigstop
+from daemon_helpers import mixed_daemon, sigstop
 
 from engram_store.client.fetch import FetchJob
 from engram_store.format.tableset import TableSet
 from engram_store.spec import get_spec
-from engram_store.storage.resident import resident_layout
 from engram_store.tools.synth import write_synthetic
 
 SPEC = get_spec("deepseek-v4.1-flash", 0.0002)
 FIRST, CACHED = SPEC.layers
-DRAM = resident_layout([(FIRST, SPEC.rows(FIRST))], SPEC.row_format).size + (2 << 20)  # layer 14 mostly on NVMe
 STEP_ROWS = 64 * 24
 STEPS = 100
 
@@ -37,8 +35,7 @@ def tables(tmp_path_factory):
 
 @pytest.fixture
 def daemon(tables, tmp_path):
-    d = DaemonProcess(tables.directory, tmp_path, dram_bytes=str(DRAM),
-                      extra=["--placement", f"{FIRST}=resident,{CACHED}=cached"]).start()
+    d = mixed_daemon(tables.directory, tmp_path).start()
     try:
         yield d
     finally:

@@ -22,20 +22,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess
+from daemon_helpers import mixed_daemon
 
 from engram_store import errors
 from engram_store.client.client import EngramClient
 from engram_store.client.fetch import FetchJob
 from engram_store.format.tableset import TableSet
 from engram_store.spec import get_spec
-from engram_store.storage.resident import resident_layout
 from engram_store.tools.synth import write_synthetic
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the impostor as user nobody")
 SPEC = get_spec("deepseek-v4.1-flash", 0.0002)
 FIRST, CACHED = SPEC.layers
-DRAM = resident_layout([(FIRST, SPEC.rows(FIRST))], SPEC.row_format).size + (2 << 20)
 IMPOSTOR = r"""
 import json, socket, sys, threading
 path = sys.argv[1]
@@ -113,8 +111,7 @@ def test_a_fetch_job_never_takes_rows_from_an_impostor_at_its_daemons_path(share
     directory = tmp_path / "tables"
     write_synthetic(directory, SPEC, seed=5)
     tables = TableSet.open(directory)
-    d = DaemonProcess(directory, Path(shared_dir), dram_bytes=str(DRAM),
-                      extra=["--placement", f"{FIRST}=resident,{CACHED}=cached"]).start()
+    d = mixed_daemon(directory, Path(shared_dir)).start()
     job = FetchJob(d.unix, CACHED, 512, deadline=0.5, hedge=0.2)
     impostor = None
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_helpers import REPO, DaemonProcess
+from daemon_helpers import REPO, DaemonProcess, mixed_daemon
 from engine_checkpoint import make_checkpoint
 
 from engram_store.format.tableset import TableSet
@@ -43,17 +43,6 @@ def daemon(tables, tmp_path_factory):
         yield d.start()
     finally:
         d.stop()
-
-
-def mixed_daemon(tables, workdir) -> DaemonProcess:
-    """Layer 1 resident, layer 14 cached behind a cache of 2 MiB (~7k of its ~77k rows at SPEC's scale:
-    steps read NVMe)."""
-    from engram_store.format.tableset import TableSet
-    from engram_store.storage.resident import resident_layout
-
-    spec = TableSet.open(tables).spec
-    dram = resident_layout([(1, spec.rows(1))], spec.row_format).size + (2 << 20)
-    return DaemonProcess(tables, workdir, dram_bytes=str(dram), extra=["--placement", "1=resident,14=cached"])
 
 
 @pytest.fixture(scope="module")
