@@ -1,4 +1,5 @@
-"""The package layers, checked: no module imports upward, the daemon imports no client code.
+"""The package layers, checked: no module imports upward, the daemon imports no client code, and no
+modules import each other, directly or in a loop.
 
 Every ``import`` and ``from ... import`` of every module (lazy ones inside functions
 included; imports under ``if TYPE_CHECKING:`` are annotations only and skipped) is
@@ -15,8 +16,9 @@ groups below it:
     tools                                  the base layers (import, synth)
     daemon                                 the base layers, storage
     client                                 the base layers (format, spec, wire, native), never storage
+    fetch                                  the base layers, client (the engine-side fetch job)
     gpu_client                             the base layers, client
-    integrations                           the base layers, client, gpu_client
+    integrations                           the base layers, client, fetch, gpu_client
     ops                                    the base layers, storage, daemon, client (doctor)
     engram_store (package), cli, __main__  anything (entry points and re-exports)
 """
@@ -45,8 +47,9 @@ ALLOWED = {
     "tools": BASE,
     "daemon": BASE | {"storage"},
     "client": BASE,
+    "fetch": BASE | {"client"},
     "gpu_client": BASE | {"client"},
-    "integrations": BASE | {"client", "gpu_client"},
+    "integrations": BASE | {"client", "fetch", "gpu_client"},
     "ops": BASE | {"storage", "daemon", "client"},
 }
 TOP = {"engram_store", "cli", "__main__"}
@@ -77,10 +80,11 @@ def _type_checking_only(tree: ast.AST) -> set[ast.AST]:
     return skipped
 
 
-def imports_of(module: str, path: Path) -> list[tuple[int, str]]:
-    """(line, absolute module) of every import of ours in ``path``."""
+def imports_of(module: str, path: Path, annotations: bool = False) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import of ours in ``path``; those under ``if TYPE_CHECKING:`` only
+    with ``annotations``."""
     tree = ast.parse(path.read_text(), str(path))
-    skipped = _type_checking_only(tree)
+    skipped = set() if annotations else _type_checking_only(tree)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
     for node in ast.walk(tree):
@@ -144,6 +148,74 @@ def test_the_check_sees_a_violation(tmp_path, monkeypatch):
     found = violations()
     assert len(found) == 2 and any("daemon.bad" in v and "(client)" in v for v in found) \
         and any("client.bad" in v and "(storage)" in v for v in found), found
+
+
+def circles() -> list[list[str]]:
+    """Every set of modules that import each other, directly or in a loop (lazy imports included): the
+    strongly connected components of more than one module in the import graph. Imports for annotations
+    only (``if TYPE_CHECKING:``) count: they too say which module depends on which. A package's
+    ``__init__`` counts as the package's module."""
+    names = {module for module, _ in modules()}
+    edges = {module: sorted({t for _, t in imports_of(module, path, annotations=True)
+                             if t in names and t != module})
+             for module, path in modules()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(root: str) -> None:  # Tarjan's algorithm, iterative (the tree is deep enough to matter)
+        work = [(root, iter(edges[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        top = stack.pop()
+                        component.append(top)
+                        if top == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                work.append((child, iter(edges[child])))
+            elif child in stack:
+                low[node] = min(low[node], index[child])
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
+def test_no_import_circles():
+    assert circles() == []
+
+
+def test_the_check_sees_a_circle(tmp_path, monkeypatch):
+    """The circle finder itself: a loop of three modules, one edge of it lazy and one for annotations, is one circle; a package
+    importing its own submodule that imports nothing back is none."""
+    fake = tmp_path / "engram_store"
+    (fake / "storage").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "storage" / "__init__.py").write_text("from . import d\n")
+    (fake / "storage" / "a.py").write_text("from . import b\n")
+    (fake / "storage" / "b.py").write_text("def f():\n    from .c import x\n")
+    (fake / "storage" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                           "    from .a import y\n")
+    (fake / "storage" / "d.py").write_text("")
+    (tmp_path / "gpu_client").mkdir()
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert circles() == [["engram_store.storage.a", "engram_store.storage.b", "engram_store.storage.c"]]
 
 
 @pytest.mark.parametrize("name", ["EngramClient", "LocalClient", "MemoryTables", "EngramPrefetcher", "Step",
