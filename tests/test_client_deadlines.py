@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, expected, make_tables, sigstop
+from support.daemon_helpers import DaemonProcess, expected, make_tables, sigstop
 
 from engram_store import errors
 from engram_store.client.client import EngramClient

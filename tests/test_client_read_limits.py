@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, expected, make_tables
+from support.daemon_helpers import DaemonProcess, expected, make_tables
 
 from engram_store import errors
 from engram_store.client.client import EngramClient

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, expected, make_tables, make_token_file
+from support.daemon_helpers import DaemonProcess, expected, make_tables, make_token_file
 
 from engram_store import errors
 from engram_store.client.client import EngramClient

@@ -5,7 +5,7 @@ a region unmapped while registered would leave stale pinned pages behind its add
 from __future__ import annotations
 
 import numpy as np
-from daemon_helpers import DaemonProcess, expected, make_tables
+from support.daemon_helpers import DaemonProcess, expected, make_tables
 
 from engram_store.client.client import EngramClient
 

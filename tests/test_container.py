@@ -18,7 +18,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from daemon_helpers import START_TIMEOUT, make_tables
+from support.daemon_helpers import START_TIMEOUT, make_tables
 from engram_store.client import EngramClient
 from engram_store.version import __version__
 

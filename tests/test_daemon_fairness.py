@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from daemon_helpers import REPO, DaemonProcess, expected, make_tables, raw_connect, sigstop
+from support.daemon_helpers import REPO, DaemonProcess, expected, make_tables, raw_connect, sigstop
 
 from engram_store import errors
 from engram_store.client.client import EngramClient

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, expected, make_tables, raw_connect, read_result
+from support.daemon_helpers import DaemonProcess, expected, make_tables, raw_connect, read_result
 
 from engram_store.client.client import EngramClient
 from engram_store.native import syscalls

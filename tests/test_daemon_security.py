@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from daemon_helpers import REPO, DaemonProcess, expected, make_tables
+from support.daemon_helpers import REPO, DaemonProcess, expected, make_tables
 
 from engram_store import errors
 from engram_store.client.client import EngramClient

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daemon_helpers import START_TIMEOUT
+from support.daemon_helpers import START_TIMEOUT
 from engram_store.format.tableset import TableSet
 from engram_store.version import __version__
 

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from daemon_helpers import make_tables
+from support.daemon_helpers import make_tables
 
 from engram_store.daemon.config import load_config
 from engram_store.daemon.host import MemoryLimit

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from daemon_helpers import DaemonProcess, make_tables
+from support.daemon_helpers import DaemonProcess, make_tables
 
 from engram_store import errors
 from engram_store.integrations.tables import EngramStoreTables

@@ -20,7 +20,7 @@ import sys
 import textwrap
 
 import pytest
-from daemon_helpers import REPO
+from support.daemon_helpers import REPO
 
 from engram_store.errors import CorruptRows
 from engram_store.integrations import failures

@@ -14,7 +14,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, expected, make_tables
+from support.daemon_helpers import DaemonProcess, expected, make_tables
 
 from engram_store import errors
 from engram_store.client.client import EngramClient

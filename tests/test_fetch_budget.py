@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_helpers import mixed_daemon
+from support.daemon_helpers import mixed_daemon
 
 from engram_store import errors
 from engram_store.client import direct_budget

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess
+from support.daemon_helpers import DaemonProcess
 
 from engram_store.client.fetch import FetchJob
 from engram_store.format.tableset import TableSet

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 import pytest
-from daemon_helpers import REPO, DaemonProcess, make_tables
+from support.daemon_helpers import REPO, DaemonProcess, make_tables
 
 from engram_store import errors
 from engram_store.client.fetch import FetchJob, native_fetch
@@ -117,7 +117,7 @@ SHUTDOWN = textwrap.dedent("""
     import ctypes, gc, json, sys, threading, time
     sys.path.insert(0, {tests!r})
     import numpy as np
-    from daemon_helpers import DaemonProcess
+    from support.daemon_helpers import DaemonProcess
     from engram_store.client.fetch import FetchJob, native_fetch
 
     native = native_fetch()

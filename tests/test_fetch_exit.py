@@ -11,7 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from daemon_helpers import REPO
+from support.daemon_helpers import REPO
 
 THREAD = "engram-store-fetch-reconnect"
 

@@ -11,7 +11,7 @@ import shutil
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, make_tables
+from support.daemon_helpers import DaemonProcess, make_tables
 
 from engram_store import errors
 from engram_store.client.fetch import FetchJob

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from daemon_helpers import mixed_daemon, sigstop
+from support.daemon_helpers import mixed_daemon, sigstop
 
 from engram_store.client.fetch import FetchJob
 from engram_store.format.tableset import TableSet

@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess
-from storage_helpers import flip
+from support.daemon_helpers import DaemonProcess
+from support.storage_helpers import flip
 
 from engram_store import errors
 from engram_store.client.fetch import FetchJob

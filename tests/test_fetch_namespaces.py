@@ -1,6 +1,6 @@
 """A daemon in another PID namespace (``deploy/k8s``: pods without ``hostPID``) that dies while writing a
 step's rows into the job's staging. The job runs in a PID namespace of its own (``unshare -p -f
---mount-proc``, tests/namespace_fetch_job.py), the daemon outside it, as in pods: SO_PEERCRED names no
+--mount-proc``, tests/engines/namespace_fetch_job.py), the daemon outside it, as in pods: SO_PEERCRED names no
 process there, so the job cannot open a pidfd of its daemon by pid. A scripted daemon
 (``staging_fakes.py``) claims the gate of step 1, writes garbage and stops there; it is SIGKILLed
 while the step waits for its write. The step then ends (the write ended with the daemon), its rows
@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-import staging_fakes
-from daemon_helpers import DaemonProcess
+from support import staging_fakes
+from support.daemon_helpers import DaemonProcess
 
 from engram_store.client.unix_transport import UnixTransport
 from engram_store.format.tableset import TableSet
@@ -32,7 +32,7 @@ SPEC = get_spec("deepseek-v4.1-flash", 0.0002)
 FIRST, CACHED = SPEC.layers
 DRAM = resident_layout([(FIRST, SPEC.rows(FIRST))], SPEC.row_format).size + (2 << 20)
 STEP_ROWS = 64 * 24
-CHILD = Path(__file__).resolve().parent / "namespace_fetch_job.py"
+CHILD = Path(__file__).resolve().parent / "engines" / "namespace_fetch_job.py"
 
 
 def can_unshare() -> bool:

@@ -16,9 +16,9 @@ import time
 
 import numpy as np
 import pytest
-import staging_fakes
-from daemon_helpers import DaemonProcess
-from staging_fakes import FakeDaemon, Plan, Script
+from support import staging_fakes
+from support.daemon_helpers import DaemonProcess
+from support.staging_fakes import FakeDaemon, Plan, Script
 
 from engram_store import errors
 from engram_store.client.fetch import FetchJob

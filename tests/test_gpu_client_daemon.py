@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess
+from support.daemon_helpers import DaemonProcess
 from test_gpu_client_prefetch import Reference, check
 
 from engram_store import TableSet, get_spec

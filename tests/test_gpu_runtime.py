@@ -1,5 +1,5 @@
 """The GPU-runtime seam (engram_store/native/gpu_runtime.py) on both sides, through stand-in libraries
-built here (tests/gpu_standins.py; no GPU on this machine): HIP resolves hipLaunchHostFunc and registers
+built here (tests/support/gpu_standins.py; no GPU on this machine): HIP resolves hipLaunchHostFunc and registers
 with HIP's flags and codes, CUDA the same with libcuda / libcudart; the fetch job's launch_host runs a real
 fetch through each (exact rows against TableSet.read_rows); EngramStoreTables.register_cuda's decisions
 (read-only supported / not / refused / already registered), the staging of each fetch job on its own."""
@@ -17,8 +17,8 @@ import sys
 
 import numpy as np
 import pytest
-from daemon_helpers import REPO, DaemonProcess
-from gpu_standins import Standin, build, compiler
+from support.daemon_helpers import REPO, DaemonProcess
+from support.gpu_standins import Standin, build, compiler
 
 from engram_store import errors
 from engram_store.client.fetch import FetchJob

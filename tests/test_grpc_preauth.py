@@ -13,7 +13,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from daemon_helpers import REPO, DaemonProcess, make_tables
+from support.daemon_helpers import REPO, DaemonProcess, make_tables
 
 from engram_store.client.client import EngramClient
 from engram_store.wire._proto import engram_store_pb2 as pb

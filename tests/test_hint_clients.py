@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess
+from support.daemon_helpers import DaemonProcess
 from test_grpc_auth import _ca, _signed
 from test_hints_daemon import LAYER, SPEC, daemon, store_stats, tables, wait_hints_done  # noqa: F401 (fixture)
 

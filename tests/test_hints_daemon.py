@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, expected
+from support.daemon_helpers import DaemonProcess, expected
 
 from engram_store.client.client import EngramClient
 from engram_store.format.layout import PageLayout

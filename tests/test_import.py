@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from interrupt import kill_mid_write
+from support.interrupt import kill_mid_write
 from safetensors.torch import save_file
 
 from engram_store import TableSet, get_spec

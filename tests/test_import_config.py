@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess
+from support.daemon_helpers import DaemonProcess
 from test_import import make_checkpoint
 
 from engram_store.cli import main

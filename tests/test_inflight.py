@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess
+from support.daemon_helpers import DaemonProcess
 
 from engram_store import TieredStore
 from engram_store.client.fetch import FetchJob

@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from daemon_helpers import REPO
+from support.daemon_helpers import REPO
 
 pytest.importorskip("torch")
 LAYER, PAGE = 14, 99

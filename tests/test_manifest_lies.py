@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_helpers import REPO, DaemonProcess, daemon_command, expected, make_tables
+from support.daemon_helpers import REPO, DaemonProcess, daemon_command, expected, make_tables
 
 from engram_store import errors
 from engram_store.cli import main

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from interrupt import kill_mid_write
+from support.interrupt import kill_mid_write
 from test_import import make_checkpoint
 
 from engram_store import TableSet, get_spec

@@ -9,8 +9,8 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
-from daemon_helpers import DaemonProcess, expected
-from daemon_helpers import make_tables as make_daemon_tables
+from support.daemon_helpers import DaemonProcess, expected
+from support.daemon_helpers import make_tables as make_daemon_tables
 
 from engram_store import TieredStore, errors
 from engram_store.client.client import EngramClient

@@ -7,7 +7,7 @@ import platform
 import struct
 
 import pytest
-from daemon_helpers import make_tables
+from support.daemon_helpers import make_tables
 
 from engram_store.daemon.config import load_config
 from engram_store.format import checksums

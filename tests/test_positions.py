@@ -22,7 +22,7 @@ V41_SMALL = get_spec("deepseek-v4.1-flash", 0.0005)  # V4.1's hash, small primes
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_stateless_row_ids_equal_vllms_kernel(tmp_path):
-    from vllm_engram_ref import IMAGE_ID, cases, reference
+    from support.vllm_engram_ref import IMAGE_ID, cases, reference
 
     ref = reference(V41_SMALL, tmp_path)
     np.testing.assert_array_equal(ref["primes"].reshape(len(V41_SMALL.layers), -1),

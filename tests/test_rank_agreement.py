@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from daemon_helpers import REPO
+from support.daemon_helpers import REPO
 
 pytest.importorskip("torch")
 WORLD = 2

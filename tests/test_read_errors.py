@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, expected, make_tables
-from storage_helpers import flip
+from support.daemon_helpers import DaemonProcess, expected, make_tables
+from support.storage_helpers import flip
 
 from engram_store import errors
 from engram_store.client import plan as client_plan

@@ -13,8 +13,8 @@ import sys
 
 import numpy as np
 import pytest
-from daemon_helpers import REPO, DaemonProcess
-from storage_helpers import flip
+from support.daemon_helpers import REPO, DaemonProcess
+from support.storage_helpers import flip
 
 from engram_store.spec import get_spec
 from engram_store.storage.resident import resident_layout

@@ -1,8 +1,8 @@
 """The SGLang plugin against SGLang 0.5.23's own code, on CPU with Triton's interpreter, against
 real daemons (``make engine-test``). SGLang lives in ``.venv-sglang`` (SGLang ``--no-deps`` plus
 ``tests/sglang-requirements.txt``); each scenario runs there in a fresh process of its script:
-``tests/sglang_engine.py`` (resident layers), ``tests/sglang_engine_cached.py`` (a cached layer's
-forward) or ``tests/sglang_engine_scheduler.py`` (SGLang's scheduler with a cached layer). Bytes are
+``tests/engines/sglang_engine.py`` (resident layers), ``tests/engines/sglang_engine_cached.py`` (a cached layer's
+forward) or ``tests/engines/sglang_engine_scheduler.py`` (SGLang's scheduler with a cached layer). Bytes are
 compared there with ``TableSet.read_rows`` and values with ``gpu_client.dequantize``."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from daemon_helpers import REPO, DaemonProcess
-from engine_checkpoint import make_checkpoint
+from support.daemon_helpers import REPO, DaemonProcess
+from support.engine_checkpoint import make_checkpoint
 
 from engram_store.spec import get_spec
 from engram_store.tools.synth import write_synthetic
@@ -27,7 +27,7 @@ SPEC = get_spec("deepseek-v4.1-flash", 0.0002)  # V4.1's geometry (24 heads, 264
 SCENARIO_TIMEOUT = 300
 SCRIPTS = {"mixed": "sglang_engine_cached.py", "cached": "sglang_engine_cached.py", "chains": "sglang_engine_cached.py",
            "ranks": "sglang_engine_cached.py", "failed_step": "sglang_engine_scheduler.py",
-           "hints": "sglang_engine_scheduler.py"}  # the others: tests/sglang_engine.py's
+           "hints": "sglang_engine_scheduler.py"}  # the others: tests/engines/sglang_engine.py's
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def scenario(name: str, *args: str, address: str, expect_rc: int = 0, extra_env=
             "SGLANG_PLUGINS": "engram_store", "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1",
             "SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)} \
         | (extra_env or {})
-    cmd = [str(SGLANG_PYTHON), str(REPO / "tests" / SCRIPTS.get(name, "sglang_engine.py")), name, *map(str, args)]
+    cmd = [str(SGLANG_PYTHON), str(REPO / "tests" / "engines" / SCRIPTS.get(name, "sglang_engine.py")), name, *map(str, args)]
     result = subprocess.run(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                             timeout=SCENARIO_TIMEOUT)
     out = result.stdout + result.stderr
@@ -157,7 +157,7 @@ def test_each_tp_rank_fetches_only_its_hash_columns(mixed, tp):
 
 def test_a_failed_fetch_stops_sglang_before_the_steps_tokens(tmp_path):
     """Pages of the cached layer flipped on disk after the daemon started (rows never read before)."""
-    from storage_helpers import flip
+    from support.storage_helpers import flip
 
     directory = tmp_path / "tables"
     write_synthetic(directory, SPEC, seed=9)

@@ -12,7 +12,7 @@ import socket
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, raw_connect, read_result
+from support.daemon_helpers import DaemonProcess, raw_connect, read_result
 
 from engram_store.client.client import EngramClient
 from engram_store.format.tableset import TableSet

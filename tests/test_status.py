@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, make_tables
-from storage_helpers import flip
+from support.daemon_helpers import DaemonProcess, make_tables
+from support.storage_helpers import flip
 
 from engram_store.client.client import EngramClient
 from engram_store.client.engine_fit import engine_fit

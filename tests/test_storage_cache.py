@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 import pytest
-from storage_helpers import SEED, TINY, cache_budget, make_tables
+from support.storage_helpers import SEED, TINY, cache_budget, make_tables
 
 from engram_store import TieredStore
 from engram_store.errors import ConfigError

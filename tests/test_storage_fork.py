@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 import pytest
-from storage_helpers import make_tables
+from support.storage_helpers import make_tables
 
 from engram_store.format.tableset import TableSet
 from engram_store.native.readers.aio import native_reader

@@ -6,7 +6,7 @@ import logging
 
 import numpy as np
 import pytest
-from storage_helpers import FLASH, check_rows, make_tables
+from support.storage_helpers import FLASH, check_rows, make_tables
 
 from engram_store import TieredStore
 from engram_store.errors import ConfigError

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 import pytest
-from storage_helpers import FLASH, SEED, make_tables
+from support.storage_helpers import FLASH, SEED, make_tables
 
 from engram_store.format.layout import PageLayout
 from engram_store.native import syscalls

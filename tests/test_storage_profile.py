@@ -6,7 +6,7 @@ import logging
 
 import numpy as np
 import pytest
-from storage_helpers import TINY, cache_budget, check_rows, make_tables
+from support.storage_helpers import TINY, cache_budget, check_rows, make_tables
 
 from engram_store import TieredStore
 from engram_store.errors import ConfigError
@@ -70,7 +70,7 @@ def test_sampler_ranks_by_frequency():
 def test_the_daemon_saves_its_profile_at_stop_and_warms_up_from_it(tables, tmp_path):
     """``save_profile`` = ``warmup_profile``: the first start is cold (no file yet, not a config
     error), SIGTERM writes the hottest rows atomically, the next start has them cached."""
-    from daemon_helpers import DaemonProcess
+    from support.daemon_helpers import DaemonProcess
 
     from engram_store.client.client import EngramClient
 

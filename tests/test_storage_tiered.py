@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from storage_helpers import FLASH, TINY, cache_budget, check_rows, make_tables
+from support.storage_helpers import FLASH, TINY, cache_budget, check_rows, make_tables
 
 from engram_store import TieredStore
 from engram_store.errors import ConfigError, InvalidRequest, RowOutOfRange, StorageError, UnknownLayer

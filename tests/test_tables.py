@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from interrupt import kill_mid_write
+from support.interrupt import kill_mid_write
 
 from engram_store import TableSet, get_spec
 from engram_store.errors import RowOutOfRange, TableFormatError, UnknownLayer

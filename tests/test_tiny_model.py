@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from daemon_helpers import DaemonProcess
+from support.daemon_helpers import DaemonProcess
 
 from engram_store import get_spec
 from engram_store.tools.synth import write_synthetic

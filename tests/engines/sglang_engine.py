@@ -1,12 +1,12 @@
 """SGLang 0.5.23's own Engram code on CPU, through the engram-store plugin: the resident-layer
 scenarios (lookup, mismatch, refusals, renamed, loader; ``resident`` runs all but renamed in one
-process), and the shims and builders that ``tests/sglang_engine_cached.py`` (a cached layer's
-forward) and ``tests/sglang_engine_scheduler.py`` (SGLang's scheduler with a cached layer) import.
+process), and the shims and builders that ``tests/engines/sglang_engine_cached.py`` (a cached layer's
+forward) and ``tests/engines/sglang_engine_scheduler.py`` (SGLang's scheduler with a cached layer) import.
 Scenarios are run by ``tests/test_sglang_plugin.py``, each in a fresh process of ``.venv-sglang``
 (SGLang installed ``--no-deps``; the shims below and the plugin's hooks must not leak).
 
     TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= ENGRAM_STORE_ADDR=unix://S SGLANG_PLUGINS=engram_store \
-        .venv-sglang/bin/python tests/sglang_engine.py SCENARIO TABLES
+        .venv-sglang/bin/python tests/engines/sglang_engine.py SCENARIO TABLES
 
 Triton's interpreter runs SGLang's gather kernel on CPU tensors. CPU shims, nothing else:
 

@@ -1,8 +1,8 @@
 """vLLM 0.33's own code on the paths a cached layer takes by default, through the engram-store plugin:
 scenarios run by ``tests/test_vllm_plugin.py``, each in a fresh process, with the shims of
-``tests/vllm_engine.py`` and the step helpers of ``tests/vllm_engine_cached.py`` (which this module imports).
+``tests/engines/vllm_engine.py`` and the step helpers of ``tests/engines/vllm_engine_cached.py`` (which this module imports).
 
-    TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= ENGRAM_STORE_ADDR=unix://S python tests/vllm_engine_paths.py SCENARIO ...
+    TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= ENGRAM_STORE_ADDR=unix://S python tests/engines/vllm_engine_paths.py SCENARIO ...
 
 Blackwell's lookup thresholds and Engram batching (streams and events recorded on the CPU), the model
 runners' host-visible points after a failed fetch, the failure board across processes, and prompt hints
@@ -252,8 +252,8 @@ def scenario_hints(tables_dir: str) -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1
 
     from engram_store.client.client import EngramClient
-    from engram_store.integrations.hints import pending_rows
-    from engram_store.integrations.vllm import hinting, patches
+    from engram_store.integrations.prompt_hints import pending_rows
+    from engram_store.integrations.vllm import patches, prompt_hints
     from engram_store.tokens import raw_ids_for
 
     E, ts, emb = plugin_layer(tables_dir, 1, tp_size=2, tp_rank=1)  # rank 1 of TP=2: heads 12..24
@@ -276,7 +276,7 @@ def scenario_hints(tables_dir: str) -> None:
             runner.execute_model(stub, so)
         except Exception:  # vLLM's own body on a stub runner: the plugin's part ran before it
             pass
-    hints = hinting.RANK.hints(patches.tables)
+    hints = prompt_hints.RANK.hints(patches.tables)
     assert hints is not None and hints.flush(60), "the hints were not sent"
     raw = raw_ids_for(spec, patches.tables().info, None, block_images=True)
     want = pending_rows(spec, 14, tokens, 64, raw=raw, columns=columns)

@@ -1,6 +1,6 @@
 """vLLM 0.33's own Engram hashing as an independent reference, run in a fresh process.
 
-    TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= python tests/vllm_engram_ref.py IN.npz OUT.npz
+    TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= python tests/support/vllm_engram_ref.py IN.npz OUT.npz
 
 ``IN.npz`` holds ``tokenizer`` (path of a tokenizer.json), ``vocab_base`` (the config's
 ``engram_vocab_size``), ``layers``, ``max_ngram``, ``heads``, ``pad_raw``, ``image_id`` and

@@ -1,4 +1,4 @@
-"""Test-only vLLM plugin: registers :class:`.model.EngramTinyForCausalLM` (``tests/vllm_testmodel``).
+"""Test-only vLLM plugin: registers :class:`.model.EngramTinyForCausalLM` (``tests/engines/vllm_testmodel``).
 
 vLLM calls :func:`register` in each of its processes (entry point ``engram_testmodel``
 of ``vllm.general_plugins``). Two registrations, nothing else:

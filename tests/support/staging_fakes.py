@@ -8,7 +8,7 @@ request, so that tests can put a daemon's write exactly where a race needs it: a
 job gave up, holding the gate while the job's direct read wins, dying mid-write.
 
 In a test thread: ``FakeDaemon(path, info, tables, layer, script).start()``. As a process (for a
-daemon that dies): ``python tests/staging_fakes.py SOCKET INFO_JSON TABLES LAYER MARKER`` runs the
+daemon that dies): ``python tests/support/staging_fakes.py SOCKET INFO_JSON TABLES LAYER MARKER`` runs the
 script ``die_mid_write``: claim the gate, write garbage rows, create MARKER, then wait to be killed.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engram_store.format.tableset import TableSet  # noqa: E402
 from engram_store.native import _gather, shm  # noqa: E402

@@ -29,7 +29,7 @@ from engram_store.spec import get_spec
 from engram_store.tools.synth import write_synthetic
 from engram_store.wire import frames as wire
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 60.0  # generous: a loaded CI box; a healthy start takes about a second
 
 

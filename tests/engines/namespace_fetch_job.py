@@ -2,7 +2,7 @@
 pod without ``hostPID``: its daemon's process is not visible from here. Driven by
 tests/test_fetch_namespaces.py over stdin/stdout, one JSON line each way per stage:
 
-    python tests/namespace_fetch_job.py SOCKET TABLES LAYER STEP_ROWS MARKER MODE WHEN
+    python tests/engines/namespace_fetch_job.py SOCKET TABLES LAYER STEP_ROWS MARKER MODE WHEN
 
 MODE "pidfd": the job watches its daemon's process as the kernel allows (SO_PEERPIDFD crosses PID
 namespaces on Linux >= 6.5); "socket": pidfds are turned off (``test_without_pidfds``), so the job
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engram_store import errors  # noqa: E402
 from engram_store.client.fetch import FetchJob, native_fetch  # noqa: E402

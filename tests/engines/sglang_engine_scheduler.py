@@ -1,10 +1,10 @@
 """SGLang 0.5.23's scheduler with a cached Engram layer, through the engram-store plugin's hooks on
-``Scheduler``, with the shims of ``tests/sglang_engine.py`` and the cached layer of
-``tests/sglang_engine_cached.py`` (which this module imports): scenarios run by
+``Scheduler``, with the shims of ``tests/engines/sglang_engine.py`` and the cached layer of
+``tests/engines/sglang_engine_cached.py`` (which this module imports): scenarios run by
 ``tests/test_sglang_plugin.py``, each in a fresh process of ``.venv-sglang`` against a mixed daemon.
 
     TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= ENGRAM_STORE_ADDR=unix://S SGLANG_PLUGINS=engram_store \
-        .venv-sglang/bin/python tests/sglang_engine_scheduler.py SCENARIO TABLES [PAGES]
+        .venv-sglang/bin/python tests/engines/sglang_engine_scheduler.py SCENARIO TABLES [PAGES]
 
 A step whose rows read a flipped page stops before SGLang processes its tokens (failed_step); a planned
 prefill hints the daemon and a finished request withdraws its hints (hints). A scenario prints
@@ -131,8 +131,8 @@ def scenario_hints(tables_dir: str) -> None:
 
     from engram_store.client.client import EngramClient
     from engram_store.format.tableset import TableSet
-    from engram_store.integrations.hints import pending_rows
-    from engram_store.integrations.sglang import hinting, hooks
+    from engram_store.integrations.prompt_hints import pending_rows
+    from engram_store.integrations.sglang import hooks, prompt_hints
     from engram_store.tokens import raw_ids_for
 
     load_plugin()
@@ -140,15 +140,17 @@ def scenario_hints(tables_dir: str) -> None:
     E = shim()
     layout = E.EngramLayout.from_config(model_config(spec))
     build(E, layout, 1, tp_size=2, tp_rank=1)
-    columns = hinting.RANK.columns[14]
+    columns = prompt_hints.RANK.columns[14]
     assert columns == slice(12, 24), columns  # plain TP: rank 1 fetches its half of the columns
     tokens = np.random.default_rng(9).integers(0, 129_280, 2000)
     req = Req("sg-hint", "", array("q", tokens.tolist()), SamplingParams(max_new_tokens=4))
     req.prefix_len, req.extend_end = 256, 256 + 512  # a radix-cache hit, then the first planned chunk
-    hinting.after_prefill_plan(NextBatchPlan(batch_to_run=types.SimpleNamespace(reqs=[req]), running_batch=None))
+    prompt_hints.after_prefill_plan(hooks.tables,
+                                    NextBatchPlan(batch_to_run=types.SimpleNamespace(reqs=[req]), running_batch=None))
     req.prefix_len, req.extend_end = 768, 1280  # the next chunk: no second hint
-    hinting.after_prefill_plan(NextBatchPlan(batch_to_run=types.SimpleNamespace(reqs=[req]), running_batch=None))
-    hints = hinting.RANK.hints(hooks.tables)
+    prompt_hints.after_prefill_plan(hooks.tables,
+                                    NextBatchPlan(batch_to_run=types.SimpleNamespace(reqs=[req]), running_batch=None))
+    hints = prompt_hints.RANK.hints(hooks.tables)
     assert hints is not None and hints.flush(60)
     raw = raw_ids_for(spec, hooks.tables().info, None, block_images=False)
     want = pending_rows(spec, 14, tokens, 768, raw=raw, columns=columns)
@@ -156,7 +158,7 @@ def scenario_hints(tables_dir: str) -> None:
         received = sum(v for k, v in client.stats().items() if "hint_rows_received" in k)
     assert hints.stats.requests == 1 and hints.stats.rows_sent == len(want) == received, (hints.stats, received)
     req.finished_reason = object()  # SGLang's mark of a finished or aborted request
-    hinting.after_results(types.SimpleNamespace(reqs=[req]))
+    prompt_hints.after_results(hooks.tables, types.SimpleNamespace(reqs=[req]))
     assert hints.flush(60) and hints.stats.withdrawals == 1, hints.stats
     ok(f"a planned prefill hinted the daemon once: {len(want)} rows of layer 14's columns 12..24 after its first "
        "chunk (received); withdrawn when it finished")
