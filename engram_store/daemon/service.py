@@ -69,7 +69,7 @@ def open_store(config: DaemonConfig, warmup: np.ndarray | None = None) -> RowSto
         raise errors.ConfigError("config key 'tables' is empty: give --tables DIR (a table-set directory)")
     if config.verify:
         TableSet.open(config.tables).close()
-    from ..storage.hints import HintSettings
+    from ..storage.hint_queue import HintSettings
     from ..storage.tiered import TieredStore  # the engine is loaded only by the daemon
 
     hints = HintSettings(cache_share=config.hint_cache_share, queue_depth=config.hint_queue_depth,
@@ -229,7 +229,7 @@ class Daemon:
 
     def _start_http(self) -> None:
         """Metrics and probes, before the fill: /livez answers at once, /readyz 503 until ready."""
-        from .metrics import MetricsServer
+        from .http.metrics import MetricsServer
 
         if self.config.metrics:
             self.metrics = MetricsServer(self.config.metrics, max_connections=self.config.metrics_max_connections,
@@ -237,9 +237,10 @@ class Daemon:
             self.metrics.start()
 
     async def _listen(self) -> None:
-        from .grpc_service import EngramStoreService, GrpcServer
-        from .metrics import DaemonCollector
-        from .server import UnixServer
+        from .grpc.server import GrpcServer
+        from .grpc.service import EngramStoreService
+        from .http.exporter import DaemonCollector
+        from .unix.server import UnixServer
 
         store = self.store
         if store is None:
