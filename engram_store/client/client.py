@@ -33,6 +33,7 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 
 from engram_store import errors
+from engram_store.client.transport import Pending, Transport
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +49,13 @@ class LookupHandle:
 
     def __init__(self, client: "EngramClient", layer: int, row_ids: np.ndarray) -> None:
         self._client, self._layer, self._ids = client, layer, row_ids
-        self._inner: Any = None
+        self._inner: Pending | None = None
         self._rows: np.ndarray | None = None
         self._retry_deadline: float | None = None  # set by the first lost connection
         self._start()
 
     def _start(self) -> None:
-        self._inner = self._client._with_transport(lambda t: _submit(t, self._layer, self._ids), self._retry_deadline)
+        self._inner = self._client._with_transport(lambda t: t.submit(self._layer, self._ids), self._retry_deadline)
 
     def wait(self) -> np.ndarray:
         """The rows. If the daemon goes away meanwhile, the lookup is asked again of the
@@ -62,7 +63,7 @@ class LookupHandle:
         if self._rows is None:
             while True:
                 try:
-                    self._rows = self._inner.wait() if hasattr(self._inner, "wait") else self._inner
+                    self._rows = self._inner.wait()
                     break
                 except errors.Unavailable as exc:  # the daemon went away: ask the restarted one
                     self._retry(exc)
@@ -89,7 +90,7 @@ class LookupHandle:
         return self._rows is not None
 
     def release(self) -> None:
-        if hasattr(self._inner, "release"):
+        if self._inner is not None:
             self._inner.release()
         self._rows = None
         self._inner = None
@@ -99,14 +100,6 @@ class LookupHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-def _submit(transport: Any, layer: int, row_ids: np.ndarray) -> Any:
-    if transport.kind == "unix":
-        return transport.submit(layer, row_ids)
-    ids = np.asarray(row_ids)
-    out = np.empty(ids.shape + (transport.row_bytes,), dtype=np.uint8)
-    return transport.lookup_into(layer, ids, out)  # gRPC: done by the time submit returns
 
 
 def _key(key: int) -> int:
@@ -133,10 +126,10 @@ class EngramClient:
         self.reconnect_timeout, self.tls_ca, self.spin_us = reconnect_timeout, tls_ca, spin_us
         self._auth = {"token": token, "token_file": token_file, "tls_cert": tls_cert, "tls_key": tls_key}
         self._lock = threading.Lock()
-        self._transport: Any = None
+        self._transport: Transport | None = None
         self._closed = False
         self.generation = 0  # goes up on every (re)connect
-        self._close_hooks: list[Callable[[Any], None]] = []
+        self._close_hooks: list[Callable[[Transport], None]] = []
 
     @classmethod
     def connect(cls, address: str, *, shm_bytes: int = 0, connect_timeout: float = 5.0,
@@ -162,7 +155,7 @@ class EngramClient:
         return client
 
     # --- connection management ------------------------------------------------
-    def _open(self) -> Any:
+    def _open(self) -> Transport:
         if self.address.startswith("unix://"):
             from engram_store.client.unix_transport import UnixTransport
 
@@ -177,7 +170,7 @@ class EngramClient:
         timeout = {} if self.timeout is None else {"call_timeout": self.timeout}
         return GrpcTransport(target, tls_ca=self.tls_ca, connect_timeout=self.connect_timeout, **self._auth, **timeout)
 
-    def _current(self) -> Any:
+    def _current(self) -> Transport:
         with self._lock:
             if self._closed:
                 raise errors.Unavailable("this EngramClient is closed")
@@ -188,7 +181,7 @@ class EngramClient:
                 self.generation += 1
             return self._transport
 
-    def _with_transport(self, call: Callable[[Any], T], deadline: float | None = None) -> T:
+    def _with_transport(self, call: Callable[[Transport], T], deadline: float | None = None) -> T:
         """Run ``call(transport)``; on Unavailable reconnect and retry until reconnect_timeout
         after the first failure (or until ``deadline``, monotonic, when given)."""
         backoff = 0.02
@@ -230,24 +223,13 @@ class EngramClient:
         daemon reads the rows instead (logged once per layer: see :meth:`plan_info`). Over gRPC,
         or a resident layer: exactly ``lookup_into``. Byte-exact either way."""
         ids = np.asarray(row_ids)
-
-        def call(t: Any) -> np.ndarray:
-            if t.kind != "unix":
-                return t.lookup_into(layer, ids, out)
-            return t.planned.lookup(layer, ids, out)
-
-        return self._with_transport(call)
+        return self._with_transport(lambda t: t.lookup_planned(layer, ids, out))
 
     def plan_info(self) -> dict[str, Any]:
         """How plan lookups are executed on the current connection: ``executor`` (``host``,
         or ``daemon`` over gRPC), ``fallbacks`` ({layer: why the daemon reads its rows}),
         ``pages_read`` / ``bytes_read`` by this process so far."""
-        def info(t: Any) -> dict[str, Any]:
-            if t.kind != "unix":
-                return {"executor": "daemon", "fallbacks": {}, "pages_read": 0, "bytes_read": 0}
-            return t.planned.info()
-
-        return self._with_transport(info)
+        return self._with_transport(lambda t: t.plan_info())
 
     def hint(self, layer: int, row_ids: Any, key: int) -> int:
         """Tell the daemon that ``row_ids`` of ``layer`` will be looked up soon, in that order (e.g. a
@@ -278,17 +260,13 @@ class EngramClient:
         cudaHostRegister). ``lookup_into(L, ids, out)`` with ``out`` in it is one copy: the
         daemon writes the rows there. Held until :meth:`unreserve`, or a reconnect (after
         which it is an ordinary buffer and lookups copy into it)."""
-        def take(t: Any) -> np.ndarray:
-            if t.kind != "unix":
-                raise errors.InvalidRequest("reserve() needs the unix:// transport (shared memory)")
-            return t.reserve(int(np.prod(shape, dtype=np.int64))).reshape(shape)
-
-        return self._with_transport(take)
+        nbytes = int(np.prod(shape, dtype=np.int64))
+        return self._with_transport(lambda t: t.reserve(nbytes).reshape(shape))
 
     def unreserve(self, buf: np.ndarray) -> None:
         """Give a :meth:`reserve` buffer back (a no-op after a reconnect)."""
         transport = self._current()
-        if transport.kind == "unix" and transport.region is not None and np.shares_memory(buf, transport.region):
+        if transport.region is not None and np.shares_memory(buf, transport.region):
             transport.unreserve(buf)
 
     @property
@@ -314,7 +292,7 @@ class EngramClient:
         """The daemon's counters (store_* from the store, unix_* / grpc_* per transport, hit_ratio)."""
         return self._with_transport(lambda t: t.stats())
 
-    def add_close_hook(self, hook: Callable[[Any], None]) -> None:
+    def add_close_hook(self, hook: Callable[[Transport], None]) -> None:
         """Call ``hook(transport)`` before a transport is closed (a reconnect, or ``close``), while
         its shared region and arena are still mapped: e.g. to ``cudaHostUnregister`` them. A hook
         must not call this client; an exception from it is logged and the close goes on."""
@@ -322,8 +300,9 @@ class EngramClient:
             self._close_hooks.append(hook)
 
     def _close_transport(self) -> None:
-        """Close the current transport (the lock held), running the close hooks first."""
-        transport, self._transport = self._transport, None
+        """Close the current transport (the lock held, one is open), running the close hooks first."""
+        transport: Transport = self._transport  # type: ignore[assignment]
+        self._transport = None
         for hook in list(self._close_hooks):
             try:
                 hook(transport)

@@ -21,24 +21,14 @@ _TIMEOUT_HELP = ("seconds the daemon has to answer (http://: the whole page, at 
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    status = subparsers.add_parser(
-        "status", help="a running daemon's state: mode, placement, huge pages, bad pages, clients, hit rate, "
-        "whether engines can use it", description="A running daemon's state on one screen. Exit 0: serving every "
-        "layer whole; 1: serving, with bad pages or unavailable layers; 2: not reachable.")
-    status.add_argument("address", help=_ADDRESS_HELP)
-    status.add_argument("--json", action="store_true", help="print one JSON document")
-    status.add_argument("--timeout", type=_seconds, default=_default_timeout(), metavar="SECONDS", help=_TIMEOUT_HELP)
-    _add_client_auth(status)
-    status.set_defaults(func=cmd_status)
-
-    stats = subparsers.add_parser("stats", help="print a running daemon's counters (Prometheus names)",
-                                  description="A running daemon's counters under their Prometheus names, whatever "
-                                  "the transport (the metrics page adds latency buckets and process metrics).")
-    stats.add_argument("address", help=_ADDRESS_HELP)
-    stats.add_argument("--json", action="store_true", help="print one JSON object {name: value}")
-    stats.add_argument("--timeout", type=_seconds, default=_default_timeout(), metavar="SECONDS", help=_TIMEOUT_HELP)
-    _add_client_auth(stats)
-    stats.set_defaults(func=cmd_stats)
+    _add_query(subparsers, "status", cmd_status, "print one JSON document",
+               help="a running daemon's state: mode, placement, huge pages, bad pages, clients, hit rate, "
+               "whether engines can use it", description="A running daemon's state on one screen. Exit 0: serving "
+               "every layer whole; 1: serving, with bad pages or unavailable layers; 2: not reachable.")
+    _add_query(subparsers, "stats", cmd_stats, "print one JSON object {name: value}",
+               help="print a running daemon's counters (Prometheus names)",
+               description="A running daemon's counters under their Prometheus names, whatever the transport (the "
+               "metrics page adds latency buckets and process metrics).")
 
     lookup = subparsers.add_parser("lookup", help="fetch rows from a running daemon (debugging)")
     lookup.add_argument("address", help="unix:///path.sock or grpc[s]://host:port")
@@ -47,6 +37,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lookup.add_argument("--rows", required=True, help="comma-separated row ids, e.g. 0,17,42")
     lookup.add_argument("--bytes", type=int, default=0, help="print only the first N bytes of each row (0 = all)")
     lookup.set_defaults(func=cmd_lookup)
+
+
+def _add_query(subparsers: argparse._SubParsersAction, name: str, func, json_help: str, **texts: str) -> None:
+    """A subcommand asking the daemon at ADDRESS (any address form) once, with ``--json`` and ``--timeout``."""
+    parser = subparsers.add_parser(name, **texts)
+    parser.add_argument("address", help=_ADDRESS_HELP)
+    parser.add_argument("--json", action="store_true", help=json_help)
+    parser.add_argument("--timeout", type=_seconds, default=_default_timeout(), metavar="SECONDS", help=_TIMEOUT_HELP)
+    _add_client_auth(parser)
+    parser.set_defaults(func=func)
 
 
 def _add_client_auth(parser: argparse.ArgumentParser) -> None:

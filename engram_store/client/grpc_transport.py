@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import grpc
 import numpy as np
@@ -27,6 +27,10 @@ from ..wire import frames as wire
 from ..wire import grpc_codec as lookup_codec
 from ..wire._proto import engram_store_pb2 as pb
 from ..wire._proto import engram_store_pb2_grpc as pb_grpc
+from .transport import Finished
+
+if TYPE_CHECKING:
+    from ..format.arena_layout import ArenaView
 
 MAX_MESSAGE_BYTES = 256 << 20  # explicit client limits; the daemon sends at most one chunk per message
 TOKEN_FILE_ENV = "ENGRAM_STORE_GRPC_TOKEN_FILE"  # the daemon's config key of the same name, read by clients too
@@ -93,11 +97,13 @@ def copy_chunks(chunks: Iterable[lookup_codec.LookupChunk], flat: np.ndarray, ro
 
 class GrpcTransport:
     """A channel to ``target`` (``host:port``); TLS when ``tls_ca`` (a PEM file) is given, with
-    the client certificate ``tls_cert``/``tls_key`` when given; the token of :func:`load_token`."""
+    the client certificate ``tls_cert``/``tls_key`` when given; the token of :func:`load_token`.
+    A :class:`~.transport.Transport` without shared memory: no ``region``, no ``arena``, nothing to
+    ``reserve``; ``submit`` returns a finished lookup and plan lookups are plain ones."""
 
     kind = "grpc"
-    arena = None
-    region = None
+    arena: ArenaView | None = None
+    region: np.ndarray | None = None
 
     def __init__(self, target: str, *, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, token: str | None = None, token_file: str | None = None,
@@ -144,11 +150,18 @@ class GrpcTransport:
         self.chunk_bytes = reply.chunk_bytes
         self.max_request_rows = reply.max_request_rows
 
-    def _raise(self, exc: grpc.RpcError) -> None:
+    def _error(self, exc: grpc.RpcError) -> errors.EngramStoreError:
+        """The typed error of a failed call; an Unavailable one marks the channel broken."""
         err = error_of(exc)
         if isinstance(err, errors.Unavailable):
             self._broken = str(err)
-        raise err from None
+        return err
+
+    def _call(self, rpc: Any, request: Any) -> Any:
+        try:
+            return rpc(request, timeout=self.call_timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None
 
     def lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         ids = requests.row_ids(row_ids)
@@ -158,19 +171,38 @@ class GrpcTransport:
                                    dtype=pb.INT64)
         rb = self.row_bytes
         try:
+            stream = None
             if ids.size * rb <= self.chunk_bytes:
                 replies = [self._lookup(request, timeout=self.call_timeout, metadata=self._metadata)]
             else:
-                replies = self._lookup_stream(request, timeout=self.call_timeout, metadata=self._metadata)
+                replies = stream = self._lookup_stream(request, timeout=self.call_timeout, metadata=self._metadata)
             try:
                 copy_chunks(replies, flat, ids.size, rb)
             except errors.IncompleteReply:
-                if hasattr(replies, "cancel"):  # stop a stream that went wrong
-                    replies.cancel()
+                if stream is not None:  # stop a stream that went wrong
+                    stream.cancel()
                 raise
         except grpc.RpcError as exc:
-            self._raise(exc)
+            raise self._error(exc) from None
         return out
+
+    def submit(self, layer: int, row_ids: np.ndarray) -> Finished:
+        """The lookup, done by the time this returns (gRPC has no shared region to leave rows in)."""
+        ids = np.asarray(row_ids)
+        return Finished(self.lookup_into(layer, ids, np.empty(ids.shape + (self.row_bytes,), dtype=np.uint8)))
+
+    def lookup_planned(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """No plan mode over gRPC: the daemon reads every row (``lookup_into``)."""
+        return self.lookup_into(layer, row_ids, out)
+
+    def plan_info(self) -> dict[str, Any]:
+        return {"executor": "daemon", "fallbacks": {}, "pages_read": 0, "bytes_read": 0}
+
+    def reserve(self, nbytes: int) -> np.ndarray:
+        raise errors.InvalidRequest("reserve() needs the unix:// transport (shared memory)")
+
+    def unreserve(self, buf: np.ndarray) -> None:
+        raise errors.InvalidRequest("unreserve: a gRPC connection has no reserve() buffers")
 
     def hint(self, layer: int, row_ids: np.ndarray, key: int) -> int:
         """The Hint RPC (see ``EngramClient.hint``): rows queued."""
@@ -178,33 +210,16 @@ class GrpcTransport:
         requests.check_count(ids.size, self.max_request_rows)
         request = pb.HintRequest(layer=layer, row_ids=np.ascontiguousarray(ids, dtype="<i8").tobytes(), dtype=pb.INT64,
                                  key=key)
-        try:
-            return self._stub.Hint(request, timeout=self.call_timeout, metadata=self._metadata).rows_queued
-        except grpc.RpcError as exc:
-            self._raise(exc)
-            raise  # unreachable
+        return self._call(self._stub.Hint, request).rows_queued
 
     def withdraw(self, key: int) -> int:
-        try:
-            return self._stub.Withdraw(pb.WithdrawRequest(key=key), timeout=self.call_timeout,
-                                       metadata=self._metadata).rows_dropped
-        except grpc.RpcError as exc:
-            self._raise(exc)
-            raise  # unreachable
+        return self._call(self._stub.Withdraw, pb.WithdrawRequest(key=key)).rows_dropped
 
     def info(self) -> dict[str, Any]:
-        try:
-            return _info_dict(self._stub.Info(pb.InfoRequest(), timeout=self.call_timeout, metadata=self._metadata))
-        except grpc.RpcError as exc:
-            self._raise(exc)
-            raise  # unreachable
+        return _info_dict(self._call(self._stub.Info, pb.InfoRequest()))
 
     def stats(self) -> dict[str, float]:
-        try:
-            return dict(self._stub.Stats(pb.StatsRequest(), timeout=self.call_timeout, metadata=self._metadata).values)
-        except grpc.RpcError as exc:
-            self._raise(exc)
-            raise  # unreachable
+        return dict(self._call(self._stub.Stats, pb.StatsRequest()).values)
 
     @property
     def broken(self) -> bool:

@@ -1,25 +1,20 @@
 """Executing a read plan: the client reads a plan lookup's cold rows from the layer file itself.
 
-A plan lookup (``EngramClient.lookup_planned``, :class:`PlannedLookups`) gets the rows a cached daemon
-holds in DRAM through the shared region, and for the others a
+A plan lookup (``EngramClient.lookup_planned``, :class:`~.plan_lookups.PlannedLookups`) gets the
+rows a cached daemon holds in DRAM through the shared region, and for the others a
 :class:`~engram_store.wire.frames.ReadPlan`: which pages of which layer file,
 each page's expected crc32c, and where each missing row sits in its page. An
-executor here reads those pages, checks **every page against its crc32c before
-any of its rows is copied out**, and scatters the rows into the output: no
+executor (:class:`PlanExecutor`) reads those pages, checks **every page against its
+crc32c before any of its rows is copied out**, and scatters the rows into the output: no
 unverified row is ever returned (a page that fails raises
 :class:`~engram_store.errors.CorruptRows`, naming layer and pages).
 
-- :class:`HostPlanExecutor` (CPU, and the tests): ``O_DIRECT`` page reads into an
-  aligned host buffer, adjacent pages coalesced, many in flight (the native
-  ``_pread`` AIO batch reader when built, else ``os.preadv`` one by one), checked
-  with :func:`engram_store.format.checksums.bad_pages`, rows gathered with numpy.
-- :class:`KvikioPlanExecutor` (CUDA + kvikio, imported lazily): pages read with
-  ``kvikio.CuFile.pread`` straight into a device staging tensor (GPUDirect
-  Storage where cuFile is in use), checked **on the device** (:class:`DeviceCrc`:
-  crc32c is affine over GF(2), so a page's crc is an XOR of per-position byte
-  tables, computed with torch integer ops), rows extracted on the device into
-  the output tensor. The check itself is tested on CPU against the reference;
-  the kvikio reads have not run on a GPU in this project's tests.
+This module holds the executors' contract, the layer files they share (:class:`LayerFiles`)
+and :class:`HostPlanExecutor` (CPU, and the tests): ``O_DIRECT`` page reads into an
+aligned host buffer, adjacent pages coalesced, many in flight (the native
+``_pread`` AIO batch reader when built, else ``os.preadv`` one by one), checked
+with :func:`engram_store.format.checksums.bad_pages`, rows gathered with numpy.
+The device executor (kvikio, pages checked on the GPU) is :mod:`.plan_device`.
 
 Layer files must be readable by the client process (e.g. group-readable by the
 engine's group, mode 0640). Every plan carries the identity (device, inode,
@@ -33,7 +28,6 @@ transport falls back to the daemon reading the rows.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import queue
@@ -43,7 +37,7 @@ from typing import Any, Callable, Iterator, Protocol
 import numpy as np
 
 from .. import errors
-from ..format import checksums, requests
+from ..format import checksums
 from ..format.layout import PAGE_BYTES, extents
 from ..native.readers import PageReader, open_reader
 from ..native.syscalls import OpenedFile, aligned_buffer, as_array, open_direct
@@ -165,7 +159,8 @@ def open_cufile(path: str, cufile: Callable[[str, str], Any]) -> tuple[Any, Iden
         os.close(fd)
 
 
-def _corrupt(layer: int, plan: ReadPlan, bad_pages: np.ndarray) -> errors.CorruptRows:
+def corrupt_rows(layer: int, plan: ReadPlan, bad_pages: np.ndarray) -> errors.CorruptRows:
+    """The error of pages of ``plan`` that failed their crc32c (their rows are not returned)."""
     pages = tuple(int(p) for p in bad_pages)
     shown = ", ".join(map(str, pages[:8])) + (" ..." if len(pages) > 8 else "")
     return errors.CorruptRows(
@@ -219,7 +214,7 @@ class HostPlanExecutor:
                 self._read(f, plan, lo, hi, buf)
                 bad = checksums.bad_pages(arr[: (hi - lo) * pb], plan.crcs[lo:hi])
                 if len(bad):
-                    raise _corrupt(layer, plan, plan.pages[lo:hi][bad])
+                    raise corrupt_rows(layer, plan, plan.pages[lo:hi][bad])
                 a, b = np.searchsorted(sorted_pages, (lo, hi))
                 sel = order[a:b]
                 body = arr[: (hi - lo) * pb].reshape(hi - lo, pb)[:, : rpp * rb].reshape(hi - lo, rpp, rb)
@@ -264,199 +259,3 @@ class HostPlanExecutor:
         if reader is not None:
             reader.close()
         self._buffers = queue.SimpleQueue()  # pooled buffers are unmapped when no view holds them
-
-
-# --- the device path (torch, kvikio: imported lazily) ----------------------------------------------
-@functools.cache
-def kvikio_usable() -> str:
-    """'' when kvikio and a CUDA device are usable here, else why not (probed once)."""
-    try:
-        import kvikio  # noqa: F401  (optional extra "gds")
-        import torch
-    except Exception as exc:  # a broken CUDA install raises more than ImportError
-        return f"kvikio or torch not importable ({exc.__class__.__name__}: {exc}); install engram-store[gds]"
-    try:
-        if not torch.cuda.is_available():
-            return "no CUDA device"
-    except Exception as exc:
-        return f"CUDA cannot be probed ({exc})"
-    return ""
-
-
-@functools.cache
-def _position_tables(page_bytes: int) -> tuple[np.ndarray, int]:
-    """crc32c over a page of ``page_bytes`` is affine over GF(2): ``crc(page) = crc(zeros) ^
-    XOR_k T[k, page[k]]``. Returns (T as int32 ``[page_bytes * 256]``, ``crc(zeros)``), built
-    from the crcs of the single-bit pages (once per process, about 128 MiB of pages hashed)."""
-    zero = int(checksums.page_crcs(np.zeros(page_bytes, np.uint8))[0])
-    bit_crc = np.empty((page_bytes, 8), dtype=np.uint32)
-    step = 512
-    for k0 in range(0, page_bytes, step):
-        k1 = min(k0 + step, page_bytes)
-        pages = np.zeros(((k1 - k0) * 8, page_bytes), np.uint8)
-        idx = np.arange((k1 - k0) * 8)
-        pages[idx, k0 + idx // 8] = (1 << (idx % 8)).astype(np.uint8)
-        bit_crc[k0:k1] = (checksums.page_crcs(pages) ^ np.uint32(zero)).reshape(k1 - k0, 8)
-    values = np.arange(256)
-    table = np.zeros((page_bytes, 256), dtype=np.uint32)
-    for bit in range(8):
-        table ^= np.where((values >> bit) & 1, bit_crc[:, bit:bit + 1], np.uint32(0))
-    return table.reshape(-1).view(np.int32), zero
-
-
-class DeviceCrc:
-    """crc32c of 4 KiB pages held in a torch tensor, computed where the tensor is (CUDA or
-    CPU) with integer ops: one table gather, then an XOR tree over the page. Exact (tested
-    against :func:`engram_store.format.checksums.page_crcs`)."""
-
-    def __init__(self, device: Any, page_bytes: int = PAGE_BYTES) -> None:
-        import torch
-
-        table, zero = _position_tables(page_bytes)
-        self.page_bytes, self.zero = page_bytes, zero
-        self.table = torch.from_numpy(table.copy()).to(device)
-        self.base = torch.arange(page_bytes, device=device, dtype=torch.int64) * 256
-
-    def __call__(self, pages: Any) -> Any:
-        """int64 crc32c per row of uint8 ``pages [n, page_bytes]`` (a tensor on this device)."""
-        import torch
-
-        x = torch.take(self.table, self.base + pages.to(torch.int64))  # [n, page_bytes] int32
-        width = self.page_bytes
-        while width > 1:
-            width //= 2
-            x = torch.bitwise_xor(x[:, :width], x[:, width: 2 * width])
-        return (x[:, 0].to(torch.int64) & 0xFFFFFFFF) ^ self.zero
-
-
-class KvikioPlanExecutor:
-    """Executes plans into a CUDA tensor with kvikio: pages ``CuFile.pread`` into a device
-    staging tensor (cuFile / GPUDirect Storage when kvikio is not in compatibility mode), each
-    page checked on the device (:class:`DeviceCrc`) before any row of it is extracted, rows
-    gathered on the device into ``out`` (uint8 CUDA tensor ``[n, row_bytes]``).
-
-    UNTESTED on a GPU: no device ran this project's tests. The crc check (:class:`DeviceCrc`)
-    is tested on CPU tensors, the file identity logic (:class:`LayerFiles`, :func:`open_cufile`)
-    with a stand-in for ``CuFile``; the kvikio reads and device indexing are not. One ``CuFile``
-    per layer file, checked against the identity the daemon sends with every plan and opened
-    again when the daemon's file changed (the same logic as the host executor), closed by
-    :meth:`close`."""
-
-    name = "kvikio"
-
-    def __init__(self, device: Any = None, chunk_pages: int = CHUNK_PAGES) -> None:
-        why = kvikio_usable()
-        if why:
-            raise PlanUnusable(f"the kvikio plan executor cannot run here: {why}")
-        import torch
-
-        self.device = torch.device(device if device is not None else "cuda")
-        self.chunk_pages = chunk_pages
-        self._crc = DeviceCrc(self.device)
-        import kvikio
-
-        self._files = LayerFiles(lambda path: open_cufile(path, kvikio.CuFile), lambda f: f.close())
-        self._lock = threading.Lock()
-        self._staging = torch.empty(chunk_pages * PAGE_BYTES, dtype=torch.uint8, device=self.device)
-
-    def execute(self, layer: int, plan: ReadPlan, out: Any) -> None:
-        import torch
-
-        if not len(plan.positions):
-            return
-        pb, rb = plan.page_bytes, plan.row_bytes
-        rpp = pb // rb
-        order = np.argsort(plan.page_index, kind="stable")
-        sorted_pages = plan.page_index[order]
-        with self._files.lease(plan) as f, self._lock:  # one staging tensor
-            for lo in range(0, len(plan.pages), self.chunk_pages):
-                hi = min(lo + self.chunk_pages, len(plan.pages))
-                begin, npages = extents(plan.pages[lo:hi], MAX_COALESCE_PAGES)
-                futures = [f.pread(self._staging[int(b) * pb: (int(b) + int(n)) * pb], int(n) * pb,
-                                   int(plan.pages[lo + int(b)]) * pb) for b, n in zip(begin, npages)]
-                got = sum(fut.get() for fut in futures)
-                if got != (hi - lo) * pb:
-                    raise errors.StorageError(f"short read of {plan.path}: {got} of {(hi - lo) * pb} bytes")
-                staged = self._staging[: (hi - lo) * pb].view(hi - lo, pb)
-                crcs = self._crc(staged).cpu().numpy()
-                bad = np.flatnonzero(crcs != plan.crcs[lo:hi].astype(np.int64))
-                if len(bad):
-                    raise _corrupt(layer, plan, plan.pages[lo:hi][bad])
-                a, b = np.searchsorted(sorted_pages, (lo, hi))
-                sel = order[a:b]
-                body = staged[:, : rpp * rb].reshape(hi - lo, rpp, rb)
-                pi = torch.from_numpy(plan.page_index[sel] - lo).to(self.device)
-                slot = torch.from_numpy(plan.slots[sel]).to(self.device)
-                out[torch.from_numpy(plan.positions[sel]).to(self.device)] = body[pi, slot]
-
-    def close(self) -> None:
-        self._files.close()
-
-
-class PlannedLookups:
-    """Plan-mode lookups over one Unix connection (``UnixTransport.planned``): each piece of
-    a request is one :meth:`UnixTransport.plan_lookup`, whose plan this process executes
-    (``executor``, by default a :class:`HostPlanExecutor` of this connection). Where a plan
-    cannot be executed here (:class:`PlanUnusable`: e.g. the file is not readable by this
-    process) the daemon reads those rows instead, and later calls for that layer are plain
-    lookups; logged once per layer. Thread-safe."""
-
-    def __init__(self, transport: Any) -> None:
-        self._transport = transport
-        self._lock = threading.Lock()
-        self._executor: HostPlanExecutor | None = None
-        self.fallbacks: dict[int, str] = {}  # layer -> why its plans are not executed here
-
-    def lookup(self, layer: int, row_ids: np.ndarray, out: np.ndarray, executor: PlanExecutor | None = None) -> np.ndarray:
-        """``lookup_into`` in plan mode; byte-exact with it either way (CorruptRows, and no row of
-        the page returned, when a page read here fails its crc32c)."""
-        t = self._transport
-        ids = requests.row_ids(row_ids)
-        flat = requests.rows_out(out, ids.shape, t.row_bytes)
-        ids = ids.reshape(-1)
-        if not ids.size:
-            requests.check_layer(layer, t.info_cached["layers"])
-            return out
-        if layer in self.fallbacks:
-            t.lookup_into(layer, ids, flat)
-            return out
-        executor = executor or self._host_executor()
-        step = t.plan_piece_rows()
-        for start in range(0, ids.size, step):
-            piece_ids, piece_out = ids[start: start + step], flat[start: start + step]
-            plan = t.plan_lookup(layer, piece_ids, piece_out)
-            if plan is None:
-                continue
-            try:
-                executor.execute(layer, plan, piece_out)
-            except PlanUnusable as exc:
-                self._fallback(layer, str(exc))
-                missing = plan.positions
-                piece_out[missing] = t.lookup_into(layer, piece_ids[missing],
-                                                   np.empty((len(missing), t.row_bytes), np.uint8))
-        return out
-
-    def info(self) -> dict[str, Any]:
-        ex = self._executor
-        return {"executor": "host", "fallbacks": dict(self.fallbacks),
-                "pages_read": ex.pages_read if ex is not None else 0,
-                "bytes_read": ex.bytes_read if ex is not None else 0}
-
-    def close(self) -> None:
-        with self._lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.close()
-
-    def _host_executor(self) -> HostPlanExecutor:
-        with self._lock:
-            if self._executor is None:
-                self._executor = HostPlanExecutor()
-            return self._executor
-
-    def _fallback(self, layer: int, why: str) -> None:
-        with self._lock:
-            first = layer not in self.fallbacks
-            self.fallbacks[layer] = why
-        if first:
-            log.warning("plan mode off for layer %d: %s; the daemon reads its cold rows instead", layer, why)

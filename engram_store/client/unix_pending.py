@@ -1,32 +1,35 @@
 """The handle of one lookup submitted over a Unix connection, and draining handles in order.
 
-A :class:`UnixPending` holds its request ids and its extent of the connection's shared
-region: ``wait()`` returns the rows the daemon gathered there as a read-only view (zero
-copy), ``release()`` gives the extent back once the daemon is done writing it.
-:func:`drain_first` copies the oldest of several pending lookups into the caller's buffer,
-as :meth:`.unix_transport.UnixTransport.lookup_into` does with its pieces in flight.
+A :class:`UnixPending` (a :class:`~.transport.Pending`) holds its request ids and its extent
+of the connection's shared region: ``wait()`` returns the rows the daemon gathered there as a
+read-only view (zero copy), ``release()`` gives the extent back once the daemon is done
+writing it. :func:`drain_first` copies the oldest of several pending lookups into the
+caller's buffer, as ``UnixTransport.lookup_into`` does with its pieces in flight.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import numpy as np
 
 from .. import errors
 from ..wire import frames as wire
-
-if TYPE_CHECKING:
-    from .unix_transport import UnixTransport
+from ..wire.frames import Frame
+from .region import Extents
 
 
 class UnixPending:
-    """One submitted lookup; ``wait()`` returns a read-only view into the shared region."""
+    """One submitted lookup; ``wait()`` returns a read-only view into the shared region.
+    ``reply(request id)`` waits for the connection's reply to a request (``Replies.wait``);
+    ``extents`` is the region's allocator the extent goes back to."""
 
-    __slots__ = ("_transport", "_request_ids", "_extent", "_rows", "_error", "_waited", "_released")
+    __slots__ = ("_reply", "_extents", "_request_ids", "_extent", "_rows", "_error", "_waited", "_released")
 
-    def __init__(self, transport: "UnixTransport", request_ids: list[int], extent: tuple[int, int], rows: np.ndarray) -> None:
-        self._transport, self._request_ids, self._extent, self._rows = transport, request_ids, extent, rows
+    def __init__(self, reply: Callable[[int], tuple[Frame, bytes]], extents: Extents, request_ids: list[int],
+                 extent: tuple[int, int], rows: np.ndarray) -> None:
+        self._reply, self._extents = reply, extents
+        self._request_ids, self._extent, self._rows = request_ids, extent, rows
         self._error: BaseException | None = None
         self._waited = False
         self._released = False
@@ -36,7 +39,7 @@ class UnixPending:
             self._waited = True
             for rid in self._request_ids:
                 try:
-                    frame, payload = self._transport._result(rid)
+                    frame, payload = self._reply(rid)
                 except errors.EngramStoreError as exc:
                     self._error = self._error or exc
                     if isinstance(exc, errors.Unavailable):
@@ -58,7 +61,7 @@ class UnixPending:
             pass
         self._released = True
         self._rows = None  # type: ignore[assignment]
-        self._transport._extents.release(*self._extent)
+        self._extents.release(*self._extent)
 
     def __enter__(self) -> np.ndarray:
         return self.wait()

@@ -1,19 +1,21 @@
 """The client side of the Unix-socket protocol: one connection, its shared region, its arena.
 
-Thread-safe. A lookup takes a contiguous extent of the shared region (row ids,
-then rows), writes the ids there, sends one LOOKUP frame per ``frame_rows``
-rows and waits for the RESULTs; the daemon gathers rows straight into the
-extent. :meth:`UnixTransport.submit` hands back the extent as a read-only
-view (zero copy) until :meth:`.unix_pending.UnixPending.release`; ``lookup_into``
-copies into the caller's buffer piece by piece, several pieces in flight.
+The ``unix://`` :class:`~.transport.Transport`. Thread-safe. A lookup takes a
+contiguous extent of the shared region (row ids, then rows), writes the ids
+there, sends one LOOKUP frame per ``frame_rows`` rows and waits for the
+RESULTs; the daemon gathers rows straight into the extent.
+:meth:`UnixTransport.submit` hands back the extent as a read-only view (zero
+copy) until :meth:`.unix_pending.UnixPending.release`; ``lookup_into`` copies
+into the caller's buffer piece by piece, several pieces in flight.
 
 :meth:`UnixTransport.plan_lookup` is one plan-mode round trip (cached daemons):
 rows the daemon holds in DRAM come through the region, the others as a read
 plan; executing plans, piece by piece with a fallback to the daemon, is
-:class:`.plan.PlannedLookups` (``transport.planned``).
+:class:`.plan_lookups.PlannedLookups` (``transport.planned``, behind
+:meth:`UnixTransport.lookup_planned`).
 
-Whichever waiting thread holds no result reads the socket for everyone
-(no receiver thread, so a lone caller pays no thread hand-off).
+Replies are read by :class:`.unix_replies.Replies`: whichever waiting thread
+holds no result reads the socket for everyone.
 
 Deadlines: a call waits at most ``timeout`` seconds for its replies, then
 raises :class:`~engram_store.errors.DeadlineExceeded` and closes the
@@ -29,7 +31,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import select
 import socket
 import struct
 import threading
@@ -45,9 +46,10 @@ from ..native import shm, syscalls
 from ..wire import frames as wire
 from ..wire.frames import Frame, Op, Status
 from . import unix_socket
-from .plan import PlannedLookups
+from .plan_lookups import PlannedLookups
 from .region import Extents
 from .unix_pending import UnixPending, drain_first
+from .unix_replies import Replies
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,8 @@ class UnixTransport:
         self.path, self.frame_rows, self.spin_seconds, self.timeout = path, frame_rows, spin_seconds, timeout
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._region = None
+        self._replies: Replies | None = None
+        self.planned: PlannedLookups | None = None
         self.arena: ArenaView | None = None
         try:
             deadline = time.monotonic() + connect_timeout  # connecting and the handshake, together
@@ -86,8 +90,7 @@ class UnixTransport:
             # Sends (small frames) give up too when a stopped daemon leaves the socket full.
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                                   struct.pack("ll", int(timeout), int(timeout % 1 * 1e6)))
-            self._readable = select.poll()
-            self._readable.register(self._sock.fileno(), select.POLLIN)
+            self._replies = Replies(self._sock, path, timeout, spin_seconds)
         except socket.timeout:  # Unavailable, as callers retrying a daemon that does not answer expect
             self.close()
             raise errors.Unavailable(f"engram-store at unix://{path} did not complete the handshake within "
@@ -103,12 +106,9 @@ class UnixTransport:
         self._extents = Extents(len(self.region))
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
-        self._cond = threading.Condition()
-        self._results: dict[int, tuple[Frame, bytes]] = {}
-        self._reading = False
-        self._broken = ""
+        self._reply = self._replies.wait  # the reply to a request id (bound once: called per lookup)
         self._reserved: dict[int, int] = {}  # offset -> bytes of reserve() buffers
-        self.planned = PlannedLookups(self)  # plan mode over this connection (:mod:`.plan`)
+        self.planned = PlannedLookups(self)  # plan mode over this connection (:mod:`.plan_lookups`)
 
     # --- requests -----------------------------------------------------------
     def _send(self, data: bytes) -> None:
@@ -116,8 +116,7 @@ class UnixTransport:
             with self._send_lock:
                 self._sock.sendall(data)
         except OSError as exc:
-            self._break(f"sending to the daemon failed: {exc}")
-            raise errors.Unavailable(self._broken) from None
+            raise self._replies.lost(f"sending to the daemon failed: {exc}") from None
 
     def _next_id(self) -> int:
         return next(self._ids)
@@ -151,7 +150,7 @@ class UnixTransport:
             raise
         rows = self.region[out_off: out_off + n * self.row_bytes].reshape(ids.shape + (self.row_bytes,))
         rows.setflags(write=False)  # a new view: the region itself stays writable
-        return UnixPending(self, rids, (off, need), rows)
+        return UnixPending(self._reply, self._extents, rids, (off, need), rows)
 
     def reserve(self, nbytes: int) -> np.ndarray:
         """A writable uint8 buffer inside the shared region, held until :meth:`unreserve`.
@@ -182,13 +181,15 @@ class UnixTransport:
             np.copyto(self.region[off: off + n * 8].view("<i8"), ids, casting="unsafe")
             rid = self._next_id()
             self._send(wire.pack_lookup(rid, layer, n, off, out_off))
-            frame, payload = self._result(rid)
+            frame, payload = self._reply(rid)
         finally:
             self._extents.release(off, max(wire.align(n * 8), wire.ALIGN))
         if frame.status != Status.OK:
             raise wire.error_of(frame.status, payload.decode(errors="replace"))
 
     def lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Fill ``out``: straight from the daemon when ``out`` lies in a :meth:`reserve` buffer, else
+        copied out of the region piece by piece."""
         ids = requests.row_ids(row_ids)
         flat = requests.rows_out(out, ids.shape, self.row_bytes)
         ids = ids.reshape(-1)
@@ -217,6 +218,13 @@ class UnixTransport:
         return out
 
     # --- plan mode ----------------------------------------------------------------
+    def lookup_planned(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``lookup_into`` in plan mode (:class:`.plan_lookups.PlannedLookups`)."""
+        return self.planned.lookup(layer, row_ids, out)
+
+    def plan_info(self) -> dict[str, Any]:
+        return self.planned.info()
+
     def plan_lookup(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> wire.ReadPlan | None:
         """One plan lookup (at most :meth:`plan_piece_rows` rows): the rows the daemon writes
         (those it holds in DRAM, or all of them) are copied into ``out`` (uint8 ``[n, row_bytes]``);
@@ -232,7 +240,7 @@ class UnixTransport:
             np.copyto(self.region[off: off + n * 8].view("<i8"), ids, casting="unsafe")
             rid = self._next_id()
             self._send(wire.pack_lookup(rid, layer, n, off, off + ids_bytes, flags=wire.Flag.PLAN))
-            frame, payload = self._result(rid)
+            frame, payload = self._reply(rid)
             if frame.status != Status.OK:
                 raise wire.error_of(frame.status, payload.decode(errors="replace"))
             rows = self.region[off + ids_bytes: off + ids_bytes + n * self.row_bytes].reshape(n, self.row_bytes)
@@ -270,7 +278,7 @@ class UnixTransport:
                 np.copyto(self.region[off: off + part.size * 8].view("<i8"), part, casting="unsafe")
                 rid = self._next_id()
                 self._send(wire.pack_hint(rid, layer, part.size, off, key))
-                frame, payload = self._result(rid)
+                frame, payload = self._reply(rid)
             finally:
                 self._extents.release(off, need)  # the daemon copied the ids before it answered
             if frame.status != Status.OK:
@@ -282,7 +290,7 @@ class UnixTransport:
         """The hints of ``key`` are no longer needed; returns the queued rows the daemon dropped."""
         rid = self._next_id()
         self._send(Frame(Op.WITHDRAW, rid, out_offset=key).pack())
-        frame, payload = self._result(rid)
+        frame, payload = self._reply(rid)
         if frame.status != Status.OK:
             raise wire.error_of(frame.status, payload.decode(errors="replace"))
         return frame.count
@@ -290,7 +298,7 @@ class UnixTransport:
     def _call_json(self, op: Op) -> Any:
         rid = self._next_id()
         self._send(Frame(op, rid).pack())
-        frame, payload = self._result(rid)
+        frame, payload = self._reply(rid)
         if frame.status != Status.OK:
             raise wire.error_of(frame.status, payload.decode(errors="replace"))
         return json.loads(payload)
@@ -301,76 +309,9 @@ class UnixTransport:
     def stats(self) -> dict[str, float]:
         return self._call_json(Op.STATS)
 
-    # --- results --------------------------------------------------------------
-    def _result(self, rid: int) -> tuple[Frame, bytes]:
-        deadline = time.monotonic() + self.timeout
-        with self._cond:
-            while True:
-                if rid in self._results:
-                    return self._results.pop(rid)
-                if self._broken:
-                    raise errors.Unavailable(self._broken)
-                if not self._reading:
-                    self._reading = True
-                    break
-                if not self._cond.wait(deadline - time.monotonic()) and time.monotonic() >= deadline:
-                    raise self._deadline_exceeded()
-        try:
-            while True:
-                if self.spin_seconds:
-                    shm.spin_until_readable(self._sock, self.spin_seconds)
-                frame = Frame.unpack(self._recv(wire.FRAME.size, deadline))
-                wire.check_header(frame, wire.MAX_DAEMON_PAYLOAD)
-                payload = self._recv(frame.payload_bytes, deadline) if frame.payload_bytes else b""
-                if frame.request_id == rid:
-                    return frame, payload
-                with self._cond:
-                    self._results[frame.request_id] = (frame, payload)
-                    self._cond.notify_all()
-        except (OSError, wire.ProtocolError) as exc:
-            self._break(f"lost the connection to engram-store at unix://{self.path}: {exc}")
-            raise errors.Unavailable(self._broken) from None
-        finally:
-            with self._cond:
-                self._reading = False
-                self._cond.notify_all()
-
-    def _recv(self, size: int, deadline: float) -> bytes:
-        """Exactly ``size`` bytes, waiting for them until ``deadline`` at most."""
-        data = b""
-        while len(data) < size:
-            try:
-                got = self._sock.recv(size - len(data), socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._readable.poll(max(1, int(left * 1000 + 1))):
-                    if time.monotonic() >= deadline:
-                        raise self._deadline_exceeded() from None
-                continue
-            if not got:
-                raise ConnectionError(f"peer closed the connection after {len(data)} of {size} bytes")
-            data = got if not data else data + got
-        return data
-
-    def _deadline_exceeded(self) -> errors.DeadlineExceeded:
-        """Close the connection (late replies must not land in reused region space) and say why."""
-        why = (f"engram-store at unix://{self.path} did not answer within {self.timeout:g}s (timeout); "
-               "the connection is closed and the next call reconnects")
-        self._break(why)
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        return errors.DeadlineExceeded(why)
-
-    def _break(self, why: str) -> None:
-        with self._cond:
-            self._broken = self._broken or why
-            self._cond.notify_all()
-
     @property
     def broken(self) -> bool:
-        return bool(self._broken)
+        return self._replies is None or bool(self._replies.why_broken)
 
     def attach_staging(self, fd: int, geometry: Any) -> None:
         """Hand the daemon a staging memfd (``fd``, sealed against shrinking and growing) for
@@ -385,9 +326,8 @@ class UnixTransport:
                 self._sock.sendall(message[: wire.FRAME.size])
                 shm.send_with_fds(self._sock, payload, [fd])
         except OSError as exc:
-            self._break(f"sending to the daemon failed: {exc}")
-            raise errors.Unavailable(self._broken) from None
-        frame, answer = self._result(rid)
+            raise self._replies.lost(f"sending to the daemon failed: {exc}") from None
+        frame, answer = self._reply(rid)
         if frame.status != Status.OK:
             raise wire.error_of(frame.status, answer.decode(errors="replace"))
 
@@ -404,10 +344,10 @@ class UnixTransport:
 
     def close(self) -> None:
         self._sock.close()
-        if getattr(self, "planned", None) is not None:
+        if self.planned is not None:
             self.planned.close()
-        if getattr(self, "_cond", None) is not None:
-            self._break("connection closed by the client")
+        if self._replies is not None:
+            self._replies.lost("connection closed by the client")
         if self.arena is not None:
             self.arena.close()
             self.arena = None
