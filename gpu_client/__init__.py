@@ -12,7 +12,7 @@ imported on first use:
 
 from __future__ import annotations
 
-import importlib
+from engram_store.client.lazy_names import lazy_names
 
 _EXPORTS = {
     "EngramClient": "engram_store.client.client",
@@ -26,16 +26,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'gpu_client' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)

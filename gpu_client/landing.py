@@ -1,12 +1,12 @@
 """How each layer's rows land in the prefetcher's device buffers (mixed into
 :class:`~gpu_client.prefetch.EngramPrefetcher`): gathered from a mapped resident arena, DMA'd
 from the client's shared region registered with CUDA (re-registered after a reconnect), or
-looked up into pinned staging and copied up; the per-layer fetch threads that do it."""
+looked up into pinned host buffers and copied up; the per-layer fetch threads that do it."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -14,12 +14,15 @@ from engram_store.errors import EngramStoreError, StorageError
 from gpu_client.future import PrefetchFuture
 from gpu_client.resident import readonly_tensor, register_host_memory, unregister_host_memory
 
+if TYPE_CHECKING:
+    from engram_store.client.transport import Transport
+
 
 class RowLanding:
     """The fetch side of :class:`~gpu_client.prefetch.EngramPrefetcher`. It uses the prefetcher's
     own state: ``client``, ``spec``, ``layers``, ``plan``, ``_cuda``, ``_stream``, ``_jobs``,
     ``_lookup_li``, ``_lookup_path``, ``_arena``, ``_resident_layers``, ``_device_buf``,
-    ``_staging``, ``_last_copy``, ``_consumed``, ``_region_lock``, ``_region_ptr``,
+    ``_pinned_rows``, ``_last_copy``, ``_consumed``, ``_region_lock``, ``_region_ptr``,
     ``_region_bytes``, ``_owns_region``, ``_region_generation`` and ``_timed``."""
 
     def _staged_path(self, client: Any) -> str:
@@ -40,12 +43,11 @@ class RowLanding:
             self._hooked = True
         return "staged-shm"
 
-    def _region_closing(self, transport: Any) -> None:
+    def _region_closing(self, transport: Transport) -> None:
         """The client is about to close ``transport`` (a reconnect): unregister its shared region
         while it is still mapped. A region unmapped while registered keeps its old pages pinned,
         and a new region mapped at the same address would then be DMA'd from those stale pages."""
-        if self._region_ptr is None or getattr(transport, "region", None) is None \
-                or transport.region.ctypes.data != self._region_ptr:
+        if self._region_ptr is None or transport.region is None or transport.region.ctypes.data != self._region_ptr:
             return
         self._stream.synchronize()  # no copy may still be reading it
         if self._owns_region:
@@ -139,14 +141,14 @@ class RowLanding:
                 if not self._cuda:
                     np.copyto(dev.numpy(), rows.reshape(T, R, rb))
                     return
-                if not self._rows_in_region(rows):  # reconnected meanwhile: not DMA-able, copy via pinned staging
+                if not self._rows_in_region(rows):  # reconnected meanwhile: not DMA-able, copy via the pinned buffers
                     if self._last_copy[fut.slot][li] is not None:
                         self._last_copy[fut.slot][li].synchronize()
-                    staging = self._staging[fut.slot, li, :T]
-                    np.copyto(staging.numpy(), rows.reshape(T, R, rb))
+                    pinned = self._pinned_rows[fut.slot, li, :T]
+                    np.copyto(pinned.numpy(), rows.reshape(T, R, rb))
                     with torch.cuda.stream(self._stream):
                         self._stream.wait_event(self._consumed[fut.slot])
-                        dev.copy_(staging, non_blocking=True)
+                        dev.copy_(pinned, non_blocking=True)
                         fut._copied[li] = torch.cuda.Event(enable_timing=self._timed)
                         fut._copied[li].record(self._stream)
                     fut._copied[li].synchronize()
@@ -161,16 +163,16 @@ class RowLanding:
                 handle.release()
             return
         if self._cuda:
-            if self._last_copy[fut.slot][li] is not None:  # the staging buffer is still being read
+            if self._last_copy[fut.slot][li] is not None:  # the pinned buffer is still being read
                 self._last_copy[fut.slot][li].synchronize()
-        staging = self._staging[fut.slot, li, :T]
+        pinned = self._pinned_rows[fut.slot, li, :T]
         if self.plan:  # cold rows read here from the layer file, every page checked first
-            self.client.lookup_planned(layer, fut._ids[li].numpy().reshape(T, R), staging.numpy())
+            self.client.lookup_planned(layer, fut._ids[li].numpy().reshape(T, R), pinned.numpy())
         else:
-            self.client.lookup_into(layer, fut._ids[li].numpy().reshape(T, R), staging.numpy())
+            self.client.lookup_into(layer, fut._ids[li].numpy().reshape(T, R), pinned.numpy())
         if self._cuda:
             with torch.cuda.stream(self._stream):
                 self._stream.wait_event(self._consumed[fut.slot])
-                dev.copy_(staging, non_blocking=True)
+                dev.copy_(pinned, non_blocking=True)
                 fut._copied[li] = self._last_copy[fut.slot][li] = torch.cuda.Event(enable_timing=self._timed)
                 fut._copied[li].record(self._stream)

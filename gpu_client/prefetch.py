@@ -10,7 +10,7 @@ can be fetched while the layers before them compute::
 
 ``submit`` hashes on the device (keeping each request's last tokens as history
 so a decode step hashes like prefill) without waiting for it: the step's inputs
-go up in one copy from a reused pinned buffer (:mod:`gpu_client.staging`), and
+go up in one copy from a reused pinned buffer (:mod:`gpu_client.step_inputs`), and
 nothing is read back. Then every layer's lookup starts at once: sent to the
 daemon from ``submit`` itself, or by one background thread per Engram layer.
 Token ids are compressed, or with ``raw_ids=True`` the engine's raw ids, mapped
@@ -25,7 +25,7 @@ carries each request's ``lookback`` (the stateless form engines use). ``path`` s
   mapped its arena; rows are gathered in process (CPU) or by the GPU over UVA;
 * ``staged-shm`` (CUDA): lookups land in the client's shared region, which is
   registered with ``cudaHostRegister``, and are DMA'd from there on a side stream;
-* ``staged-pinned`` (CUDA): lookups into pinned staging buffers, then H2D
+* ``staged-pinned`` (CUDA): lookups into pinned host buffers, then H2D
   (gRPC clients, or a region the driver refused to register);
 * ``staged`` (CPU): lookups straight into the output buffers;
 * ``<resident path>+<staged path>``: a daemon with per-layer placement: its resident
@@ -65,11 +65,11 @@ from engram_store.hashing import (
 )
 from engram_store.spec import ModelSpec
 from engram_store.tokens import TokenMap, raw_ids_for
-from gpu_client.future import PrefetchFuture
+from gpu_client.future import PrefetchFuture, PrefetchOwner
 from gpu_client.landing import RowLanding
 from gpu_client.resident import ArenaGather, unregister_host_memory
-from gpu_client.staging import HostStaging
 from gpu_client.step import RequestHistory, Step
+from gpu_client.step_inputs import StepInputs
 from gpu_client.timing import LayerTimings
 
 if TYPE_CHECKING:
@@ -121,10 +121,12 @@ class EngramPrefetcher(RowLanding):
         self.prefetch = prefetch
         self.validate = validate
         self._cuda = self.device.type == "cuda"
-        self._inputs = HostStaging(self.device, capacity=4 * max_tokens + 1024)  # step inputs, one H2D copy per step
-        self._history = RequestHistory(self.spec, self.device, max_rollback=max_rollback, staging=self._inputs)
+        self._inputs = StepInputs(self.device, capacity=4 * max_tokens + 1024)  # one H2D copy per step
+        self._history = RequestHistory(self.spec, self.device, max_rollback=max_rollback, inputs=self._inputs)
         self._timed = timing
         self._timing = LayerTimings(self.layers, timing_window)
+        self._owner = PrefetchOwner(self.layers, self.device, timing, self._layer_index, self._fetch,
+                                    self._timing.record, self.buffer)  # what this prefetcher's futures call
         self._device_timed: collections.deque[PrefetchFuture] = collections.deque(maxlen=64)
         self.raw = raw_ids_for(self.spec, info, token_map, block_images) if raw_ids else None
         self._raw_table = None if self.raw is None else self.raw.device_table(self.device)
@@ -151,14 +153,14 @@ class EngramPrefetcher(RowLanding):
         shape = (depth, L, max_tokens, R, rb)
         self._device_buf = torch.empty(shape, dtype=torch.uint8, device=self.device)
         self._counts = torch.zeros(depth, dtype=torch.int64, device=self.device)
-        self._staging = self._device_buf
+        self._pinned_rows = self._device_buf
         self._host_ids = None
         if self._cuda:
             self._stream = torch.cuda.Stream(self.device)
             self._consumed: list = [None] * depth
-            self._last_copy: list = [[None] * L for _ in range(depth)]  # H2D copies still reading staging
-            if self._lookup_li:  # pinned staging also backs staged-shm for lookups too big for the region
-                self._staging = torch.empty(shape, dtype=torch.uint8).pin_memory()
+            self._last_copy: list = [[None] * L for _ in range(depth)]  # H2D copies still reading the pinned buffers
+            if self._lookup_li:  # pinned buffers also back staged-shm for lookups too big for the region
+                self._pinned_rows = torch.empty(shape, dtype=torch.uint8).pin_memory()
                 self._host_ids = torch.empty((depth, L, max_tokens * R), dtype=torch.int64).pin_memory()
         self._inflight: list[PrefetchFuture | None] = [None] * depth
         self._pending: collections.deque[PrefetchFuture] = collections.deque()
@@ -197,7 +199,7 @@ class EngramPrefetcher(RowLanding):
             if self._timed and self._cuda:
                 self._device_timed.append(previous)
         if self._device_timed:
-            self._fold_device()
+            self._timing.fold_device(self._device_timed)
         # every input of the step in one copy from pinned memory (a pageable one would wait for the GPU)
         slots, fresh = self._history.assign(step.request_ids)
         extra = () if step.lookback is None else (step.lookback,)
@@ -212,7 +214,7 @@ class EngramPrefetcher(RowLanding):
         self._history.moved(step.request_ids, np.diff(step.cu_seqlens), restarted=step.lookback is not None)
         self._history.drop(step.finished)
         self._counts[slot].fill_(T)
-        fut = PrefetchFuture(self, slot, T, ids)
+        fut = PrefetchFuture(self._owner, slot, T, ids)
         fut._t0 = t0
         if self._cuda:
             self._consumed[slot] = fut._t0_event = torch.cuda.Event(enable_timing=self._timed)
@@ -306,7 +308,7 @@ class EngramPrefetcher(RowLanding):
         cover steps whose buffer set has been reused and whose events have completed (never synced).
         ``reset``: start afresh after reading (e.g. after a warm-up)."""
         if self._device_timed:
-            self._fold_device()
+            self._timing.fold_device(self._device_timed)
         doc = self._timing.summary()
         if reset:
             self._timing.reset()
@@ -371,27 +373,6 @@ class EngramPrefetcher(RowLanding):
         hist = history_from_lookback_torch(self.spec, lookback, self.raw, self._raw_table)
         pad = self._history.width - hist.shape[1]
         return torch.nn.functional.pad(hist, (pad, 0), value=self.spec.pad_id) if pad else hist
-
-    def _note_wait(self, fut: PrefetchFuture, li: int, asked: float, returned: float) -> None:
-        """Host timing of ``fut``'s layer ``li`` at its first wait (called by :meth:`PrefetchFuture.wait`)."""
-        t0 = fut._t0
-        self._timing.record(li, (fut._issued[li] - t0) * 1e3, (fut._ready_t[li] - t0) * 1e3, (asked - t0) * 1e3,
-                            (returned - asked) * 1e3)
-
-    def _fold_device(self) -> None:
-        """Device timing of finished steps, oldest first, as far as their events have completed (a
-        non-blocking ``query``: this never waits for the GPU)."""
-        while self._device_timed:
-            fut = self._device_timed[0]
-            events = [fut._t0_event, *(e for e in fut._copied if e is not None),
-                      *(e for e in fut._needed if e is not None)]
-            if not all(e.query() for e in events):
-                return
-            self._device_timed.popleft()
-            for li, (ready, needed) in enumerate(zip(fut._copied, fut._needed)):
-                if ready is not None and needed is not None:
-                    self._timing.record_device(li, fut._t0_event.elapsed_time(ready),
-                                               fut._t0_event.elapsed_time(needed))
 
     def _layer_index(self, layer: int) -> int:
         try:

@@ -21,7 +21,7 @@ import numpy as np
 
 from engram_store.errors import InvalidRequest
 from engram_store.spec import ModelSpec
-from gpu_client.staging import HostStaging
+from gpu_client.step_inputs import StepInputs
 
 if TYPE_CHECKING:
     import torch
@@ -89,7 +89,7 @@ class RequestHistory:
     """
 
     def __init__(self, spec: ModelSpec, device: "torch.device", capacity: int = 64, max_rollback: int = 16,
-                 staging: "HostStaging | None" = None) -> None:
+                 inputs: "StepInputs | None" = None) -> None:
         import torch
 
         if max_rollback < 0:
@@ -97,7 +97,7 @@ class RequestHistory:
         self._spec = spec
         self.width = spec.history_len + max_rollback
         self._table = torch.full((capacity, self.width), spec.pad_id, dtype=torch.int64, device=device)
-        self._staging = staging if staging is not None else HostStaging(device)  # slots go to the device from here
+        self._inputs = inputs if inputs is not None else StepInputs(device)  # slots go to the device from here
         self._slots: dict[Hashable, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
         self._pos: dict[Hashable, int] = {}  # position of the request's next token
@@ -129,9 +129,9 @@ class RequestHistory:
 
     def slots(self, request_ids: Sequence[Hashable]) -> "torch.Tensor":
         """Slot of each request on the device (new requests get a fresh slot holding pad ids); the slots
-        travel through the pinned staging ring, so this never waits for the device."""
+        travel through the pinned step-input ring, so this never waits for the device."""
         slots, fresh = self.assign(request_ids)
-        idx, fresh_dev = self._staging.put(slots, fresh)
+        idx, fresh_dev = self._inputs.put(slots, fresh)
         if fresh.size:  # a host-side count: no branch on a device value
             self.reset(fresh_dev)
         return idx

@@ -74,6 +74,17 @@ class LayerTimings:
         s.device_steps += 1
         s.device.append((ready, needed, needed - ready))
 
+    def fold_device(self, steps: collections.deque) -> None:
+        """The device figures of finished steps (futures, with ``device_times()``), oldest first, as far
+        as their events have completed; folded steps leave ``steps``. Never waits for the GPU."""
+        while steps:
+            times = steps[0].device_times()
+            if times is None:
+                return
+            steps.popleft()
+            for li, ready, needed in times:
+                self.record_device(li, ready, needed)
+
     def reset(self) -> None:
         self._stats = [_LayerStats(self.window) for _ in self.layers]
 

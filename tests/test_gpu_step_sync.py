@@ -25,7 +25,7 @@ import torch
 from engram_store import get_spec
 from engram_store.tokens import TokenMap
 from gpu_client import EngramPrefetcher, Step
-from gpu_client.staging import HostStaging
+from gpu_client.step_inputs import StepInputs
 
 SPEC = get_spec("tiny")
 
@@ -119,8 +119,8 @@ def test_decode_submit_reads_nothing_back_and_reuses_staging(client, monkeypatch
         fut.wait_all()
         made = pf._inputs.allocations
         puts = []
-        real_put = HostStaging.put
-        monkeypatch.setattr(HostStaging, "put", lambda self, *a: puts.append(len(a)) or real_put(self, *a))
+        real_put = StepInputs.put
+        monkeypatch.setattr(StepInputs, "put", lambda self, *a: puts.append(len(a)) or real_put(self, *a))
         guard = SyncGuard(monkeypatch)
         for step in steps[1:]:
             guard.active = True
@@ -145,7 +145,7 @@ def test_new_requests_and_growth_stay_on_the_staging_ring(client, monkeypatch):
 
 
 def test_staging_ring_reuses_and_grows_on_cpu():
-    st = HostStaging(torch.device("cpu"), capacity=8)
+    st = StepInputs(torch.device("cpu"), capacity=8)
     a, b = st.put(np.arange(3), np.arange(4).reshape(2, 2))
     assert a.tolist() == [0, 1, 2] and b.tolist() == [[0, 1], [2, 3]] and st.owns(a) and st.owns(b)
     for _ in range(10):

@@ -1,4 +1,4 @@
-"""Host staging for the small per-step inputs of the step path (token ids, cu_seqlens, slots, lookback).
+"""The small per-step inputs of the step path (token ids, cu_seqlens, slots, lookback) on their way to the device.
 
 A ``non_blocking`` copy from pageable memory is synchronous on CUDA (the driver
 bounces it through a pinned buffer of its own and waits for the queue), and
@@ -34,7 +34,7 @@ class _Buffer:
         self.event = None  # CUDA event recorded after the last copy from this buffer
 
 
-class HostStaging:
+class StepInputs:
     """A ring of int64 host buffers (pinned when ``device`` is CUDA) for host-to-device copies of step inputs.
 
     ``put(*arrays)`` copies the arrays into the next free buffer and returns one tensor per array on
