@@ -5,7 +5,7 @@ and fetch jobs (cached layers).
 
     tables = EngramStoreTables.connect("unix:///run/engram-store/engram-store.sock")
     weight, scales = tables.views(1, row_start, row_end)    # a resident layer: float8_e4m3fn [n, 256], uint8 [n, 8]
-    job = tables.fetch_job(14, max_rows)                    # a cached layer: rows fetched per step (client/fetch.py)
+    job = tables.fetch_job(14, max_rows)                    # a cached layer: rows fetched per step (fetch/job.py)
     weight, scales = tables.staged(14, ids)                 # one step's rows of a cached layer, run here
     tables.register_cuda()                                  # once per process, on GPU hosts
     tables.check_fetches()                                  # at each host-visible point of a step: raises failures
@@ -17,7 +17,7 @@ read. The views are zero-copy and read-only (the arena memfd is sealed against
 writes: a write through them faults).
 
 A cached layer's rows are not all in DRAM. Its rows of each step are fetched by a
-:class:`~engram_store.client.fetch.FetchJob` (native code a CUDA host function runs,
+:class:`~engram_store.fetch.job.FetchJob` (native code a CUDA host function runs,
 inside the engines' CUDA graphs) into a staging buffer in the same split layout, which
 the engines' kernels read with positional ids (row ``i`` of the staging is ``ids[i]``).
 A daemon whose *first* Engram layer is cached is served too, with one warning giving
@@ -39,14 +39,13 @@ own files, so one engine never mixes two table sets.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..client.fetch import FetchJob
+from ..fetch.job import FetchJob
 from ..client.table_files import TableIdentity
 from ..errors import ConfigError, ModelMismatch, StorageError, UnknownLayer
 from ..format.arena_layout import ArenaView
@@ -178,7 +177,18 @@ class EngramStoreTables:
     def shared(cls, address: str) -> "EngramStoreTables":
         """One mapping per process and address, opened on first use (engines call this from
         every layer; the arena is mapped once)."""
-        return _shared(address)
+        with _shared_lock:
+            tables = _shared_tables.get(address)
+            if tables is None:
+                tables = _shared_tables[address] = cls.connect(address)
+            return tables
+
+    @staticmethod
+    def shared_if_open(address: str) -> "EngramStoreTables | None":
+        """The :meth:`shared` tables of ``address`` when this process opened them already, else None
+        (never connects: what no mapping exists for, nothing can alias)."""
+        with _shared_lock:
+            return _shared_tables.get(address)
 
     # --- facts ----------------------------------------------------------------------
     @property
@@ -242,7 +252,7 @@ class EngramStoreTables:
     # --- cached layers ------------------------------------------------------------------
     def fetch_job(self, layer: int, max_rows: int) -> FetchJob:
         """A new fetch job for cached ``layer``, sized for ``max_rows`` rows a step (its own staging
-        and connection; see :mod:`engram_store.client.fetch`), built from the tables this object
+        and connection; see :mod:`engram_store.fetch.job`), built from the tables this object
         connected to (:attr:`identity`): it reads those files and refuses a daemon serving others,
         even after a restart. Kept for :meth:`check_fetches`."""
         if self.is_resident(layer):
@@ -370,9 +380,8 @@ class EngramStoreTables:
                 raise mismatch(f"hash head sizes of Engram layer {layer}", tuple(sizes), self.head_sizes(layer))
 
 
-@functools.cache
-def _shared(address: str) -> EngramStoreTables:
-    return EngramStoreTables.connect(address)
+_shared_lock = threading.Lock()
+_shared_tables: dict[str, EngramStoreTables] = {}  # EngramStoreTables.shared: address -> the process's mapping
 
 
 def describe_placement(info: dict[str, Any]) -> str:

@@ -18,24 +18,17 @@ catch it), before any weight is read.
 
 from __future__ import annotations
 
-import logging
-import os
+from ..entry import ENV_ADDR, register as _register
 
-ENV_ADDR = "ENGRAM_STORE_ADDR"
-
-log = logging.getLogger(__name__)
+__all__ = ["ENV_ADDR", "register"]
 
 
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point (safe to call more than once)."""
-    address = os.environ.get(ENV_ADDR, "").strip()
-    if not address:
-        return
-    try:
-        from .hooks import install
+    _register(_install, "SGLang", exit_on_failure=True)
 
-        install(address)
-    except Exception as exc:  # noqa: BLE001 - any failure must stop SGLang, not be logged and skipped by it
-        message = (f"engram-store's SGLang plugin cannot run ({ENV_ADDR}={address}): {type(exc).__name__}: {exc}")
-        log.critical("%s", message)
-        raise SystemExit(message) from exc
+
+def _install(address: str) -> None:
+    from .hooks import install
+
+    install(address)

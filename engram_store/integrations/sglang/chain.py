@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from ...client.fetch import FetchJob
+from ...fetch.job import FetchJob
 from .lanes import Lanes
 
 PIECE_TOKENS = 4096  # tokens of every head one staging holds (a rank fetching fewer heads: more tokens)

@@ -15,20 +15,15 @@ from __future__ import annotations
 
 import collections
 import logging
-import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 from ...errors import EngineUnsupported
+from ..install import reads_whole_files, writes_tables
+from ..models import ModelAdapter
+from .host_table import is_arena_table
 
 log = logging.getLogger(__name__)
-
-# DeepSeek-V4.1's checkpoint names of the tables: layers.{L}.engram.embed.weight / .scale (maybe model.-prefixed).
-ENGRAM_TENSOR = re.compile(r"(?:^|\.)layers\.\d+\.engram\.embed\.(?:weight|scale)$")
-
-
-def is_engram_table(name: str) -> bool:
-    return ENGRAM_TENSOR.search(name) is not None
 
 
 def _refuse_whole_files(disable_mmap: bool, prefetch: bool) -> None:
@@ -46,14 +41,14 @@ def _drop_cache(path: str) -> None:
     weight_utils._drop_file_cache_after_load(path)
 
 
-def _read_shard(path: str) -> tuple[dict[str, Any], int]:
-    """Every tensor of one shard but the Engram tables, and how many were skipped."""
+def _read_shard(model: ModelAdapter, path: str) -> tuple[dict[str, Any], int]:
+    """Every tensor of one shard but the model's tables, and how many were skipped."""
     import safetensors
 
     tensors, skipped = {}, 0
     with safetensors.safe_open(path, framework="pt", device="cpu") as f:
         for name in f.keys():
-            if is_engram_table(name):
+            if model.is_table_tensor(name):
                 skipped += 1
             else:
                 tensors[name] = f.get_tensor(name)
@@ -66,10 +61,11 @@ def _log_skipped(skipped: int) -> None:
                  skipped)
 
 
-def safetensors_weights_iterator(hf_weights_files: list[str], disable_mmap: bool = False, prefetch: bool = False,
-                                 prefetch_num_threads: int = 4,
+def safetensors_weights_iterator(model: ModelAdapter, hf_weights_files: list[str], disable_mmap: bool = False,
+                                 prefetch: bool = False, prefetch_num_threads: int = 4,
                                  drop_cache_after_load: bool = False) -> Iterator[tuple[str, Any]]:
-    """REPLACE of SGLang's single-threaded iterator: one shard at a time, tensor by tensor."""
+    """REPLACE of SGLang's single-threaded iterator (``model``: whose tables are skipped, bound when the
+    hooks are made): one shard at a time, tensor by tensor."""
     import safetensors
 
     _refuse_whole_files(disable_mmap, prefetch)
@@ -77,7 +73,7 @@ def safetensors_weights_iterator(hf_weights_files: list[str], disable_mmap: bool
     for path in hf_weights_files:
         with safetensors.safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                if is_engram_table(name):
+                if model.is_table_tensor(name):
                     skipped += 1
                     continue
                 yield name, f.get_tensor(name)
@@ -87,7 +83,7 @@ def safetensors_weights_iterator(hf_weights_files: list[str], disable_mmap: bool
 
 
 def buffered_multi_thread_safetensors_weights_iterator(
-        hf_weights_files: list[str], max_workers: int, disable_mmap: bool = False, prefetch: bool = False,
+        model: ModelAdapter, hf_weights_files: list[str], max_workers: int, disable_mmap: bool = False, prefetch: bool = False,
         prefetch_num_threads: int = 4, drop_cache_after_load: bool = False) -> Iterator[tuple[str, Any]]:
     """REPLACE of SGLang's default multi-threaded iterator: ``max_workers`` shards read at once,
     one more read ahead, each yielded whole in name order (the same bounded window)."""
@@ -97,7 +93,7 @@ def buffered_multi_thread_safetensors_weights_iterator(
         files = iter(hf_weights_files)
         window: collections.deque = collections.deque()
         for path in files:
-            window.append((path, pool.submit(_read_shard, path)))
+            window.append((path, pool.submit(_read_shard, model, path)))
             if len(window) > max_workers:
                 break
         while window:
@@ -106,7 +102,7 @@ def buffered_multi_thread_safetensors_weights_iterator(
             skipped += n
             following = next(files, None)
             if following is not None:
-                window.append((following, pool.submit(_read_shard, following)))
+                window.append((following, pool.submit(_read_shard, model, following)))
             for name in sorted(tensors):
                 yield name, tensors[name]
             del tensors
@@ -118,8 +114,7 @@ def buffered_multi_thread_safetensors_weights_iterator(
 def refuse_whole_file_loader(what: str) -> Callable[..., Any]:
     """A REPLACE hook refusing a loading path that reads whole checkpoint files."""
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise EngineUnsupported(f"{what} reads whole checkpoint files, Engram tables included (189 GiB), which "
-                                "engram-store serves instead; use the default safetensors loader")
+        raise reads_whole_files(what)
 
     refuse.__qualname__ = f"engram_store_refuse[{what}]"
     return refuse
@@ -128,12 +123,8 @@ def refuse_whole_file_loader(what: str) -> Callable[..., Any]:
 def refuse_write(what: str) -> Callable[..., Any]:
     """An AROUND hook refusing a weight fill over a model whose Engram tables are the arena."""
     def around(original: Callable[..., Any], model: Any, *args: Any, **kwargs: Any) -> Any:
-        from .host_table import is_arena_table
-
         if any(is_arena_table(m) for m in model.modules()):
-            raise EngineUnsupported(f"{what} would write into the Engram tables, which are the engram-store daemon's "
-                                    "read-only arena; it is not available while the engram-store plugin is active "
-                                    "(unset ENGRAM_STORE_ADDR to use it)")
+            raise writes_tables(what)
         return original(model, *args, **kwargs)
 
     around.__qualname__ = f"engram_store_refuse_write[{what}]"

@@ -35,6 +35,8 @@ from typing import Any, Sequence
 
 from ... import errors
 from .. import agreement
+from ..install import Plugin
+from . import prefetch, prompt_hints
 
 log = logging.getLogger(__name__)
 
@@ -105,20 +107,19 @@ def sglang_groups() -> tuple[tuple[Any, ...], int]:
     return groups, (int(p.tp_rank) if p.tp_size > 1 else 0)
 
 
-def before_results(original: Any, scheduler: Any, batch: Any, result: Any, *args: Any, **kw: Any) -> Any:
+def before_results(plugin: Plugin, original: Any, scheduler: Any, batch: Any, result: Any, *args: Any,
+                   **kw: Any) -> Any:
     """AROUND ``Scheduler.process_batch_result``: a step's fetch failures raised once its tokens are on
     the host, before SGLang appends or streams them (a process without a cached layer: nothing)."""
-    from . import hinting, hooks, prefetch
-
     groups, rank = sglang_groups()
     cached = prefetch.has_cached()
     if not cached and not groups:
         return original(scheduler, batch, result, *args, **kw)
-    tables = hooks.tables()
+    tables = plugin.tables()
     if batch_mode(groups, tables.failure_board, cached) is agreement.Mode.NONE:
         return original(scheduler, batch, result, *args, **kw)
     host_visible(result)
     check(tables, groups, rank, cached)
     out = original(scheduler, batch, result, *args, **kw)
-    hinting.after_results(batch)  # its finished requests' hints withdrawn
+    prompt_hints.after_results(plugin.tables, batch)  # its finished requests' hints withdrawn
     return out

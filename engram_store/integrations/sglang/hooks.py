@@ -1,4 +1,9 @@
-"""What the SGLang plugin hooks in SGLang, and the checks before it hooks anything.
+"""The SGLang engine adapter: what the plugin hooks in SGLang, and the checks before it hooks anything.
+
+:data:`SGLANG` is the :class:`~engram_store.integrations.install.EngineAdapter` that
+:func:`engram_store.integrations.install.install` runs with DeepSeek-V4.1's model adapter.
+:func:`targets` declares every hook; each is made for the installed
+:class:`~engram_store.integrations.install.Plugin` (passed in) when the hooks are registered.
 
 Every hook goes through SGLang's own ``HookRegistry`` (which also rebinds
 ``from x import f`` copies). Before one is registered, SGLang's version and every
@@ -37,21 +42,19 @@ from __future__ import annotations
 import inspect
 import logging
 import pkgutil
-import threading
+from functools import partial
 from typing import Any, Callable
 
 from ...errors import EngineUnsupported
-from .. import failures as failure_board
-from ..tables import EngramStoreTables, describe_placement
+from ..install import Plugin, install as install_plugin, installed, installed_tables
+from ..models.deepseek_v41 import DEEPSEEK_V41
+from ..tables import EngramStoreTables
+from . import checkpoint, failures, host_table, prefetch, prompt_hints
+from .modules import ENGRAM, SCHEDULER, STAGING, WEIGHT_UTILS
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_VERSIONS = ("0.5.23",)  # SGLang releases whose Engram code these hooks were written against
-ENGRAM = "sglang.srt.layers.engram"
-WEIGHT_UTILS = "sglang.srt.model_loader.weight_utils"
-STAGING = "sglang.srt.layers.engram_staging"
-SCHEDULER = "sglang.srt.managers.scheduler"
-SCALE_BLOCK = 32  # values per E8M0 scale (SGLang's FP8_BLOCK_SIZE; engram-store's row format)
 
 # Names read (not hooked): the module attributes the replacements call, and for each
 # method whose body we rely on, a word its source must contain.
@@ -73,27 +76,25 @@ SOURCE_USES = {  # method -> attributes of an EngramEmbedding our host table set
 ENV_FLAGS = ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT",
              "SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS", "SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING")
 
-_state_lock = threading.Lock()
-_installed: dict[str, Any] = {}  # address, version, originals by target, once installed
-_applied_checked = False
+Hooks = dict[str, tuple[str, Callable, tuple[str, ...] | None]]  # target -> (HookType name, hook, signature)
 
 
-def install(address: str) -> None:
-    """Check SGLang and register the hooks that read Engram tables from the daemon at ``address``."""
-    with _state_lock:
-        if _installed:
-            if _installed["address"] != address:
-                raise EngineUnsupported(f"engram-store plugin already active for {_installed['address']}, "
-                                        f"asked again for {address}")
-            return
-        version = sglang_version()
-        if not version.startswith(SUPPORTED_VERSIONS):
-            raise EngineUnsupported(f"engram-store's SGLang plugin supports SGLang {', '.join(SUPPORTED_VERSIONS)}, "
-                                    f"this is SGLang {version}; unset ENGRAM_STORE_ADDR to run SGLang without "
-                                    "engram-store, or install a matching engram-store")
-        hooks = targets()
+class SGLangHooks:
+    """The :class:`~engram_store.integrations.install.EngineAdapter` of SGLang: hooks registered with
+    SGLang's ``HookRegistry``, which applies them when SGLang loads its plugins."""
+
+    name = "SGLang"
+    supported_versions = SUPPORTED_VERSIONS
+    tables_phrase = "Engram host tables"
+
+    def version(self) -> str:
+        return sglang_version()
+
+    def prepare(self, plugin: Plugin) -> tuple[Hooks, dict[str, Any]]:
+        hooks = {target: (hook_type, make(plugin), signature)
+                 for target, (hook_type, make, signature) in targets().items()}
         originals = {target: _resolve(target) for target in hooks}
-        for target, (hook_type, _, signature) in hooks.items():
+        for target, (_, _, signature) in hooks.items():
             if signature is not None:
                 _check_signature(target, originals[target], signature)
         for name in READ_NAMES:
@@ -105,19 +106,44 @@ def install(address: str) -> None:
             if getattr(envs, flag, None) is None:
                 raise EngineUnsupported(f"engram-store's SGLang plugin reads SGLang's {flag}, which this SGLang "
                                         "does not declare")
+        _resolve("sglang.srt.plugins.hook_registry.HookRegistry")  # what apply registers with
+        return hooks, originals
+
+    def apply(self, plugin: Plugin, prepared: tuple[Hooks, dict[str, Any]]) -> dict[str, Any]:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        info = EngramStoreTables.probe(address)  # a daemon must answer now, not at model build
-        failure_board.board()  # made here (the launcher) or inherited: shared by the schedulers it starts
+        hooks, originals = prepared
         for target, (hook_type, hook, _) in hooks.items():
             HookRegistry.register(target, hook, getattr(HookType, hook_type))
-        _installed.update(address=address, version=version, originals=originals)
-    log.warning("engram-store plugin ACTIVE: SGLang %s reads DeepSeek-V4.1 Engram host tables from the engram-store "
-                "daemon at %s (%s; checkpoint Engram tensors are not read)", version, address, describe_placement(info))
+        return originals
+
+    def check_applied(self, plugin: Plugin) -> None:
+        """HookRegistry skips, with a log line, a hook it could not apply; a model half hooked would load
+        the tables."""
+        missing = [target for target, original in plugin.originals.items() if _resolve(target) is original]
+        if missing:
+            raise EngineUnsupported(f"SGLang's HookRegistry did not apply engram-store's hooks on {', '.join(missing)} "
+                                    "(see its 'Failed to apply hooks' log line); refusing to build a model that would "
+                                    "load the Engram tables from the checkpoint")
+
+
+SGLANG = SGLangHooks()
+
+
+def install(address: str) -> Plugin:
+    """Check SGLang and register the hooks that read DeepSeek-V4.1's Engram tables from the daemon at
+    ``address``."""
+    return install_plugin(SGLANG, DEEPSEEK_V41, address)
 
 
 def installed_address() -> str | None:
-    return _installed.get("address")
+    """The daemon's address when the plugin is installed in this process (for tests)."""
+    return getattr(installed(SGLANG.name), "address", None)
+
+
+def tables() -> EngramStoreTables:
+    """The installed plugin's tables (for callers outside the plugin: tests, tools)."""
+    return installed_tables(SGLANG.name)
 
 
 def sglang_version() -> str:
@@ -128,73 +154,52 @@ def sglang_version() -> str:
     return str(__version__)
 
 
-def tables() -> EngramStoreTables:
-    """The daemon's tables in this process (the arena mapped on first use, once): resident layers
-    are SGLang's shared host tables in place, cached ones are fetched a layer ahead (:mod:`.prefetch`)."""
-    address = _installed.get("address")
-    if address is None:
-        raise EngineUnsupported("the engram-store SGLang plugin is not installed in this process")
-    t = EngramStoreTables.shared(address)
-    if t.failure_board is None:  # the server's ranks share it: a failure on one stops the one that streams
-        t.failure_board = failure_board.board()
-    return t
-
-
-def check_applied() -> None:
-    """Raise unless every hook of :func:`targets` is in place (HookRegistry skips, with a
-    log line, a hook it could not apply; a model half hooked would load the tables)."""
-    global _applied_checked
-    if _applied_checked:
-        return
-    missing = [target for target, original in _installed.get("originals", {}).items()
-               if _resolve(target) is original]
-    if missing:
-        raise EngineUnsupported(f"SGLang's HookRegistry did not apply engram-store's hooks on {', '.join(missing)} "
-                                "(see its 'Failed to apply hooks' log line); refusing to build a model that would "
-                                "load the Engram tables from the checkpoint")
-    _applied_checked = True
-
-
 # --- what is hooked --------------------------------------------------------------------
-def targets() -> dict[str, tuple[str, Callable, tuple[str, ...] | None]]:
-    """target -> (HookType name, hook, parameter names of the original that the hook
-    takes over, or None when it only wraps)."""
-    from . import checkpoint, failures, hinting, host_table, prefetch
+def _stateless(hook: Callable) -> Callable[[Plugin], Callable]:
+    return lambda plugin: hook
 
+
+def targets() -> dict[str, tuple[str, Callable[[Plugin], Callable], tuple[str, ...] | None]]:
+    """target -> (HookType name, make(plugin) -> hook, parameter names of the original that the hook
+    takes over, or None when it only wraps)."""
     files = ("hf_weights_files",)
+    with_model = lambda hook: lambda plugin: partial(hook, plugin.model)  # noqa: E731
+    with_plugin = lambda hook: lambda plugin: partial(hook, plugin)  # noqa: E731
     return {
-        f"{ENGRAM}.EngramLayout.from_config": ("AFTER", host_table.check_layout, ("cls", "config")),
-        f"{ENGRAM}.EngramEmbedding.__init__": ("BEFORE", host_table.before_embedding_init,
+        f"{ENGRAM}.EngramLayout.from_config": ("AFTER", with_plugin(host_table.check_layout), ("cls", "config")),
+        f"{ENGRAM}.EngramEmbedding.__init__": ("BEFORE", with_plugin(host_table.before_embedding_init),
                                                ("self", "num_embeddings", "dim", "layer_id", "column_bounds")),
-        f"{ENGRAM}.EngramEmbedding._init_host_table": ("REPLACE", host_table.init_host_table,
+        f"{ENGRAM}.EngramEmbedding._init_host_table": ("REPLACE", with_plugin(host_table.init_host_table),
                                                        ("self", "num_embeddings", "dim", "layer_id")),
-        f"{ENGRAM}.EngramEmbedding._load_rows": ("AROUND", host_table.load_rows, ("self", "param", "loaded_weight")),
+        f"{ENGRAM}.EngramEmbedding._load_rows": ("AROUND", _stateless(host_table.load_rows),
+                                                 ("self", "param", "loaded_weight")),
         f"{WEIGHT_UTILS}.safetensors_weights_iterator": (
-            "REPLACE", checkpoint.safetensors_weights_iterator,
+            "REPLACE", with_model(checkpoint.safetensors_weights_iterator),
             files + ("disable_mmap", "prefetch", "prefetch_num_threads", "drop_cache_after_load")),
         f"{WEIGHT_UTILS}.buffered_multi_thread_safetensors_weights_iterator": (
-            "REPLACE", checkpoint.buffered_multi_thread_safetensors_weights_iterator,
+            "REPLACE", with_model(checkpoint.buffered_multi_thread_safetensors_weights_iterator),
             files + ("max_workers", "disable_mmap", "prefetch", "prefetch_num_threads", "drop_cache_after_load")),
         f"{WEIGHT_UTILS}.fastsafetensors_weights_iterator": (
-            "REPLACE", checkpoint.refuse_whole_file_loader("--load-format fastsafetensors"), None),
+            "REPLACE", _stateless(checkpoint.refuse_whole_file_loader("--load-format fastsafetensors")), None),
         f"{WEIGHT_UTILS}.instanttensor_weights_iterator": (
-            "REPLACE", checkpoint.refuse_whole_file_loader("--load-format instanttensor"), None),
+            "REPLACE", _stateless(checkpoint.refuse_whole_file_loader("--load-format instanttensor")), None),
         f"{WEIGHT_UTILS}._prefetch_all_checkpoints": (
-            "REPLACE", checkpoint.refuse_whole_file_loader("--weight-loader-prefetch-checkpoints"), None),
+            "REPLACE", _stateless(checkpoint.refuse_whole_file_loader("--weight-loader-prefetch-checkpoints")), None),
         f"{WEIGHT_UTILS}.initialize_dummy_weights": (
-            "AROUND", checkpoint.refuse_write("--load-format dummy"), None),
+            "AROUND", _stateless(checkpoint.refuse_write("--load-format dummy")), None),
         f"{WEIGHT_UTILS}.initialize_capture_safe_weights": (
-            "AROUND", checkpoint.refuse_write("filling the weights for overlapped start-up"), None),
+            "AROUND", _stateless(checkpoint.refuse_write("filling the weights for overlapped start-up")), None),
         # every layer's rows a layer ahead, cached layers through fetch jobs (prefetch.py)
-        f"{ENGRAM}.EngramHasher.forward": ("AFTER", prefetch.after_hasher, None),
-        f"{ENGRAM}.EngramEmbedding.forward": ("AROUND", prefetch.forward,
+        f"{ENGRAM}.EngramHasher.forward": ("AFTER", _stateless(prefetch.after_hasher), None),
+        f"{ENGRAM}.EngramEmbedding.forward": ("AROUND", _stateless(prefetch.forward),
                                               ("self", "indices", "forward_batch", "cp_all_tokens")),
-        f"{STAGING}.EngramRowStager.from_model": ("AROUND", prefetch.stager_from_model,
+        f"{STAGING}.EngramRowStager.from_model": ("AROUND", _stateless(prefetch.stager_from_model),
                                                   ("cls", "model", "hasher", "device")),
-        f"{SCHEDULER}.Scheduler.process_batch_result": ("AROUND", failures.before_results,
+        f"{SCHEDULER}.Scheduler.process_batch_result": ("AROUND", with_plugin(failures.before_results),
                                                         ("self", "batch", "result")),
-        # prompt hints: a planned prefill's later chunks read ahead by the daemon (hinting.py)
-        f"{SCHEDULER}.Scheduler.get_new_batch_prefill": ("AFTER", hinting.after_prefill_plan, None),
+        # prompt hints: a planned prefill's later chunks read ahead by the daemon (prompt_hints.py)
+        f"{SCHEDULER}.Scheduler.get_new_batch_prefill": (
+            "AFTER", lambda plugin: partial(prompt_hints.after_prefill_plan, plugin.tables), None),
     }
 
 

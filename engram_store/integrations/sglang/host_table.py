@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import EngineUnsupported, ModelMismatch
-from . import chain, hinting, hooks, prefetch
+from ..install import Plugin
+from . import chain, prefetch, prompt_hints
+from .modules import engram as _engram
 
 log = logging.getLogger(__name__)
 
@@ -53,33 +55,25 @@ class ArenaHostTable:
                  "nothing loaded", label, self.layer, self.rows, self.huge_pages)
 
 
-def _engram() -> Any:
-    import sglang.srt.layers.engram as engram
-
-    return engram
-
-
 @functools.cache
 def _warn_layout_overridden(layout: str) -> None:
     log.warning("SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT=%s is ignored while the engram-store plugin is active: every "
                 "TP rank maps the daemon's whole table (the shared layout, one copy per host)", layout)
 
 
-def check_layout(layout: Any, cls: Any, config: Any) -> None:
+def check_layout(plugin: Plugin, layout: Any, cls: Any, config: Any) -> None:
     """AFTER ``EngramLayout.from_config``: the model config's Engram layout against the daemon's tables."""
-    hooks.check_applied()
+    plugin.check_applied()
     if layout is None:  # a DeepSeek-V4 config without Engram layers: nothing to serve
         return
-    block = int(_engram().FP8_BLOCK_SIZE)
-    hooks.tables().check_model(
-        layer_ids=layout.layer_ids, rows=layout.num_embeddings,
-        head_sizes=[[p for order in per_layer for p in order] for per_layer in layout.primes],
-        dim=layout.head_dim, scale_block=block, source="SGLang's EngramLayout of the model config")
+    plugin.model.check_layout(plugin.tables(), layout, int(_engram().FP8_BLOCK_SIZE),
+                              source="SGLang's EngramLayout of the model config")
 
 
-def before_embedding_init(self, num_embeddings: int, dim: int, layer_id: int, column_bounds: Any) -> None:
+def before_embedding_init(plugin: Plugin, self, num_embeddings: int, dim: int, layer_id: int,
+                          column_bounds: Any) -> None:
     """BEFORE ``EngramEmbedding.__init__``: refuse the settings that keep the table out of host memory."""
-    hooks.check_applied()
+    plugin.check_applied()
     envs = _engram().envs
     if envs.SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS.get():
         raise EngineUnsupported("SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS keeps the Engram tables in GPU memory, loaded "
@@ -91,22 +85,22 @@ def before_embedding_init(self, num_embeddings: int, dim: int, layer_id: int, co
                                 "memory from the checkpoint)")
 
 
-def init_host_table(self, num_embeddings: int, dim: int, layer_id: int) -> None:
+def init_host_table(plugin: Plugin, self, num_embeddings: int, dim: int, layer_id: int) -> None:
     """REPLACE ``EngramEmbedding._init_host_table``: the layer's shared host table is the arena."""
     import torch
     from torch import nn
 
-    hooks.check_applied()
+    plugin.check_applied()
     engram = _engram()
     layout = engram.envs.SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT.get()
     if layout != "shared":
         _warn_layout_overridden(layout)
     block = int(engram.FP8_BLOCK_SIZE)
-    t = hooks.tables()
+    t = plugin.tables()
     if layer_id not in t.layers:
         raise ModelMismatch(f"Engram layer {layer_id}: the engram-store daemon at {t.address} serves layers "
                             f"{t.layers} (tables of spec {t.spec.name!r})")
-    if int(num_embeddings) != t.rows(layer_id) or int(dim) != t.spec.row_format.dim or block != hooks.SCALE_BLOCK:
+    if int(num_embeddings) != t.rows(layer_id) or int(dim) != t.spec.row_format.dim or block != plugin.model.scale_block:
         raise ModelMismatch(f"Engram layer {layer_id}: SGLang builds {num_embeddings} rows of {dim} values "
                             f"(scale block {block}), the engram-store daemon at {t.address} serves "
                             f"{t.rows(layer_id)} rows of {t.spec.row_format.dim} (scale block "
@@ -119,7 +113,7 @@ def init_host_table(self, num_embeddings: int, dim: int, layer_id: int) -> None:
         heads = len(t.head_sizes(layer_id))
         stagings, weight, scales = _stagings(t, engram, int(layer_id), chain.PIECE_TOKENS * heads)
         cached = chain.Cached(stagings, heads, _columns(self, heads))
-        hinting.register(int(layer_id), slice(*cached.columns))
+        prompt_hints.register(int(layer_id), slice(*cached.columns))
     scale = scales.view(torch.float8_e8m0fnu)
     if torch.cuda.is_available() and not (registration := t.register_cuda(int(layer_id))):
         raise EngineUnsupported(f"Engram layer {layer_id}: {registration.message}; SGLang's kernels cannot read it")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from ...client.fetch import FetchJob
+from ...fetch.job import FetchJob
 
 
 class Lane(Protocol):

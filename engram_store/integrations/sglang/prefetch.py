@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import chain, lanes
+from .modules import engram
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +70,10 @@ def _key(indices: Any) -> tuple:
 
 
 def _issue(embedding: Any, indices: Any, out: Any, on: lanes.Lanes) -> Any:
-    from .host_table import _engram
-
     cached = embedding._engram_store_cached
     if cached is None:
-        return chain.issue_resident(_engram(), embedding, indices, out, on)
-    return chain.issue(_engram(), cached, indices, out, on)
+        return chain.issue_resident(engram(), embedding, indices, out, on)
+    return chain.issue(engram(), cached, indices, out, on)
 
 
 def start(embedding: Any, indices: Any) -> None:

@@ -16,19 +16,17 @@ never swallowed: running silently without the daemon would load 189 GiB.
 
 from __future__ import annotations
 
-import logging
-import os
+from ..entry import ENV_ADDR, register as _register
 
-ENV_ADDR = "ENGRAM_STORE_ADDR"
-
-log = logging.getLogger(__name__)
+__all__ = ["ENV_ADDR", "register"]
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point (safe to call more than once)."""
-    address = os.environ.get(ENV_ADDR, "").strip()
-    if not address:
-        return
+    _register(_install, "vLLM", exit_on_failure=False)
+
+
+def _install(address: str) -> None:
     from .patches import install
 
     install(address)

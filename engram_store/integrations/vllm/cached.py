@@ -3,7 +3,7 @@ lookup and CUDA graphs.
 
 A layer the daemon holds resident is read in place (``patches._allocate_weights``: the arena views).
 For a cached layer, ``ParallelEngramEmbedding``'s ``weight`` / ``weight_scale_inv`` are the staging
-blocks of a :class:`~engram_store.client.fetch.FetchJob` (this rank's, sized for
+blocks of a :class:`~engram_store.fetch.job.FetchJob` (this rank's, sized for
 ``max_num_batched_tokens`` tokens of its heads), and :func:`lookup` runs, where vLLM runs its lookup
 (on the Engram side stream, a layer ahead of the layer):
 
@@ -46,10 +46,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...client.fetch import FetchJob
+from ...fetch.job import FetchJob
 from ...errors import EngineUnsupported
 from ..tables import EngramStoreTables
-from . import hinting, ranks, runners
+from . import prompt_hints, ranks, runners
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def allocate(embedding: Any, tables: EngramStoreTables, layer: int) -> tuple[Any
                                           embedding.n_hash_cols, tokens)
     # vLLM's "rows already page-friendly" storage: it never sorts the (positional, in-order) ids of this layer
     embedding._packed = torch.frombuffer(job.staging, dtype=torch.uint8)
-    hinting.register(layer, slice(embedding.head_start, embedding.head_start + local))
+    prompt_hints.register(layer, slice(embedding.head_start, embedding.head_start + local))
     ranks.serve_cached(layer)
     log.info("engram-store: Engram layer %d is cached: this rank's rows of each step (heads [%d, %d), up to %d rows) "
              "are fetched a layer ahead by a fetch job (deadline %.1f s, then direct page reads)", layer,

