@@ -23,7 +23,7 @@ class Laps:
 
 
 def lookup_by_parts(store, layer: int, ids: np.ndarray, out: np.ndarray, parts: dict[str, list[float]]) -> int:
-    """One cached-layer lookup with each step of ``TieredStore._lookup_into`` / ``_lookup_cached`` timed (the
+    """One cached-layer lookup with each step of ``TieredStore.lookup_into`` / ``CachedPath.lookup`` timed (the
     same calls in the same order, corrupt-page handling left out); returns the rows missed. A helper copies the
     hits while this thread reads the misses, as in the store: "wait for the hits' copy" is what is left of it
     after the reads (0 when the copy ended first). The cache's admission runs after the daemon's reply (timed
@@ -33,7 +33,8 @@ def lookup_by_parts(store, layer: int, ids: np.ndarray, out: np.ndarray, parts: 
     from engram_store.storage.cached_path import OVERLAP_MIN_HITS
     from engram_store.storage.stats import LookupStats
 
-    t, cache = Laps(parts), store._cache  # the bench looks inside the store
+    t, p, cached = Laps(parts), store.parts, store.cached_path  # the bench looks inside the store
+    cache = p.cache
     flat = requests.flat_row_ids(requests.row_ids(ids))
     requests.check_bounds(layer, flat, store.rows(layer))
     t.lap("check ids")
@@ -45,7 +46,7 @@ def lookup_by_parts(store, layer: int, ids: np.ndarray, out: np.ndarray, parts: 
     n, rb = len(flat), store.row_bytes
     copying = None
     if n_hit == n:
-        store._gather.take(cache.slots, found - 1, out)
+        p.gather.take(cache.slots, found - 1, out)
         t.lap("copy hits")
     else:
         miss = np.flatnonzero(~hit) if n_hit else None
@@ -53,34 +54,34 @@ def lookup_by_parts(store, layer: int, ids: np.ndarray, out: np.ndarray, parts: 
         if n_hit:
             at = np.flatnonzero(hit)
             if n_hit >= OVERLAP_MIN_HITS:
-                copying = store._overlap.start(store._copy_hits, token, found[at] - 1, block[:n_hit])
+                copying = p.overlap.start(cached.copy_hits, token, found[at] - 1, block[:n_hit])
                 t.lap("hand the hits' copy to a helper")
             if copying is None:
-                store._gather.take(cache.slots, found[at] - 1, block[:n_hit])
+                p.gather.take(cache.slots, found[at] - 1, block[:n_hit])
                 t.lap("copy hits")
     if copying is None:
         cache.end(token)
         t.lap("cache.end")
     admit = None
     if n_hit < n:
-        distinct, inverse, _, _, held = store._read_misses(layer, flat[miss] if n_hit else flat, block[n_hit:])
+        distinct, inverse, _, _, held = cached.read_misses(layer, flat[miss] if n_hit else flat, block[n_hit:])
         t.lap("unique misses + NVMe reads")
         if copying is not None:
             copying.result()
             t.lap("wait for the hits' copy")
         data = block[n_hit: n_hit + len(distinct)]
         if not n_hit:
-            store._gather.take(data, inverse, out)
+            p.gather.take(data, inverse, out)
         else:
             source = np.empty(n, dtype=np.int64)
             source[at] = np.arange(n_hit)
             source[miss] = n_hit + inverse
-            store._gather.take(block, source, out)
+            p.gather.take(block, source, out)
         t.lap("place hits and misses")
         admit = (distinct, data)
-    store._sampler.record(layer, flat)
+    p.sampler.record(layer, flat)
     t.lap("sampler.record")
-    store._counters.add(LookupStats(rows=len(flat), rows_dram=n_hit))
+    p.counters.add(LookupStats(rows=len(flat), rows_dram=n_hit))
     t.lap("counters.add")
     parts.setdefault("sum of parts", []).append(sum(v[-1] for k, v in parts.items() if k not in
                                                     ("sum of parts", "lookup_into", AFTER_REPLY)))
@@ -88,7 +89,7 @@ def lookup_by_parts(store, layer: int, ids: np.ndarray, out: np.ndarray, parts: 
         cache.admit(layer, *admit)
         t.lap(AFTER_REPLY)
         for read in held:
-            store._inflight.release(read)
+            p.inflight.release(read)
     return len(flat) - n_hit
 
 

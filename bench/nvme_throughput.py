@@ -149,7 +149,7 @@ def cold_lookups(tables: Path, layer: int, qd: int, seconds: float, batch_rows: 
 
     store = TieredStore.open(tables, dram_bytes=1 << 20, mode="cached", queue_depth=qd, reader=backend)
     if not checked:
-        for lf in store._nvme.files.values():  # the bench's switch: LayerFile.crcs None = unchecked reads
+        for lf in store.parts.nvme.files.values():  # the bench's switch: LayerFile.crcs None = unchecked reads
             lf.crcs = None
     rng = np.random.default_rng(1000 + qd + seed)
     out = np.empty((batch_rows, store.row_bytes), dtype=np.uint8)

@@ -1,27 +1,65 @@
-"""A cached layer's lookups inside :class:`~.tiered.TieredStore` (mixed into it): hits gathered from
-the row cache's slots, misses read from NVMe (shared with lookups reading the same pages now,
-:mod:`.inflight`), each page checked against its crc32c, verified rows offered to the cache, rows of
-corrupt pages refused with CorruptRows."""
+"""The cached layers' lookups: hits gathered from the row cache's slots, misses read from NVMe (shared
+with lookups reading the same pages now, :mod:`.inflight`), each page checked against its crc32c,
+verified rows offered to the cache, rows of corrupt pages refused with CorruptRows."""
 
 from __future__ import annotations
 
 import functools
+import time
+from typing import Mapping
 
 import numpy as np
 
 from ..errors import StorageError
-from .nvme import ReadStats
-from .stats import LookupStats
+from ..format import requests
+from ..native.gather import Gatherer
+from .close_gate import CloseGate
+from .inflight import InFlight
+from .integrity import PageHealth
+from .layer_file import LayerFile
+from .nvme import NvmeTier, ReadStats
+from .overlap import ReadOverlap
+from .parts import PageChecks
+from .profile import AccessSampler
+from .row_cache import RowCache
+from .stats import LookupStats, StoreCounters
 
 OVERLAP_MIN_HITS = 256  # a lookup with fewer hits copies them itself, before its reads (a hand-off costs more)
 MAX_RECLAIMS = 3  # rows a read that gave way left: claimed again this many times at most, then read unclaimed
 AFTER_REPLY_PATIENCE_SECONDS = 0.005  # an admission after the reply waits this long at most for evicted slots
 
 
-class CachedLookups:
-    """The cached-layer methods of :class:`~.tiered.TieredStore`. They use the store's own parts:
-    ``_cache``, ``_gather``, ``_inflight``, ``_nvme``, ``_overlap``, ``_health``, ``_files``,
-    ``_counters``, ``_enter``/``_exit`` (the close gate) and ``row_bytes``."""
+class CachedPath:
+    """Lookups of the cached layers of ``cache`` (None: the store has none, and this is never asked).
+    Thread-safe: any number of lookups at once."""
+
+    def __init__(self, cache: RowCache | None, gather: Gatherer, overlap: ReadOverlap, inflight: InFlight,
+                 nvme: NvmeTier, health: PageHealth, files: Mapping[int, LayerFile], sampler: AccessSampler,
+                 counters: StoreCounters, gate: CloseGate, checks: PageChecks, row_bytes: int) -> None:
+        self._cache, self._gather, self._overlap, self._inflight = cache, gather, overlap, inflight
+        self._nvme, self._health, self._files, self._sampler = nvme, health, files, sampler
+        self._counters, self._gate, self._checks, self._row_bytes = counters, gate, checks, row_bytes
+
+    def lookup(self, lf: LayerFile, flat: np.ndarray, out2: np.ndarray, t0: float,
+               admit_later: list | None = None) -> LookupStats:
+        """Fill ``out2`` (rows, or a SplitOut) with the rows ``flat`` of cached layer ``lf`` (checked: dtypes
+        and shapes; bounds are checked here); returns the call's stats, counted. ``t0``: when the request began.
+        ``admit_later``: see :meth:`_lookup_cached`."""
+        requests.check_bounds(lf.layer, flat, lf.layout.rows)
+        n = len(flat)
+        st = LookupStats(rows=n)
+        try:
+            if n:
+                self._lookup_cached(lf.layer, flat, out2, st, admit_later)
+        except StorageError:
+            self._counters.error()
+            raise
+        st.bytes_dram = st.rows_dram * self._row_bytes
+        st.bytes_nvme = st.rows_nvme * self._row_bytes
+        self._sampler.record(lf.layer, flat)
+        st.seconds = time.perf_counter() - t0
+        self._counters.add(st)
+        return st
 
     def _lookup_cached(self, layer: int, flat: np.ndarray, out2: np.ndarray, st: LookupStats,
                        admit_later: list | None = None) -> None:
@@ -33,7 +71,7 @@ class CachedLookups:
         gather). The reads never wait for a thread hand-off: the copy is long done when they end.
         With ``admit_later`` (a list) the rows read are offered to the cache by a callable appended
         to it, for the caller to run once its reply is out, instead of before returning."""
-        cache, n, rb = self._cache, len(flat), self.row_bytes
+        cache, n, rb = self._cache, len(flat), self._row_bytes
         hinted = cache.hint_admissions  # hinted rows put in after this: the misses are looked up again
         token, found = cache.begin(layer, flat)
         copying = None
@@ -48,7 +86,7 @@ class CachedLookups:
             if n_hit:
                 at = np.flatnonzero(hit)
                 if n_hit >= OVERLAP_MIN_HITS:  # copied by a helper during the reads; it ends the cache read
-                    copying = self._overlap.start(self._copy_hits, token, found[at] - 1, block[:n_hit])
+                    copying = self._overlap.start(self.copy_hits, token, found[at] - 1, block[:n_hit])
                 if copying is None:
                     self._gather.take(cache.slots, found[at] - 1, block[:n_hit])
         finally:
@@ -56,14 +94,14 @@ class CachedLookups:
                 cache.end(token)  # slots read above may be reused from here on
         held: list = []
         try:
-            distinct, inverse, rs, shared, held = self._read_misses(layer, flat[miss] if n_hit else flat,
-                                                                    block[n_hit:], hinted)
+            distinct, inverse, rs, shared, held = self.read_misses(layer, flat[miss] if n_hit else flat,
+                                                                   block[n_hit:], hinted)
         finally:
             if copying is not None:
                 copying.result()  # done long before the reads (raises what the copy raised)
         try:  # until its rows are in the cache, the read stays claimed: nobody reads them again meanwhile
             data = block[n_hit: n_hit + len(distinct)]
-            self._clear_good(layer, distinct, rs.bad_pages, "an NVMe read")
+            self._checks.clear_good(layer, distinct, rs.bad_pages, "an NVMe read")
             if len(rs.bad_pages):
                 self._refuse_read(layer, distinct, inverse, data, rs.bad_pages)
             if not n_hit:
@@ -87,18 +125,20 @@ class CachedLookups:
             for read in held:
                 self._inflight.release(read)
 
-    def _copy_hits(self, token: int, slots: np.ndarray, into: np.ndarray) -> None:
-        """A lookup's hits (``slots``) into ``into``, on a helper; then the lookup's cache read ends."""
+    def copy_hits(self, token: int, slots: np.ndarray, into: np.ndarray) -> None:
+        """A lookup's hits (``slots``) into ``into``, on a helper; then the lookup's cache read ends.
+        (One step of :meth:`lookup`, public for a profile that times the steps one by one.)"""
         try:
             self._gather.take(self._cache.slots, slots, into)
         finally:
             self._cache.end(token)
 
-    def _read_misses(self, layer: int, missed: np.ndarray, into: np.ndarray, hinted: int | None = None) -> tuple:
+    def read_misses(self, layer: int, missed: np.ndarray, into: np.ndarray, hinted: int | None = None) -> tuple:
         """The distinct rows of ``missed`` read into the first rows of ``into`` (C-contiguous, at least
         as many rows as ``missed``): (distinct rows, the position of each of ``missed`` among them,
         what was read, rows taken from another read, the reads held claimed: release them once their
-        rows are admitted). ``hinted``: the cache's ``hint_admissions`` when the misses were found."""
+        rows are admitted). ``hinted``: the cache's ``hint_admissions`` when the misses were found.
+        (One step of :meth:`lookup`, public for a profile that times the steps one by one.)"""
         distinct, inverse = np.unique(missed, return_inverse=True)
         with self._inflight.reading():  # the hint reader gives way from here to the last wait
             rs, shared, held = self._read_missing(layer, distinct, into[: len(distinct)], hinted=hinted)
@@ -109,13 +149,13 @@ class CachedLookups:
         once the store is closing. Then its reads (``held``) are no longer claimed."""
         try:
             try:
-                self._enter()
+                self._gate.enter()
             except StorageError:
                 return
             try:  # after the reply: a little patience costs no lookup its time, and keeps the rows
                 self._counters.admitted(self._cache.admit(layer, rows, data, patience=AFTER_REPLY_PATIENCE_SECONDS))
             finally:
-                self._exit()
+                self._gate.exit()
         finally:
             for read in held:
                 self._inflight.release(read)
@@ -131,14 +171,14 @@ class CachedLookups:
         rs = ReadStats()
         from_cache = 0
         if read is not None:
-            part = data if not waits else np.empty((len(mine), self.row_bytes), dtype=np.uint8)
+            part = data if not waits else np.empty((len(mine), self._row_bytes), dtype=np.uint8)
             try:
                 have = None
                 if hinted is not None and self._cache.hint_admissions != hinted:  # a hint read ended meanwhile
                     have = self._copy_cached(layer, read.rows, part)
                     from_cache = int(np.count_nonzero(have))
                 if from_cache:
-                    rest = np.empty((len(read.rows) - from_cache, self.row_bytes), dtype=np.uint8)
+                    rest = np.empty((len(read.rows) - from_cache, self._row_bytes), dtype=np.uint8)
                     rs = self._nvme.read_rows(layer, read.rows[~have], rest)
                     part[~have] = rest
                 else:
@@ -164,7 +204,7 @@ class CachedLookups:
         try:
             have = found > 0
             if have.any():
-                got = np.empty((int(np.count_nonzero(have)), self.row_bytes), dtype=np.uint8)
+                got = np.empty((int(np.count_nonzero(have)), self._row_bytes), dtype=np.uint8)
                 self._gather.take(self._cache.slots, found[have] - 1, got)
                 out[have] = got
         finally:
@@ -187,7 +227,7 @@ class CachedLookups:
                 if took.all():
                     continue
             left = wait.at[~took]  # that read failed, or gave way before them: read them here, claimed
-            part = np.empty((len(left), self.row_bytes), dtype=np.uint8)
+            part = np.empty((len(left), self._row_bytes), dtype=np.uint8)
             if depth < MAX_RECLAIMS:
                 got, again, kept = self._read_missing(layer, distinct[left], part, depth + 1)
                 shared += again
@@ -199,33 +239,6 @@ class CachedLookups:
             rs.seconds += got.seconds
             rs.bad_pages = np.union1d(rs.bad_pages, got.bad_pages).astype(np.int64)
         return shared
-
-    def _refuse_known_bad(self, layer: int, flat: np.ndarray) -> None:
-        """CorruptRows when any of ``flat`` sits in a page already known corrupt (rows read in place)."""
-        if self._health.has_bad(layer):
-            bad = self._health.bad_rows(layer, flat)
-            if bad.any():
-                self._counters.error()
-                raise self._health.refuse(layer, np.unique(flat[bad]), int(np.count_nonzero(bad)))
-
-    def _read_verified(self, layer: int, rows: np.ndarray, who: str) -> tuple[np.ndarray, np.ndarray, int]:
-        """Read distinct sorted ``rows`` from NVMe for the cache (warm-up, background admission):
-        pages failing their crc32c are marked (found by ``who``) and their rows dropped. Returns
-        (rows kept, their bytes, bytes read)."""
-        data = np.empty((len(rows), self.row_bytes), dtype=np.uint8)
-        rs = self._nvme.read_rows(layer, rows, data)
-        self._clear_good(layer, rows, rs.bad_pages, who)
-        if len(rs.bad_pages):
-            self._health.mark(layer, rs.bad_pages, who)
-            good = ~np.isin(rows // self._files[layer].layout.rows_per_page, rs.bad_pages)
-            rows, data = rows[good], data[good]
-        return rows, data, rs.bytes
-
-    def _clear_good(self, layer: int, rows: np.ndarray, bad_pages: np.ndarray, who: str) -> None:
-        """Pages of ``rows`` just read that matched their crc32c are not bad (any more)."""
-        if self._health.has_bad(layer):
-            pages = np.unique(rows // self._files[layer].layout.rows_per_page)
-            self._health.clear(layer, np.setdiff1d(pages, bad_pages), who)
 
     def _refuse_read(self, layer: int, distinct: np.ndarray, inverse: np.ndarray, data: np.ndarray,
                      bad_pages: np.ndarray) -> None:

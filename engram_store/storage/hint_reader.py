@@ -1,6 +1,6 @@
-"""The hint reader: one background thread that reads queued hints (:mod:`.hints`) behind the lookups.
+"""The hint reader: one background thread that reads queued hints (:mod:`.hint_queue`) behind the lookups.
 
-It takes a batch of a hint's rows at a time (holders in turns, :meth:`~.hints.HintQueue.take`) and
+It takes a batch of a hint's rows at a time (holders in turns, :meth:`~.hint_queue.HintQueue.take`) and
 hands it to the store (``read_batch``), which reads its pages:
 
 - **behind lookups**: it starts reading only once no lookup is reading
@@ -10,7 +10,7 @@ hands it to the store (``read_batch``), which reads its pages:
   it. A stream of lookups that never pauses holds the reader back :data:`STARVE_SECONDS` at most; then
   a few pages go anyway (``STARVED_READS`` times its queue depth), so hints still move;
 - **with a share of the queue depth**: ``queue_depth`` reads in flight at most
-  (:class:`~.hints.HintSettings`), never the lookups' full depth;
+  (:class:`~.hint_queue.HintSettings`), never the lookups' full depth;
 - **shared**: its rows are claimed as a read in flight (:mod:`.inflight`), so a lookup missing them
   waits for it (which then gives way at once) rather than reading them twice, and rows a lookup is
   reading are left out.
@@ -20,7 +20,7 @@ to the policy, rows that aged unread are freed) and drops queued hints that aged
 share is full, or the cache has no slot a hinted row may take (every row in it is one lookups keep
 hitting: see :meth:`~.row_cache.RowCache.admit_hinted`), it settles and waits rather than read rows it
 could not keep. When the queue empties after a flood it hands the freed memory back
-(:meth:`~.hints.HintQueue.trim`).
+(:meth:`~.hint_queue.HintQueue.trim`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import logging
 import threading
 from typing import Callable
 
-from .hints import HintQueue
+from .hint_queue import HintQueue
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Plan lookups, the store's side: counters and the background admission of planned rows.
 
-A plan lookup (:meth:`PlanLookups.plan_into`, a method of the store) copies the rows a cached
+A plan lookup (:meth:`Planner.plan_into`, behind the store's ``plan_into``) copies the rows a cached
 layer holds in DRAM and hands back a :class:`~engram_store.wire.frames.ReadPlan`
 of the others, without reading them: the client reads those pages itself (from
 NVMe into host or device memory) and checks them. So that hot rows still end up
@@ -17,16 +17,21 @@ import collections
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass, fields
-from typing import Callable
+from typing import Callable, Collection, Mapping
 
 import numpy as np
 
 from ..errors import StorageError
 from ..format import requests
 from ..wire.frames import ReadPlan
+from .close_gate import CloseGate
+from .integrity import PageHealth
 from .layer_file import LayerFile
+from .parts import PageChecks, ServeRows
+from .profile import AccessSampler
+from .request_checks import check_request, checked_layer
+from .row_cache import RowCache
 
 log = logging.getLogger(__name__)
 
@@ -122,46 +127,35 @@ class Admitter:
             thread.join()
 
 
-class PlanLookups:
-    """The plan-lookup methods of :class:`~.tiered.TieredStore` (mixed into it). They use the
-    store's own parts: ``_enter``/``_exit`` (the close gate), ``_layer``, ``_check_request``,
-    ``_lookup_into`` (the plain path, which serves what a plan does not), ``_resident``,
-    ``_cache``, ``_health``, ``_sampler``, ``_read_verified``, ``_file_ids``, ``row_bytes``,
-    and the ``_plan_counters`` and ``_admitter`` of this module."""
+class Planner:
+    """Plan lookups of a store, and the background admission of the rows they planned. ``serve``: the
+    store's plain lookup, for what a plan does not cover. Thread-safe."""
 
-    def plan_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray, *,
-                  max_plan_bytes: int) -> ReadPlan | None:
-        """Copy the rows this store holds in DRAM into ``out`` and return the read plan of the
-        others, unread (``out`` at their positions is left as it was); None when every row is
-        in ``out``: a resident layer, all rows cached, a layer without page checksums, a
-        striped layer (a plan names one file; the store reads the stripes itself), or a
-        plan that would exceed ``max_plan_bytes`` (then the misses are read here as by
-        :meth:`lookup_into`). Rows of pages known corrupt are refused with CorruptRows, as by
-        :meth:`lookup_into`. The planned rows are queued for background admission into the
-        cache (bounded; dropped when the queue is full). Same argument checks as
-        :meth:`lookup_into`."""
-        t0 = time.perf_counter()
-        self._enter()
-        try:
-            return self._plan_into(layer, row_ids, out, max_plan_bytes, t0)
-        finally:
-            self._exit()
+    def __init__(self, files: Mapping[int, LayerFile], resident: Collection[int], cache: RowCache | None,
+                 health: PageHealth, sampler: AccessSampler, gate: CloseGate, checks: PageChecks, serve: ServeRows,
+                 row_bytes: int) -> None:
+        self._files, self._resident, self._cache, self._health = files, resident, cache, health
+        self._sampler, self._gate, self._checks, self._serve, self._row_bytes = sampler, gate, checks, serve, row_bytes
+        self.counters = PlanCounters()
+        self._admitter = Admitter(self._admit_planned, self.counters)
+        self._file_ids: dict[int, tuple[str, int, int]] = {}  # layer -> (absolute path, st_dev, st_ino)
 
-    def _plan_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray, max_plan_bytes: int,
-                   t0: float) -> ReadPlan | None:
-        lf = self._layer(layer)
-        flat, out2 = self._check_request(lf, row_ids, out)
+    def plan_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray, max_plan_bytes: int,
+                  t0: float) -> ReadPlan | None:
+        """The store's ``plan_into`` (which see), inside its close gate; ``t0``: when the request began."""
+        lf = checked_layer(self._files, layer)
+        flat, out2 = check_request(lf, row_ids, out, self._row_bytes)
         n = len(flat)
         if lf.layer in self._resident or lf.file is None or lf.crcs is None or lf.stripes or self._cache is None or not n:
-            self._lookup_into(layer, row_ids, out, t0)
-            self._plan_counters.add(requests=1, rows=n, rows_served=n)
+            self._serve(layer, row_ids, out, t0)
+            self.counters.add(requests=1, rows=n, rows_served=n)
             return None
         requests.check_bounds(lf.layer, flat, lf.layout.rows)
         if self._health.has_bad(lf.layer) and self._health.bad_rows(lf.layer, flat).any():
             # rows of pages marked bad: read and checked here as by lookup_into, which refuses them
             # or finds them good again (cleared), so a plan and a plain lookup always agree
-            self._lookup_into(layer, row_ids, out, t0)
-            self._plan_counters.add(requests=1, rows=n, rows_served=n)
+            self._serve(layer, row_ids, out, t0)
+            self.counters.add(requests=1, rows=n, rows_served=n)
             return None
         path, dev, ino = self._file_id(lf)
         cache = self._cache
@@ -175,7 +169,7 @@ class PlanLookups:
             if ReadPlan.nbytes(len(path.encode()), len(pages), len(miss)) > max_plan_bytes:
                 plan = None
             else:
-                plan = ReadPlan(path, lf.file.size, dev, ino, self.row_bytes, pages, lf.crcs[pages], miss,
+                plan = ReadPlan(path, lf.file.size, dev, ino, self._row_bytes, pages, lf.crcs[pages], miss,
                                 page_of_distinct[inverse], flat[miss] % rpp)
                 if len(miss) < n:
                     at = np.flatnonzero(hit)
@@ -183,12 +177,12 @@ class PlanLookups:
         finally:
             cache.end(token)  # slots read above may be reused from here on
         if plan is None:  # too large to send: served here like any lookup
-            self._lookup_into(layer, row_ids, out, t0)
-            self._plan_counters.add(requests=1, rows=n, rows_served=n)
+            self._serve(layer, row_ids, out, t0)
+            self.counters.add(requests=1, rows=n, rows_served=n)
             return None
         self._sampler.record(lf.layer, flat)
-        self._plan_counters.add(requests=1, rows=n, rows_dram=n - len(miss), rows_planned=len(miss),
-                                pages_planned=len(pages))
+        self.counters.add(requests=1, rows=n, rows_dram=n - len(miss), rows_planned=len(miss),
+                          pages_planned=len(pages))
         if len(miss):
             self._admitter.offer(lf.layer, distinct)
         return plan if len(miss) else None
@@ -202,10 +196,10 @@ class PlanLookups:
         return got
 
     def _admit_planned(self, layer: int, rows: np.ndarray) -> None:
-        """The background admission of planned rows (the :class:`.plan.Admitter`'s thread):
-        those not cached meanwhile are read from NVMe, checked, and offered to the cache."""
+        """The background admission of planned rows (the :class:`Admitter`'s thread): those not
+        cached meanwhile are read from NVMe, checked, and offered to the cache."""
         try:
-            self._enter()
+            self._gate.enter()
         except StorageError:
             return  # closing
         try:
@@ -215,12 +209,16 @@ class PlanLookups:
                 rows = rows[cache.maps[li][rows] == 0]
             if not len(rows):
                 return
-            rows, data, nbytes = self._read_verified(layer, rows, "a background admission")
+            rows, data, nbytes = self._checks.read_verified(layer, rows, "a background admission")
             admitted = cache.admit(layer, rows, data) if len(rows) else 0
-            self._plan_counters.add(admitted_rows=admitted, admit_bytes_read=nbytes)
+            self.counters.add(admitted_rows=admitted, admit_bytes_read=nbytes)
         finally:
-            self._exit()
+            self._gate.exit()
 
-    def plan_admission_idle(self) -> bool:
-        """No planned rows wait for background admission (for tests and drains)."""
+    def idle(self) -> bool:
+        """No planned rows wait for background admission."""
         return self._admitter.idle()
+
+    def stop(self) -> None:
+        """Drop the queued admissions and wait for the one being read (before the store closes its gate)."""
+        self._admitter.stop()

@@ -5,7 +5,7 @@ A slot arena of ``n_slots`` rows, one int32 row-to-slot array per layer
 cost no memory; on transparent huge pages where the host allows, as every
 lookup reads them at random rows), and an eviction policy (:mod:`.policies`).
 
-Hinted rows (:mod:`.hints`: rows an engine will ask for soon, read ahead) take slots too, at most
+Hinted rows (:mod:`.hint_queue`: rows an engine will ask for soon, read ahead) take slots too, at most
 a bounded share of them (:meth:`RowCache.admit_hinted`): a ceiling, not a quota. They take free
 slots, and slots of rows the policy finds cold (no lookup read them since they were admitted or last
 aged: :meth:`~.policies.EvictionPolicy.evict_cold`); never a row lookups keep hitting, so a flood of
@@ -18,7 +18,7 @@ Slots are never reused under a reader, by epochs: a lookup registers the
 current epoch while it copies out of slots; evicted slots are retired with the
 epoch of their eviction and go back to the free stack only once every lookup
 that started at or before that epoch has finished. The lock and the epochs are
-an ``EpochGuard`` (``native/epoch_guard.h``) that the daemon's native Unix path
+an ``EpochGuard`` (``native/gather/epoch_guard.h``) that the daemon's native Unix path
 shares (:meth:`RowCache.native_views`): it serves lookups whose rows are all
 cached under the same rule, without the interpreter.
 """
@@ -51,7 +51,7 @@ _NATIVE = load("_gather", "the cache's row-to-slot lookups use numpy indexing")
 
 class EpochGuard:
     """The lock and reader epochs where the native module is not built (the same contract as
-    ``_gather.EpochGuard``, ``native/epoch_guard.h``): ``with guard`` holds the lock;
+    ``_gather.EpochGuard``, ``native/gather/epoch_guard.h``): ``with guard`` holds the lock;
     ``enter()`` / ``advance()`` / ``oldest()`` with it held, ``leave(token)`` takes it."""
 
     def __init__(self) -> None:

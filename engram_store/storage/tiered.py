@@ -34,82 +34,71 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from pathlib import Path
 from typing import Callable, Mapping
 
 import numpy as np
 
-from ..errors import ConfigError, StorageError
-from ..format import requests
+from ..errors import StorageError
 from ..format.arena_layout import ArenaInfo
 from ..format.checksums import implementation as checksum_implementation
 from ..format.manifest import Manifest
-from ..native.gather import Gatherer
-from ..native.split_out import SplitOut
-from ..native.readers import DEFAULT_QUEUE_DEPTH, open_reader
-from .cached_path import CachedLookups
-from .gds import make_bulk_reader
-from .hinted import StoreHints
-from .hints import HintSettings
-from .inflight import InFlight
-from .integrity import PageHealth
-from .layer_file import LayerFile, open_layer
+from ..native.readers import DEFAULT_QUEUE_DEPTH
+from ..wire.frames import ReadPlan
+from .cached_path import CachedPath
+from .checked_reads import CheckedReads
+from .hint_queue import HintSettings
+from .hint_service import HintService
 from .native_access import NativeAccess
-from .nvme import DEFAULT_CHUNK_PAGES, DEFAULT_MAX_COALESCE_PAGES, NvmeTier
-from .opening import MAX_QUEUE_DEPTH, check_open_args  # noqa: F401  (MAX_QUEUE_DEPTH: config checks it)
-from .overlap import ReadOverlap
-from .placement import CACHED, RESIDENT, cache_slots, format_placement, plan_store, slot_bytes
-from .plan import Admitter, PlanCounters, PlanLookups
-from .profile import DEFAULT_CAPACITY, AccessSampler
-from .resident import ResidentArena
-from .row_cache import RowCache
+from .nvme import DEFAULT_MAX_COALESCE_PAGES
+from .opening import MAX_QUEUE_DEPTH, check_open_args, open_parts, start_scrub  # noqa: F401  (MAX_QUEUE_DEPTH: config checks it)
+from .parts import StoreParts
+from .placement import CACHED, RESIDENT, format_placement
+from .plan import Planner
+from .profile import DEFAULT_CAPACITY
+from .request_checks import check_request, checked_layer
+from .resident_tier import ResidentTier
 from .scrub import Scrubber
-from .stats import LookupStats, StoreCounters
+from .stats import LookupStats
 from .warmup import ProfileWarmUp
 
 log = logging.getLogger(__name__)
 
-def _disk_paths(files: dict[int, LayerFile]) -> dict[int, str | list[str]]:
-    """Each layer's data file, or its stripe files in order (for messages naming a bad page)."""
-    return {k: [part.path for part in lf.stripes] if lf.stripes else lf.path for k, lf in files.items()}
 
+class TieredStore:
+    """A table set served from a DRAM tier in front of an NVMe tier. Implements ``RowStore``.
 
-class TieredStore(CachedLookups, PlanLookups, StoreHints, NativeAccess, ProfileWarmUp):
-    """A table set served from a DRAM tier in front of an NVMe tier. Implements ``RowStore``."""
+    Built from :class:`~.parts.StoreParts` (see :meth:`open`) and composed of one component per
+    concern, each given the parts it uses: the resident tier (:mod:`.resident_tier`), the cached
+    path (:mod:`.cached_path`), plan lookups (:mod:`.plan`), hints (:mod:`.hint_service`), native
+    access (:mod:`.native_access`) and warm-up (:mod:`.warmup`). Its methods pass the close gate and
+    delegate. :attr:`parts` and :attr:`cached_path` are there for tests and profiles that look
+    inside; nothing else should use them, and no caller may close or replace a part.
+    """
 
     accepts_split_out = True  # lookup_into writes a SplitOut (a client's staging) as well as rows
 
-    def __init__(self, directory: Path, manifest: Manifest, files: dict[int, LayerFile], nvme: NvmeTier,
-                 arena: ResidentArena | None, cache: RowCache | None, sampler: AccessSampler, gatherer: Gatherer,
-                 health: PageHealth | None = None, placement: Mapping[int, str] | None = None,
-                 hints: HintSettings | None = None) -> None:
-        self.directory = directory
-        self.manifest = manifest
-        self._files = files
-        self._nvme = nvme
-        self._arena = arena
-        self._cache = cache
-        self._placement = dict(placement) if placement is not None else \
-            {layer: RESIDENT if arena is not None else CACHED for layer in files}
-        self._resident = frozenset(arena.blocks) if arena is not None else frozenset()
-        self._sampler = sampler
-        self._gather = gatherer
-        self._counters = StoreCounters()
-        self._health = health or PageHealth({k: lf.layout for k, lf in files.items()}, _disk_paths(files))
-        self._scrub: Scrubber | None = None
-        self._closed = False
-        self._gate = threading.Condition()  # guards _closed and _active: close() waits for lookups in flight
-        self._active = 0
-        self.bulk_reader = "none"
-        self._plan_counters = PlanCounters()
-        self._admitter = Admitter(self._admit_planned, self._plan_counters)
-        self._file_ids: dict[int, tuple[str, int, int]] = {}  # layer -> (absolute path, st_dev, st_ino)
-        self._layer_files: dict[int, dict] = {}  # layer_files(), computed once per layer
-        self._inflight = InFlight()  # NVMe reads of lookups in flight, shared by lookups missing the same rows
-        self._overlap = ReadOverlap(gatherer.threads)  # lookups' reads on helper threads while they copy their hits
-        self._init_hints(hints)  # rows engines will ask for soon, read behind the lookups (storage/hints.py)
+    def __init__(self, parts: StoreParts, *, hints: HintSettings | None = None, scrub: Scrubber | None = None,
+                 bulk_reader: str = "none") -> None:
+        self.parts = parts
+        self.directory = parts.directory
+        self.manifest: Manifest = parts.manifest
+        self.bulk_reader = bulk_reader  # what filled the arena: "kvikio", "posix" or "none"
+        self._files, self._resident, self._counters, self._gate = parts.files, parts.resident, parts.counters, parts.gate
+        self._row_bytes = parts.row_bytes
+        self._scrub = scrub
+        checks = CheckedReads(parts.nvme, parts.health, parts.files, parts.counters, self._row_bytes)
+        self._resident_tier = ResidentTier(parts.arena, parts.gather, parts.sampler, parts.counters, checks,
+                                           self._row_bytes)
+        self._cached = CachedPath(parts.cache, parts.gather, parts.overlap, parts.inflight, parts.nvme, parts.health,
+                                  parts.files, parts.sampler, parts.counters, parts.gate, checks, self._row_bytes)
+        self._planner = Planner(parts.files, parts.resident, parts.cache, parts.health, parts.sampler, parts.gate,
+                                checks, self._lookup_into, self._row_bytes)
+        self._hints = HintService(hints, parts.files, parts.resident, parts.cache, parts.nvme, parts.inflight,
+                                  parts.health, parts.gate, checks, self._row_bytes)
+        self._native = NativeAccess(parts.directory, parts.manifest, parts.files, parts.resident, parts.arena,
+                                    parts.cache, parts.health, parts.sampler, parts.counters, parts.gate)
+        self._warmup = ProfileWarmUp(parts.files, parts.resident, parts.cache, parts.sampler, checks)
 
     # --- opening -------------------------------------------------------
     @classmethod
@@ -132,53 +121,20 @@ class TieredStore(CachedLookups, PlanLookups, StoreHints, NativeAccess, ProfileW
         ``gather_threads``: threads copying rows of one large request (default: CPU count, at most 8).
         ``scrub_bytes_per_second``: cached mode, read and check every page in the background at
         this rate (0: no scrub; pages are checked when read either way). ``hints``: how hinted rows
-        are read and kept (:class:`~.hints.HintSettings`; default: its defaults).
+        are read and kept (:class:`~.hint_queue.HintSettings`; default: its defaults).
         """
         check_open_args(mode=mode, policy=policy, gds=gds, dram_bytes=dram_bytes, queue_depth=queue_depth,
                         max_coalesce_pages=max_coalesce_pages, scrub_bytes_per_second=scrub_bytes_per_second)
-        try:
-            page_reader = open_reader(queue_depth, reader)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
-        directory = Path(directory)
-        manifest = Manifest.load(directory)
-        files = {e.layer: open_layer(directory, e) for e in manifest.layers}
-        health = PageHealth({k: lf.layout for k, lf in files.items()}, _disk_paths(files))
-        table_pages = sum(e.layout.pages for e in manifest.layers)
-        nvme = NvmeTier(files, page_reader, max_coalesce_pages=max_coalesce_pages,
-                        chunk_pages=min(DEFAULT_CHUNK_PAGES, max(256, table_pages // 64)))
-        healthy = [lf for lf in files.values() if lf.file is not None]
-        row_bytes = manifest.spec.row_bytes
-        arena = cache = None
-        bulk_name = "none"
-        try:
-            plan = plan_store(manifest, dram_bytes=dram_bytes, mode=mode, policy=policy, placement=placement)
-            resident = [lf for lf in healthy if plan[lf.layer] == RESIDENT]
-            if resident:
-                bulk, bulk_name = make_bulk_reader(page_reader, gds)
-                arena = ResidentArena.build(resident, manifest.spec.row_format, bulk, huge=huge_pages, on_bad=health.mark)
-            cached = {e.layer: e.rows for e in manifest.layers if plan[e.layer] == CACHED}
-            if cached:
-                n_slots = cache_slots(plan, {e.layer: e.rows for e in manifest.layers}, dram_bytes,
-                                      arena.nbytes if arena is not None else 0, slot_bytes(row_bytes, policy))
-                cache = RowCache(cached, row_bytes, n_slots, policy, huge=huge_pages)
-        except BaseException:
-            if arena is not None:
-                arena.close()
-            nvme.close()
-            raise
-        total_rows = sum(e.rows for e in manifest.layers)
-        sampler = AccessSampler(min(profile_capacity, max(1024, total_rows // 64)))
-        threads = gather_threads if gather_threads is not None else min(8, os.cpu_count() or 1)
-        store = cls(directory, manifest, files, nvme, arena, cache, sampler, Gatherer(threads), health, plan, hints)
-        store.bulk_reader = bulk_name
-        if scrub_bytes_per_second and cache is not None:
-            store._scrub = Scrubber([lf for lf in healthy if plan[lf.layer] == CACHED], page_reader, health,
-                                    scrub_bytes_per_second).start()
+        parts, bulk_name = open_parts(directory, dram_bytes=dram_bytes, mode=mode, queue_depth=queue_depth,
+                                      policy=policy, huge_pages=huge_pages, gds=gds, reader=reader,
+                                      max_coalesce_pages=max_coalesce_pages, profile_capacity=profile_capacity,
+                                      gather_threads=gather_threads, placement=placement)
+        store = cls(parts, hints=hints, scrub=start_scrub(parts, scrub_bytes_per_second), bulk_reader=bulk_name)
+        files, health = parts.files, parts.health
+        unavailable = sum(lf.file is None for lf in files.values())
         log.info("opened %s: %s mode (%s), %d layers (%d unavailable), reader %s, queue depth %d, page checks crc32c "
-                 "(%s)%s", directory, store.mode, format_placement(plan), len(files), len(files) - len(healthy),
-                 page_reader.name,
-                 queue_depth, checksum_implementation(),
+                 "(%s)%s", parts.directory, store.mode, format_placement(parts.placement), len(files), unavailable,
+                 parts.nvme.reader.name, queue_depth, checksum_implementation(),
                  f", {health.pages} corrupt pages refused" if health.pages else "")
         if warmup is not None:
             try:
@@ -188,6 +144,11 @@ class TieredStore(CachedLookups, PlanLookups, StoreHints, NativeAccess, ProfileW
                 raise
         return store
 
+    @property
+    def cached_path(self) -> CachedPath:
+        """The cached layers' lookups (for a profile that times their steps: ``bench/_store_profile.py``)."""
+        return self._cached
+
     # --- RowStore ------------------------------------------------------
     @property
     def layers(self) -> tuple[int, ...]:
@@ -195,7 +156,7 @@ class TieredStore(CachedLookups, PlanLookups, StoreHints, NativeAccess, ProfileW
 
     @property
     def row_bytes(self) -> int:
-        return self.manifest.spec.row_bytes
+        return self._row_bytes
 
     @property
     def spec(self):
@@ -204,15 +165,15 @@ class TieredStore(CachedLookups, PlanLookups, StoreHints, NativeAccess, ProfileW
     @property
     def mode(self) -> str:
         """``resident`` (every layer), ``cached`` (every layer) or ``mixed``."""
-        kinds = set(self._placement.values())
+        kinds = set(self.parts.placement.values())
         return kinds.pop() if len(kinds) == 1 else "mixed"
 
     def placement(self) -> dict[int, str]:
         """``{layer: "resident" | "cached"}`` for every layer of the table set."""
-        return dict(self._placement)
+        return dict(self.parts.placement)
 
     def rows(self, layer: int) -> int:
-        return self._layer(layer).layout.rows
+        return checked_layer(self._files, layer).layout.rows
 
     def layer_errors(self) -> dict[int, str]:
         """Layers that cannot be served, with the reason."""
@@ -220,26 +181,26 @@ class TieredStore(CachedLookups, PlanLookups, StoreHints, NativeAccess, ProfileW
 
     def lookup(self, layer: int, row_ids: np.ndarray) -> np.ndarray:
         ids = row_ids if isinstance(row_ids, np.ndarray) else np.asarray(row_ids)
-        out = np.empty(ids.shape + (self.row_bytes,), dtype=np.uint8)
+        out = np.empty(ids.shape + (self._row_bytes,), dtype=np.uint8)
         self.lookup_into(layer, ids, out)
         return out
 
     def expect(self, rows: int) -> None:
         """Hint that a lookup of ``rows`` rows is about to come (e.g. a request frame has
         arrived): the gather threads are woken while the caller still parses it."""
-        self._gather.expect(rows)
+        self.parts.gather.expect(rows)
 
     def lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray) -> LookupStats:
         """Fill ``out[i]`` with the bytes of row ``row_ids[i]`` (see ``RowStore``); returns
         the stats of this call. Raises CorruptRows when a row sits in a corrupt page. ``out`` may
-        be a :class:`~engram_store.native.split_out.SplitOut` (a client's staging, rows written
+        be a :class:`~engram_store.native.gather.split_out.SplitOut` (a client's staging, rows written
         once every one is checked; :attr:`accepts_split_out`)."""
         t0 = time.perf_counter()
-        self._enter()
+        self._gate.enter()
         try:
             return self._lookup_into(layer, row_ids, out, t0)
         finally:
-            self._exit()
+            self._gate.exit()
 
     def lookup_into_deferred(self, layer: int, row_ids: np.ndarray,
                              out: np.ndarray) -> tuple[LookupStats, Callable[[], None] | None]:
@@ -248,119 +209,149 @@ class TieredStore(CachedLookups, PlanLookups, StoreHints, NativeAccess, ProfileW
         admission (its evictions) then costs the lookup nothing. Any thread may run it, once."""
         t0 = time.perf_counter()
         later: list[Callable[[], None]] = []
-        self._enter()
+        self._gate.enter()
         try:
             st = self._lookup_into(layer, row_ids, out, t0, later)
         finally:
-            self._exit()
+            self._gate.exit()
         return st, (later[0] if later else None)
-
-    def _enter(self) -> None:
-        with self._gate:
-            if self._closed:
-                raise StorageError("the store is closed")
-            self._active += 1
-
-    def _exit(self) -> None:
-        with self._gate:
-            self._active -= 1
-            if self._closed and not self._active:
-                self._gate.notify_all()
 
     def _lookup_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray, t0: float,
                      admit_later: list | None = None) -> LookupStats:
-        lf = self._layer(layer)
-        flat, out2 = self._check_request(lf, row_ids, out)
+        """:meth:`lookup_into` inside the close gate (:class:`~.parts.ServeRows`): checks, then the layer's tier."""
+        lf = checked_layer(self._files, layer)
+        flat, out2 = check_request(lf, row_ids, out, self._row_bytes)
         if lf.file is None:
             self._counters.error()
             raise StorageError(f"layer {lf.layer} is unavailable: {lf.error}")
-        n = len(flat)
-        if lf.layer in self._resident and isinstance(out2, SplitOut):  # a client's staging: good rows only
-            requests.check_bounds(lf.layer, flat, lf.layout.rows)
-            self._refuse_known_bad(lf.layer, flat)
         if lf.layer in self._resident:
-            # The fast path: bounds are checked by the gather itself (no extra pass over
-            # the ids), and as little Python as possible runs after it, when the copy
-            # has pushed the interpreter's working set out of the CPU caches.
-            try:
-                self._gather.take_split(*self._arena.blocks[lf.layer], flat, out2)
-            except IndexError:  # the gather checks every id before it copies any
-                requests.check_bounds(lf.layer, flat, lf.layout.rows)
-                raise
-            self._refuse_known_bad(lf.layer, flat)
-            self._sampler.record(lf.layer, flat)
-            seconds = time.perf_counter() - t0
-            self._counters.add_dram(n, n * self.row_bytes, seconds)
-            return LookupStats(rows=n, rows_dram=n, bytes_dram=n * self.row_bytes, seconds=seconds)
-        requests.check_bounds(lf.layer, flat, lf.layout.rows)
-        st = LookupStats(rows=n)
-        try:
-            if n:
-                self._lookup_cached(lf.layer, flat, out2, st, admit_later)
-        except StorageError:
-            self._counters.error()
-            raise
-        st.bytes_dram = st.rows_dram * self.row_bytes
-        st.bytes_nvme = st.rows_nvme * self.row_bytes
-        self._sampler.record(lf.layer, flat)
-        st.seconds = time.perf_counter() - t0
-        self._counters.add(st)
-        return st
+            return self._resident_tier.lookup(lf, flat, out2, t0)
+        return self._cached.lookup(lf, flat, out2, t0, admit_later)
 
     def bad_pages(self) -> dict[int, list[list[int]]]:
         """Pages known corrupt: ``{layer: [[first_page, end_page), ...]}`` (file offset of a page:
         ``page * 4096``; rows ``page * rows_per_page ..`` of it). Their rows are refused; in
         resident mode the arena holds zeros for them, so a reader of the arena in place must
         skip them itself."""
-        return self._health.bad_ranges()
+        return self.parts.health.bad_ranges()
 
     @property
     def gather_threads(self) -> int:
         """Threads one large gather may use (``gather_threads`` of :meth:`open`)."""
-        return self._gather.threads
-
-    def _layer(self, layer) -> LayerFile:
-        return self._files[requests.check_layer(layer, self._files)]
-
-    def _check_request(self, lf: LayerFile, row_ids, out) -> tuple[np.ndarray, np.ndarray]:
-        """Dtypes and shapes (bounds come later, with the gather); returns the flat int64 ids
-        and ``out`` as rows."""
-        ids = requests.row_ids(row_ids)
-        if isinstance(out, SplitOut):  # rows into a client's staging (the daemon's Flag.SPLIT lookups)
-            out.check(ids.size, self.row_bytes)
-            return requests.flat_row_ids(ids), out
-        out_rows = requests.rows_out(out, ids.shape, self.row_bytes)
-        return requests.flat_row_ids(ids), out_rows
+        return self.parts.gather.threads
 
     def arena(self) -> ArenaInfo | None:
         """The sealed read-only arena (resident mode), else None. The store owns the fd."""
-        return self._arena.info() if self._arena is not None else None
+        return self.parts.arena.info() if self.parts.arena is not None else None
 
-    def _cache_layers(self) -> list[int]:
-        return sorted(self._cache.layer_index, key=self._cache.layer_index.get)
+    # --- plan lookups (PlanningStore) ------------------------------------
+    def plan_into(self, layer: int, row_ids: np.ndarray, out: np.ndarray, *,
+                  max_plan_bytes: int) -> ReadPlan | None:
+        """Copy the rows this store holds in DRAM into ``out`` and return the read plan of the
+        others, unread (``out`` at their positions is left as it was); None when every row is
+        in ``out``: a resident layer, all rows cached, a layer without page checksums, a
+        striped layer (a plan names one file; the store reads the stripes itself), or a
+        plan that would exceed ``max_plan_bytes`` (then the misses are read here as by
+        :meth:`lookup_into`). Rows of pages known corrupt are refused with CorruptRows, as by
+        :meth:`lookup_into`. The planned rows are queued for background admission into the
+        cache (bounded; dropped when the queue is full). Same argument checks as
+        :meth:`lookup_into`."""
+        t0 = time.perf_counter()
+        self._gate.enter()
+        try:
+            return self._planner.plan_into(layer, row_ids, out, max_plan_bytes, t0)
+        finally:
+            self._gate.exit()
+
+    def plan_admission_idle(self) -> bool:
+        """No planned rows wait for background admission (for tests and drains)."""
+        return self._planner.idle()
+
+    # --- hints (HintingStore) --------------------------------------------
+    @property
+    def hint_settings(self) -> HintSettings:
+        """How hinted rows are read and kept (``hints`` of :meth:`open`)."""
+        return self._hints.settings
+
+    def hint(self, layer: int, row_ids: np.ndarray, key: int, holder: str, *, rate_limited: int = 0,
+             owner: str | None = None) -> int:
+        """Queue rows an engine will look up soon; see :meth:`.hint_service.HintService.hint`."""
+        return self._hints.hint(layer, row_ids, key, holder, rate_limited=rate_limited, owner=owner)
+
+    def withdraw(self, key: int, holder: str) -> int:
+        """``holder`` no longer needs its client's hint ``key``; see :meth:`.hint_service.HintService.withdraw`."""
+        return self._hints.withdraw(key, holder)
+
+    def withdraw_holder(self, holder: str) -> int:
+        """``holder`` is gone: every hint it holds is withdrawn."""
+        return self._hints.withdraw_holder(holder)
+
+    def hints_idle(self) -> bool:
+        """No hint queued and none being read (rows read are in the cache's hinted share)."""
+        return self._hints.idle()
+
+    def hint_stats(self) -> dict[str, int | float]:
+        """The ``hint_*`` counters of :meth:`stats`."""
+        return self._hints.stats()
+
+    # --- native access (ResidentStore) and access profiles (ProfiledStore) ---------------
+    def layer_files(self) -> dict[int, dict]:
+        """See :meth:`.native_access.NativeAccess.layer_files`."""
+        return self._native.layer_files()
+
+    def resident_views(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """See :meth:`.native_access.NativeAccess.resident_views`."""
+        return self._native.resident_views()
+
+    def cached_views(self) -> dict | None:
+        """See :meth:`.native_access.NativeAccess.cached_views`."""
+        return self._native.cached_views()
+
+    def record_native_lookup(self, layer: int, ids: np.ndarray, seconds: float) -> None:
+        """See :meth:`.native_access.NativeAccess.record_native_lookup`."""
+        self._native.record_native_lookup(layer, ids, seconds)
+
+    def warm_up(self, profile: str | os.PathLike | np.ndarray) -> int:
+        """Load the rows of an access profile (a path or int64 ``[n, 2]`` pairs, hottest
+        first) into the cache, up to its capacity. Returns rows loaded (0 when resident)."""
+        self._gate.enter()
+        try:
+            return self._warmup.warm_up(profile)
+        finally:
+            self._gate.exit()
+
+    def hot_rows(self) -> np.ndarray:
+        """int64 ``[n, 2]`` (layer, row), hottest first: the cache's rows (cached mode)
+        then rows sampled from live traffic."""
+        return self._warmup.hot_rows()
+
+    def write_profile(self, path: str | os.PathLike) -> int:
+        """Write :meth:`hot_rows` as an access profile; returns the number of rows."""
+        return self._warmup.write_profile(path)
 
     # --- stats, memory, close --------------------------------------------
     def stats(self) -> dict[str, int | float]:
         """Cumulative counters (units in the names); see ``LookupStats`` for per-call ones."""
+        p = self.parts
         d = self._counters.snapshot()
         d["resident"] = int(self.mode == "resident")
-        d["resident_layers"] = sum(where == RESIDENT for where in self._placement.values())
-        d["cached_layers"] = sum(where == CACHED for where in self._placement.values())
+        d["resident_layers"] = sum(where == RESIDENT for where in p.placement.values())
+        d["cached_layers"] = sum(where == CACHED for where in p.placement.values())
         d["layers_unavailable"] = len(self.layer_errors())
-        d["corrupt_pages"] = self._health.pages
-        d["corrupt_rows_refused"] = self._health.rows_refused
+        d["corrupt_pages"] = p.health.pages
+        d["corrupt_rows_refused"] = p.health.rows_refused
         d["scrub_bytes"] = self._scrub.bytes_checked if self._scrub is not None else 0
         d["scrub_passes"] = self._scrub.passes if self._scrub is not None else 0
-        d["arena_bytes"] = self._arena.nbytes if self._arena is not None else 0
-        d["arena_huge_pages"] = {"none": 0, "thp": 1, "hugetlb": 2}[self._arena.huge_pages] if self._arena else 0
-        c = self._cache
+        d["arena_bytes"] = p.arena.nbytes if p.arena is not None else 0
+        d["arena_huge_pages"] = {"none": 0, "thp": 1, "hugetlb": 2}[p.arena.huge_pages] if p.arena else 0
+        c = p.cache
         d["cache_bytes"] = c.nbytes if c is not None else 0
         d["cache_slots"] = c.n_slots if c is not None else 0
         d["cache_slots_used"] = c.used if c is not None else 0
         d["cache_admitted_rows"] = c.admitted if c is not None else 0
         d["cache_evicted_rows"] = c.evicted if c is not None else 0
         d["cache_not_admitted_rows"] = c.not_admitted if c is not None else 0
-        d.update(self._plan_counters.snapshot())
+        d.update(self._planner.counters.snapshot())
         d.update(self.hint_stats())
         d.update(self.memory())
         d["dram_bytes"] = d["arena_bytes"] + d["cache_bytes"] + d["cache_metadata_bytes"]
@@ -368,13 +359,14 @@ class TieredStore(CachedLookups, PlanLookups, StoreHints, NativeAccess, ProfileW
 
     def memory(self) -> dict[str, int | float]:
         """Bytes the store holds besides the arena (or slot arena), against the table size."""
-        c = self._cache
+        p = self.parts
+        c = p.cache
         table = sum(e.file_bytes for e in self.manifest.layers)
         meta = c.metadata_bytes() if c is not None else 0
         maps = c.map_bytes() if c is not None else 0
-        staging = self._nvme.buffers.nbytes * self._nvme.buffers.retained()
+        staging = p.nvme.buffers.nbytes * p.nvme.buffers.retained()
         crcs = sum(lf.crcs.nbytes for lf in self._files.values() if lf.crcs is not None)
-        beyond = maps + staging + self._sampler.nbytes + crcs
+        beyond = maps + staging + p.sampler.nbytes + crcs
         return {
             "table_bytes": table,
             "cache_metadata_bytes": meta,  # inside the dram_bytes budget
@@ -388,27 +380,16 @@ class TieredStore(CachedLookups, PlanLookups, StoreHints, NativeAccess, ProfileW
     def close(self) -> None:
         """Wait for the lookups in flight, then release files and memory; later lookups raise
         StorageError("the store is closed")."""
-        self._admitter.stop()  # drops queued admissions, waits for the one being read
-        self._hint_reader.stop()  # drops queued hints, waits for the chunk being read
-        with self._gate:
-            if self._closed:
-                return
-            self._closed = True
-            self._gate.wait_for(lambda: self._active == 0)
+        self._planner.stop()  # drops queued admissions, waits for the one being read
+        self._hints.stop()  # drops queued hints, waits for the chunk being read
+        if not self._gate.close():
+            return
         if self._scrub is not None:
             self._scrub.stop()
-        self._overlap.close()
-        self._nvme.close()
-        self._nvme.reader.close()
-        self._gather.close()
-        if self._arena is not None:
-            self._arena.close()
-        if self._cache is not None:
-            self._cache.close()
+        self.parts.release()
 
     def __enter__(self) -> "TieredStore":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-

@@ -1,7 +1,6 @@
 """A TieredStore's access profiles: warming the row cache up from one, and the hottest rows written as
-one (the cache's rows, then rows sampled from live traffic). Mixed into
-:class:`~engram_store.storage.tiered.TieredStore` (its ``_cache``, ``_files``, ``_resident``,
-``_sampler``, ``_read_verified`` and ``_cache_layers``)."""
+one (the cache's rows, then rows sampled from live traffic). :class:`ProfileWarmUp` is a component of
+:class:`~engram_store.storage.tiered.TieredStore`, which delegates these methods to it."""
 
 from __future__ import annotations
 
@@ -9,25 +8,29 @@ import logging
 import os
 import time
 
+from typing import Collection, Mapping
+
 import numpy as np
 
-from .profile import merge_hottest, open_profile, read_profile, write_profile
-from .row_cache import LAYER_SHIFT, ROW_MASK
+from .layer_file import LayerFile
+from .parts import PageChecks
+from .profile import AccessSampler, merge_hottest, open_profile, read_profile, write_profile
+from .row_cache import LAYER_SHIFT, ROW_MASK, RowCache
 
 log = logging.getLogger(__name__)
 
 
 class ProfileWarmUp:
+    """Access profiles in and out of a store's cache. Thread-safe as its parts are."""
+
+    def __init__(self, files: Mapping[int, LayerFile], resident: Collection[int], cache: RowCache | None,
+                 sampler: AccessSampler, checks: PageChecks) -> None:
+        self._files, self._resident, self._cache, self._sampler, self._checks = files, resident, cache, sampler, checks
+
     def warm_up(self, profile: str | os.PathLike | np.ndarray) -> int:
         """Load the rows of an access profile (a path or int64 ``[n, 2]`` pairs, hottest
-        first) into the cache, up to its capacity. Returns rows loaded (0 when resident)."""
-        self._enter()
-        try:
-            return self._warm_up(profile)
-        finally:
-            self._exit()
-
-    def _warm_up(self, profile: str | os.PathLike | np.ndarray) -> int:
+        first) into the cache, up to its capacity. Returns rows loaded (0 when resident).
+        The caller is inside the store's close gate."""
         if self._cache is None:
             if not isinstance(profile, np.ndarray):
                 open_profile(profile)  # a bad file is an error all the same
@@ -52,7 +55,7 @@ class ProfileWarmUp:
                 log.warning("warm-up: layer %d: %d row ids out of range ignored", layer, len(rows) - len(valid))
             for lo in range(0, len(valid), self._cache.admit_limit):
                 part = valid[lo : lo + self._cache.admit_limit]
-                part, data, _ = self._read_verified(int(layer), part, "the warm-up")
+                part, data, _ = self._checks.read_verified(int(layer), part, "the warm-up")
                 loaded += self._cache.admit(int(layer), part, data, main=True)
         log.info("warm-up: %d rows loaded in %.2fs", loaded, time.perf_counter() - t0)
         return loaded
@@ -63,7 +66,8 @@ class ProfileWarmUp:
         parts = []
         if self._cache is not None:
             keys = self._cache.cached_keys()
-            layers = np.asarray(self._cache_layers(), dtype=np.int64)[keys >> LAYER_SHIFT]
+            index = self._cache.layer_index  # layer -> its index in the cache's keys
+            layers = np.asarray(sorted(index, key=index.get), dtype=np.int64)[keys >> LAYER_SHIFT]
             parts.append(np.stack([layers, keys & ROW_MASK], axis=1))
         parts.append(self._sampler.hottest())
         return merge_hottest(*parts)
