@@ -3,7 +3,7 @@
 Every error raised on purpose by the package derives from :class:`EngramStoreError`.
 Messages say what was wrong, what was expected and, where it helps, what to do.
 The daemon maps these classes onto wire status codes (see ``engram_store.wire.frames``
-and ``engram_store.daemon.grpc_service``), so a client sees the same class again.
+and ``engram_store.daemon.grpc.service``), so a client sees the same class again.
 """
 
 from __future__ import annotations

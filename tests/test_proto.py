@@ -39,7 +39,7 @@ def test_service_implements_every_rpc_of_the_proto():
     proto declares, and none comes from the generated base (whose methods answer UNIMPLEMENTED)."""
     import inspect
 
-    from engram_store.daemon.grpc_service import EngramStoreService
+    from engram_store.daemon.grpc.service import EngramStoreService
     from engram_store.wire._proto import engram_store_pb2 as pb
     from engram_store.wire._proto import engram_store_pb2_grpc as pb_grpc
 
@@ -56,7 +56,8 @@ def test_service_implements_every_rpc_of_the_proto():
 def test_add_service_registers_every_rpc_and_refuses_a_missing_one():
     """The daemon registers its service from the proto's descriptor (not the generated base
     class, whose methods answer UNIMPLEMENTED): every RPC is wired, a missing one fails at start."""
-    from engram_store.daemon.grpc_service import EngramStoreService, add_service
+    from engram_store.daemon.grpc.server import add_service
+    from engram_store.daemon.grpc.service import EngramStoreService
     from engram_store.wire._proto import engram_store_pb2 as pb
 
     class Recorder:

@@ -9,7 +9,7 @@ import socket
 import numpy as np
 import pytest
 
-from engram_store.daemon import fastpath
+from engram_store.daemon.unix import fastpath
 from engram_store.wire import frames as wire
 from engram_store.wire.frames import DType, Frame, Op
 

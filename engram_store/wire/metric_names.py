@@ -4,7 +4,7 @@ The Stats request (Unix socket and gRPC) answers flat keys (``store_rows_dram``,
 ``unix_requests``, ``unix_errors_unauthenticated``, ...); ``/metrics`` exports families
 (``engram_store_tier_rows_total{tier="dram"}``). :data:`FAMILIES` declares each family once
 (name, type, help, labels) with the Stats key its samples come from: the exporter
-(``engram_store.daemon.metrics``) builds its families from it, and ``engram-store stats``
+(``engram_store.daemon.http.exporter``) builds its families from it, and ``engram-store stats``
 renames a Stats answer with :func:`prometheus_samples`, so both name every value alike.
 :data:`NOT_EXPORTED` lists the Stats keys derived from others; a test checks that every key a
 daemon answers is in one of the two.

@@ -1,6 +1,7 @@
 """HINT and WITHDRAW: rows a client will look up soon, and their withdrawal.
 
-A hint names row ids of one layer and a key. :func:`hint` takes what the caller's rate
+A hint names row ids of one layer and a key (over the Unix socket, at an offset of the
+client's shared region: :func:`region_hint`). :func:`hint` takes what the caller's rate
 allows (``hint_rows_per_second``, a :class:`~engram_store.daemon.limits.PeerBuckets` per
 transport; the rest dropped and counted, never copied), copies those ids, hands them to the
 store (:meth:`~engram_store.storage.base.HintingStore.hint`: queued, never read here) and
@@ -23,8 +24,11 @@ import logging
 
 import numpy as np
 
+from ... import errors
 from ...storage.base import HintingStore
+from ...wire.frames import Frame
 from .context import Caller
+from .lookup import check_dtype
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,21 @@ def hint(caller: Caller, layer: int, ids: np.ndarray, key: int) -> int:
         return 0
     return store.hint(layer, ids[:granted].copy(), key, caller.holder, rate_limited=ids.size - granted,
                       owner=caller.owner)
+
+
+def region_hint(caller: Caller, region: np.ndarray, frame: Frame) -> int:
+    """A HINT whose ``count`` ids lie at ``ids_offset`` of a client's shared region (the key in
+    ``out_offset``): its layer, dtype, count and extent checked (typed errors, as a lookup's),
+    then :func:`hint` (which copies the ids it queues: the client may reuse its region once answered)."""
+    served = caller.served
+    served.check_layer(frame.layer)
+    dtype = check_dtype(frame.dtype)
+    served.check_count(frame.count)
+    end = frame.ids_offset + frame.count * dtype.itemsize
+    if end > len(region) or frame.ids_offset % 8:
+        raise errors.InvalidRequest(f"hint ids [{frame.ids_offset}, {end}) fall outside the {len(region)}-byte "
+                                    "shared region or do not start on a multiple of 8")
+    return hint(caller, frame.layer, region[frame.ids_offset: end].view(dtype), frame.out_offset)
 
 
 def withdraw(caller: Caller, key: int) -> int:

@@ -7,7 +7,10 @@ admission of the rows it read left to a callable (a ``DeferringStore``).
 A request that names its ids and rows by offsets into a client's shared region (the
 Unix socket's) is checked by :func:`check_region` and served by :func:`region_into` (or
 :func:`region_plan`, for ``Flag.PLAN``): the ids are copied out of the region first (the
-client could rewrite them mid-gather), the rows written straight into it.
+client could rewrite them mid-gather), the rows written straight into it. A plan lookup
+(see :mod:`engram_store.wire.frames`) writes the rows in DRAM and returns a read plan of
+the others for the client to execute; a store without plans, or a resident layer, answers
+with every row as usual (no ``Flag.PLAN`` in the RESULT).
 """
 
 from __future__ import annotations

@@ -15,15 +15,12 @@ With ``unix_native`` the reader first hands its socket to the native path
 (:mod:`.fastpath`): well-formed lookups of resident layers, and of cached
 layers whose rows are all cached, are answered there, one after another,
 without the interpreter; whatever it leaves comes back here as a frame header
-and is answered below. Such a connection never uses the worker
-pool (the native path sends on the reader's thread).
+and is answered below. Such a connection never uses the worker pool (the native
+path sends on the reader's thread).
 
-A LOOKUP with ``Flag.PLAN`` (see :mod:`engram_store.wire.frames`) is answered on
-the reader's thread by ``store.plan_into``: rows in DRAM go into the region, the
-others come back as a read plan for the client to execute; a store without
-plans, or a resident layer, answers with every row as usual (no ``Flag.PLAN`` in
-the RESULT). Over the native path, plan lookups of resident layers are answered
-natively, as ordinary lookups.
+A LOOKUP with ``Flag.PLAN`` is answered on the reader's thread (rows in DRAM into
+the region, a read plan of the others: :func:`~engram_store.daemon.requests.lookup.region_plan`);
+over the native path, plan lookups of resident layers are answered as ordinary lookups.
 
 A connection's region stays mapped until its last in-flight lookup is done,
 so a client that dies mid-request costs nothing but the lookup itself.
@@ -281,27 +278,13 @@ class Connection:
         self.send(Frame(Op.RESULT, frame.request_id).pack())
 
     def _hint(self, frame: Frame) -> None:
-        """Op.HINT: the ids at ``ids_offset`` of the region, the key in ``out_offset``; RESULT's count
-        is the rows queued."""
-        queued = outcome("hint", self._hinted, frame, internal="hint failed: ")
+        """Op.HINT (ids in the region, the key in ``out_offset``); RESULT's count is the rows queued."""
+        queued = outcome("hint", hints.region_hint, self.caller, self.array, frame, internal="hint failed: ")
         if failed(queued):
             self._reply_error(frame, wire.status_of(queued), str(queued))
             return
-        self.send(Frame(Op.RESULT, frame.request_id, layer=frame.layer, count=queued).pack())
-
-    def _hinted(self, frame: Frame) -> int:
-        """The hint's layer, dtype, count and extent in the region checked (typed errors, as a
-        lookup's), its ids handed to the request layer (which copies those it queues)."""
-        self.served.check_layer(frame.layer)
-        dtype = lookup.check_dtype(frame.dtype)
-        self.served.check_count(frame.count)
-        end = frame.ids_offset + frame.count * dtype.itemsize
-        if end > len(self.array) or frame.ids_offset % 8:
-            raise errors.InvalidRequest(f"hint ids [{frame.ids_offset}, {end}) fall outside the {len(self.array)}-byte "
-                                        "shared region or do not start on a multiple of 8")
-        queued = hints.hint(self.caller, frame.layer, self.array[frame.ids_offset: end].view(dtype), frame.out_offset)
         self.hinted = True
-        return queued
+        self.send(Frame(Op.RESULT, frame.request_id, layer=frame.layer, count=queued).pack())
 
     def _lookup(self, frame: Frame, pooled: bool = True) -> None:
         """Answer one LOOKUP. With ``pooled`` (never beside the native path, which sends on
