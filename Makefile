@@ -38,7 +38,7 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 NATIVE_STAMP := $(VENV)/.native-built
-NATIVE_SOURCES := $(wildcard engram_store/*/*.c engram_store/*/*.h) setup.py
+NATIVE_SOURCES := $(wildcard engram_store/*/*.c engram_store/*/*.h engram_store/*/*/*.c engram_store/*/*/*.h) setup.py
 
 .PHONY: run test venv tables bench clean dist dist-test arm64-test image image-test deploy-test prometheus-check
 

@@ -49,31 +49,51 @@ def native(extensions: list[Extension]) -> list[Extension]:
     return extensions
 
 
+# The C sources by concept: native/common/ (crc32c, the frame header, the staging gate, the test hooks),
+# native/readers/ (Linux AIO, io_uring, the read calls' checks), native/gather/ (the gather pool, the row
+# cache's epoch guard), native/gpu_runtime/ (the host-function launch), fetch/ (the engines' fetch job),
+# daemon/ (the daemon's native Unix path).
+# Shared code is a .c unit compiled into each extension that needs it; its header declares it, and an
+# extension finds headers through include_dirs, never by relative path.
+COMMON = "engram_store/native/common"
+READERS = "engram_store/native/readers"
+GATHER = "engram_store/native/gather"
+GPU = "engram_store/native/gpu_runtime"
+FETCH = "engram_store/fetch"
+DAEMON = "engram_store/daemon"
+# _GNU_SOURCE as pyconfig.h defines it, so that units which include no Python header see the same libc.
+MACROS = [("_GNU_SOURCE", "1"), ("PY_SSIZE_T_CLEAN", None)]
+HIDDEN = ["-fvisibility=hidden"]  # only PyInit_* is exported: shared units stay private to each extension
+
+
+def extension(name: str, sources: list[str], include_dirs: list[str], **kw) -> Extension:
+    headers = [str(p) for d in include_dirs for p in sorted(Path(d).glob("*.h"))]
+    return Extension(name, sources, include_dirs=include_dirs, depends=headers, define_macros=MACROS,
+                     extra_compile_args=HIDDEN, optional=True, **kw)
+
+
 setup(
     packages=find_packages(include=["engram_store*", "gpu_client*"]) + list(DEPLOY_DIRS),
     package_dir=DEPLOY_DIRS,
     package_data=DEPLOY_DATA,
     ext_modules=native([
-        Extension("engram_store.native._pread", ["engram_store/native/_pread.c"],
-                  depends=["engram_store/native/crc32c.h", "engram_store/native/batch.h", "engram_store/native/aio.h"],
-                  optional=True),
-        Extension("engram_store.native._uring", ["engram_store/native/_uring.c"],
-                  depends=["engram_store/native/crc32c.h", "engram_store/native/batch.h"], optional=True),
-        Extension("engram_store.native._gather", ["engram_store/native/_gather.c"],
-                  depends=["engram_store/native/_gather_api.h", "engram_store/native/epoch_guard.h",
-                           "engram_store/native/staging_gate.h", "engram_store/native/gather_staging.h"],
-                  optional=True),
-        Extension("engram_store.daemon._unixfast", ["engram_store/daemon/_unixfast.c"],
-                  depends=["engram_store/native/_gather_api.h", "engram_store/native/frame.h",
-                           "engram_store/daemon/cached_hits.h", "engram_store/native/staging_gate.h",
-                           "engram_store/daemon/staging_serve.h"], optional=True),
-        Extension("engram_store.native._fetch", ["engram_store/native/_fetch.c"],
-                  depends=["engram_store/native/crc32c.h", "engram_store/native/batch.h", "engram_store/native/aio.h",
-                           "engram_store/native/frame.h", "engram_store/native/fetch_core.h",
-                           "engram_store/native/fetch_reader.h", "engram_store/native/fetch_daemon.h",
-                           "engram_store/native/fetch_run.h", "engram_store/native/fetch_board.h",
-                           "engram_store/native/fetch_writer.h", "engram_store/native/fetch_budget.h",
-                           "engram_store/native/gpu_runtime.h", "engram_store/native/staging_gate.h"],
-                  libraries=["dl"], optional=True),
+        extension("engram_store.native._pread",
+                  [f"{READERS}/_pread.c", f"{READERS}/aio.c", f"{READERS}/batch.c", f"{COMMON}/crc32c.c"],
+                  [READERS, COMMON]),
+        extension("engram_store.native._uring", [f"{READERS}/_uring.c", f"{READERS}/batch.c", f"{COMMON}/crc32c.c"],
+                  [READERS, COMMON]),
+        extension("engram_store.native._gather",
+                  [f"{GATHER}/_gather.c", f"{GATHER}/pool.c", f"{GATHER}/epoch_guard.c", f"{COMMON}/staging_gate.c"],
+                  [GATHER, COMMON]),
+        extension("engram_store.daemon._unixfast",
+                  [f"{DAEMON}/_unixfast.c", f"{DAEMON}/cached_hits.c", f"{DAEMON}/staging_serve.c",
+                   f"{COMMON}/frame.c", f"{COMMON}/staging_gate.c"],
+                  [DAEMON, GATHER, COMMON]),
+        extension("engram_store.fetch._fetch",
+                  [f"{FETCH}/{unit}.c" for unit in
+                   ("_fetch", "core", "direct_budget", "reader", "daemon", "writer", "board", "run")] +
+                  [f"{READERS}/aio.c", f"{READERS}/batch.c", f"{COMMON}/crc32c.c", f"{COMMON}/frame.c",
+                   f"{COMMON}/staging_gate.c", f"{COMMON}/test_hooks.c", f"{GPU}/host_launch.c"],
+                  [FETCH, READERS, COMMON, GPU], libraries=["dl"]),
     ]),
 )

@@ -139,7 +139,7 @@ def check_cached_chain(spec, ts: TableSet, tables: Path, workdir: Path, device, 
 def _all_rows(spec, ts: TableSet, tables: Path, workdir: Path, lanes, steps: dict, jobs: list, rows: list) -> None:
     from e2e import Daemon
 
-    from engram_store.client.fetch import FetchJob
+    from engram_store.fetch.job import FetchJob
 
     ids = _Ids(spec)
     (workdir / "k").mkdir(exist_ok=True)

@@ -93,7 +93,7 @@ class Stepper:
 
     def __init__(self, daemon: Daemon, layer: int, max_rows: int, deadline: float) -> None:
         from engram_store.client.client import EngramClient
-        from engram_store.client.fetch import FetchJob
+        from engram_store.fetch.job import FetchJob
 
         # hedge = deadline: the job never also reads pages itself while the daemon may answer (a loaded host would
         # hedge a healthy daemon and take rows off its counters); the steps measured are the daemon's

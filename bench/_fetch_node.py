@@ -6,7 +6,7 @@ layers), each in a process of its own, step together against one daemon, as an e
   answers come late), or, with ``--disk-iops N`` (root, cgroup v1 blkio), on a busy disk: the daemon
   and the jobs share N reads a second of the tables' device, so a job's direct read competes with the
   daemon's; the jobs' direct reads within the node's budget
-  (``client/direct_budget.py``: ``--budget-pages``, default the device's queue depth);
+  (``fetch/budget.py``: ``--budget-pages``, default the device's queue depth);
 - ``node-slow-unbounded``: the same with a budget every job's reads fit in (jobs x queue depth): what
   the jobs' direct reads add to the disk without the bound.
 
@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 NODE_SCENARIOS = ("node-undisturbed", "node-slow", "node-slow-unbounded")
-QUEUE_DEPTH = 64  # a fetch job's (client/fetch.py QUEUE_DEPTH)
+QUEUE_DEPTH = 64  # a fetch job's (fetch/job.py QUEUE_DEPTH)
 SERVED = ("daemon_steps", "waited_steps", "hedged_direct_steps", "fallback_direct_steps", "failed_steps")
 KEEP = SERVED + ("steps", "hedged_steps", "budget_refusals", "direct_pages", "timeouts")
 
@@ -49,7 +49,7 @@ class CheckedSteps:
     counted by the job's stats, its zero rows not compared); ``wrong`` counts steps with other rows."""
 
     def __init__(self, w: dict) -> None:
-        from engram_store.client.fetch import FetchJob
+        from engram_store.fetch.job import FetchJob
         from engram_store.format.tableset import TableSet
 
         self.tables = TableSet.open(w["tables"])
@@ -136,7 +136,7 @@ def _slow(pid: int, stopped: float, period: float, done: threading.Event) -> Non
 
 def reset_budget(directory: Path) -> None:
     """The budget's high-water mark and refusals from now on (the warm steps' left out)."""
-    from engram_store.client import direct_budget
+    from engram_store.fetch import budget as direct_budget
 
     for path in directory.glob("engram-store-direct-*"):
         fd = os.open(path, os.O_RDWR)
@@ -191,7 +191,7 @@ def run_node(script: str, root: Path, w: dict, jobs: int, env: dict[str, str], p
 
 def budget_header(directory: Path) -> dict | None:
     """The node's budget file after a run (its counters), or None (a client without the budget)."""
-    from engram_store.client import direct_budget
+    from engram_store.fetch import budget as direct_budget
 
     files = sorted(directory.glob("engram-store-direct-*"))
     if not files:

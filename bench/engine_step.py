@@ -2,7 +2,7 @@
 """Engine decode steps through the fetch job: layer 14 of V4.1 cached over this machine's disk.
 
 What an engine serving DeepSeek-V4.1 with ``placement = {14 = "cached"}`` waits for at each step:
-the rows of one Engram layer, fetched by the native fetch job (``engram_store.client.fetch.FetchJob``,
+the rows of one Engram layer, fetched by the native fetch job (``engram_store.fetch.job.FetchJob``,
 what the vLLM/SGLang plugins run as a CUDA host function) from a real daemon process that this
 bench starts, with a DRAM cache of ``--shares`` percent of the layer's rows in front of its file.
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fetch-job step latency with a flapping daemon and with the daemon stopped, this tree against another revision.
 
-The engines' fetch job (``engram_store.client.fetch.FetchJob``) runs decode steps of ``--rows`` rows of a
+The engines' fetch job (``engram_store.fetch.job.FetchJob``) runs decode steps of ``--rows`` rows of a
 cached layer against a real daemon this bench starts (a synthetic V4.1 table set at ``--scale``, both
 layers cached behind a small cache, so most rows are read from the file). Three scenarios, each in a
 fresh worker process:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fetch-job steps with one host copy against two, in the same run: a prefill chunk and a decode step.
 
-The engines' fetch job (``engram_store.client.fetch.FetchJob``) fetches a step's rows into its staging
+The engines' fetch job (``engram_store.fetch.job.FetchJob``) fetches a step's rows into its staging
 (the engines' split layout). With one host copy (``one_copy=True``, the default) the daemon writes them
 there itself; with two (``one_copy=False``, what a daemon without the staging protocol gives) it writes
 them packed into the shared region and the job copies them into the staging. This bench starts a real
@@ -101,7 +101,7 @@ def spread(values: list[float]) -> dict:
 
 def measure(args, spec, tables, daemon: Daemon, case: str, rows: int) -> dict:
     """Both jobs on one daemon, alternating, args.repeats steps of ``rows`` rows each."""
-    from engram_store.client.fetch import FetchJob
+    from engram_store.fetch.job import FetchJob
 
     first, cached = spec.layers
     layer = first if case == "resident" else cached

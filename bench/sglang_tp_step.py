@@ -132,7 +132,7 @@ def run(args) -> dict:
     from engine_step import Daemon
 
     from engram_store.client.client import EngramClient
-    from engram_store.client.fetch import FetchJob
+    from engram_store.fetch.job import FetchJob
     from engram_store.format.tableset import TableSet
     from engram_store.spec import get_spec
 

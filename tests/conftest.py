@@ -45,7 +45,7 @@ def private_direct_budget(tmp_path_factory):
     """The fetch jobs' node-wide direct-read budget files of this test run in a directory of its own
     (``ENGRAM_STORE_DIRECT_BUDGET_DIR``, inherited by the daemons and scripts the tests start), so
     another run on the machine holding budget cannot make a test wait where it expects a direct read."""
-    from engram_store.client.direct_budget import DIR_ENV
+    from engram_store.fetch.budget import DIR_ENV
 
     saved = os.environ.get(DIR_ENV)
     os.environ[DIR_ENV] = str(tmp_path_factory.mktemp("direct-budget"))

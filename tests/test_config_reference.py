@@ -43,7 +43,7 @@ def test_defaults_shown_are_the_dataclass_defaults(tmp_path):
 
 
 def test_client_variables_name_the_defaults_the_code_uses():
-    from engram_store.client.fetch import DEFAULT_DEADLINE_SECONDS
+    from engram_store.fetch.job import DEFAULT_DEADLINE_SECONDS
     from engram_store.integrations.tables import PROBE_WAIT_SECONDS
 
     comments = ref.client_env_comments()

@@ -152,7 +152,7 @@ def test_an_engine_made_on_one_table_set_never_serves_another_after_a_restart(ta
         d.stop()
         d.tables = other.directory  # same workdir, same socket
         d.start()
-        caplog.set_level("ERROR", logger="engram_store.client.fetch")
+        caplog.set_level("ERROR", logger="engram_store.fetch.job")
         exact(*t.staged(3, more), more)  # a grown job: A's rows, not B's
         job = t.fetch_job(3, 2048)
         job.ids[:2000] = more[:2000]

@@ -1,4 +1,4 @@
-"""The node's budget of direct pages in flight (``client/direct_budget.py``, ``native/fetch_budget.h``):
+"""The node's budget of direct pages in flight (``fetch/budget.py``, ``fetch/direct_budget.h``):
 sized from the device's queue depth in sysfs or ``ENGRAM_STORE_DIRECT_BUDGET_PAGES``; with all of it
 taken (this test holds every granule's lock, as other jobs' reads would), a step whose daemon is slow
 waits for the daemon instead of reading directly, one without a daemon waits for the budget and reads
@@ -21,8 +21,8 @@ import pytest
 from support.daemon_helpers import mixed_daemon
 
 from engram_store import errors
-from engram_store.client import direct_budget
-from engram_store.client.fetch import FetchJob
+from engram_store.fetch import budget as direct_budget
+from engram_store.fetch.job import FetchJob
 from engram_store.format.tableset import TableSet
 from engram_store.spec import get_spec
 from engram_store.tools.synth import write_synthetic

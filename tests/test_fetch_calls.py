@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from support.daemon_helpers import DaemonProcess
 
-from engram_store.client.fetch import FetchJob
+from engram_store.fetch.job import FetchJob
 from engram_store.format.tableset import TableSet
 from engram_store.spec import get_spec
 from engram_store.tools.synth import write_synthetic

@@ -1,4 +1,4 @@
-"""The fetch jobs' reconnect thread ends before the interpreter finalizes (``client/fetch.py``,
+"""The fetch jobs' reconnect thread ends before the interpreter finalizes (``fetch/job.py``,
 ``_Supervisor.stop``, an ``atexit`` hook). A daemon thread still running at finalization is ended by
 CPython with ``pthread_exit`` when it next takes the GIL; if the cyclic GC ran there and freed a torch
 object whose destructor released the GIL (a gloo ProcessGroup a failed step's traceback held), the
@@ -17,7 +17,7 @@ THREAD = "engram-store-fetch-reconnect"
 
 CODE = f"""
 import atexit, threading
-from engram_store.client import fetch
+from engram_store.fetch import job as fetch
 
 def at_finalization():  # registered first, so it runs after the reconnect thread's hook
     print("alive:", [t.name for t in threading.enumerate() if t.name == {THREAD!r}], flush=True)

@@ -14,7 +14,7 @@ import pytest
 from support.daemon_helpers import DaemonProcess, make_tables
 
 from engram_store import errors
-from engram_store.client.fetch import FetchJob
+from engram_store.fetch.job import FetchJob
 from engram_store.format.manifest import Manifest
 
 LAYER = 3  # the tiny spec's second layer, cached behind a tiny cache

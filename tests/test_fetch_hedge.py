@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from support.daemon_helpers import mixed_daemon, sigstop
 
-from engram_store.client.fetch import FetchJob
+from engram_store.fetch.job import FetchJob
 from engram_store.format.tableset import TableSet
 from engram_store.spec import get_spec
 from engram_store.tools.synth import write_synthetic
@@ -154,7 +154,7 @@ def test_a_daemon_that_keeps_missing_its_budget_is_backed_off(daemon, tables):
 
 def test_the_hedge_budget_setting_is_checked(monkeypatch):
     from engram_store import errors
-    from engram_store.client import fetch
+    from engram_store.fetch import job as fetch
 
     monkeypatch.delenv(fetch.HEDGE_ENV, raising=False)
     assert fetch.hedge_seconds(None, 2.0) is None and fetch.hedge_seconds(0.01, 2.0) == 0.01

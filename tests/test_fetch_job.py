@@ -15,7 +15,7 @@ from support.daemon_helpers import DaemonProcess
 from support.storage_helpers import flip
 
 from engram_store import errors
-from engram_store.client.fetch import FetchJob
+from engram_store.fetch.job import FetchJob
 from engram_store.format.layout import PageLayout
 from engram_store.format.tableset import TableSet
 from engram_store.spec import get_spec

@@ -21,7 +21,7 @@ from support.daemon_helpers import DaemonProcess
 from support.staging_fakes import FakeDaemon, Plan, Script
 
 from engram_store import errors
-from engram_store.client.fetch import FetchJob
+from engram_store.fetch.job import FetchJob
 from engram_store.client.unix_transport import UnixTransport
 from engram_store.format.tableset import TableSet
 from engram_store.spec import get_spec

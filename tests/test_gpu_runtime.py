@@ -1,4 +1,4 @@
-"""The GPU-runtime seam (engram_store/native/gpu_runtime.py) on both sides, through stand-in libraries
+"""The GPU-runtime seam (engram_store/native/gpu_runtime/__init__.py) on both sides, through stand-in libraries
 built here (tests/support/gpu_standins.py; no GPU on this machine): HIP resolves hipLaunchHostFunc and registers
 with HIP's flags and codes, CUDA the same with libcuda / libcudart; the fetch job's launch_host runs a real
 fetch through each (exact rows against TableSet.read_rows); EngramStoreTables.register_cuda's decisions
@@ -21,7 +21,7 @@ from support.daemon_helpers import REPO, DaemonProcess
 from support.gpu_standins import Standin, build, compiler
 
 from engram_store import errors
-from engram_store.client.fetch import FetchJob
+from engram_store.fetch.job import FetchJob
 from engram_store.format.tableset import TableSet
 from engram_store.integrations.tables import EngramStoreTables
 from engram_store.native import gpu_runtime

@@ -11,7 +11,7 @@ import pytest
 from support.daemon_helpers import DaemonProcess
 
 from engram_store import TieredStore
-from engram_store.client.fetch import FetchJob
+from engram_store.fetch.job import FetchJob
 from engram_store.format.layout import PageLayout
 from engram_store.format.tableset import TableSet
 from engram_store.spec import get_spec

@@ -12,7 +12,7 @@ import pytest
 
 from engram_store.native import _gather
 from engram_store.native.gather import Gatherer
-from engram_store.native.split_out import SplitOut
+from engram_store.native.gather.split_out import SplitOut
 from engram_store.wire import staging as wst
 
 WB, SB, ROWS = 256, 8, 64

@@ -26,7 +26,7 @@ from support.daemon_helpers import mixed_daemon
 
 from engram_store import errors
 from engram_store.client.client import EngramClient
-from engram_store.client.fetch import FetchJob
+from engram_store.fetch.job import FetchJob
 from engram_store.format.tableset import TableSet
 from engram_store.spec import get_spec
 from engram_store.tools.synth import write_synthetic

@@ -42,7 +42,6 @@
  * The frame layout and constants are engram_store/daemon/wire.py's FRAME;
  * fastpath.py refuses this module if any constant it exports differs from wire.py.
  */
-#define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
@@ -59,26 +58,27 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../native/_gather_api.h"
-#include "../native/frame.h"  /* frame_t, MAGIC, VERSION, OP_*, DTYPE_INT64, FLAG_SPLIT, frame_fields() */
-#include "../native/staging_gate.h" /* gate_claim, gate_done: a client staging's gate */
+#include "gather_api.h"    /* engram_gather_api, gather_job_t: the gather pool of engram_store.native._gather */
+#include "frame.h"         /* frame_t, MAGIC, VERSION, OP_*, DTYPE_INT64, FLAG_SPLIT, frame_fields() */
+#include "unixfast.h"      /* Conn, the fair share */
+#include "cached_hits.h"   /* cache_t, cache_serve: lookups of cached layers whose rows are all cached */
+#include "staging_serve.h" /* serve_split, Conn_set_staging: rows into a client's staging */
 
-#define FAIR_PIECE_ROWS 65536   /* larger lookups are gathered in pieces of this many rows; each piece is a hand-off to the gather pool (a 196,608-row prefill through the daemon: 0.89-0.90x in-process at 65,536, 0.79-0.88x at 16,384) */
 #define MAX_YIELD_NS 2000000LL  /* the longest one piece waits for small lookups to finish */
 
 enum { SERVED = 0, FRAME = 1, PEER_EOF = 2 };
 
-static const engram_gather_api *gather_api;
-#include "cached_hits.h" /* cache_t, cache_serve: lookups of cached layers whose rows are all cached */
+const engram_gather_api *gather_api;
 static atomic_flag poll_token = ATOMIC_FLAG_INIT; /* held by the one connection busy-polling, native or Python
                                                       (poll_token_try / poll_token_release) */
 
 /* The fair share of every Conn of this process. */
-static _Atomic uint32_t small_active;  /* small lookups gathering now (a futex word) */
+_Atomic uint32_t small_active;         /* small lookups gathering now (a futex word) */
 static _Atomic uint32_t large_waiting; /* pieces asleep on small_active */
-static _Atomic uint64_t pieces_served, pieces_yielded;
+_Atomic uint64_t pieces_served;
+static _Atomic uint64_t pieces_yielded;
 
-static int64_t now_ns(void) {
+int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
@@ -95,7 +95,7 @@ static void futex_wake_all(_Atomic uint32_t *addr) {
 }
 
 /* Before a piece: let small lookups in progress finish first, MAX_YIELD_NS at most. */
-static void yield_to_small(void) {
+void yield_to_small(void) {
     const int64_t deadline = now_ns() + MAX_YIELD_NS;
     int waited = 0;
     for (uint32_t s; (s = atomic_load(&small_active)) != 0;) {
@@ -109,7 +109,7 @@ static void yield_to_small(void) {
     pieces_yielded += waited;
 }
 
-static void small_done(void) {
+void small_done(void) {
     if (atomic_fetch_sub(&small_active, 1) == 1 && atomic_load(&large_waiting)) futex_wake_all(&small_active);
 }
 
@@ -118,31 +118,7 @@ static void reset_fair_share_in_child(void) {
     small_active = large_waiting = 0;
 }
 
-typedef struct {
-    int32_t layer;
-    Py_buffer weights, scales;
-} layer_t;
-
-typedef struct {
-    PyObject_HEAD
-    int fd;
-    int open;
-    Py_buffer region, ids;
-    layer_t *layers;
-    Py_ssize_t nlayers;
-    size_t row_bytes, weight_bytes;
-    int threads;
-    uint64_t max_rows;
-    int64_t busy_poll_ns;
-    cache_t cache; /* cached layers (cached_hits.h); none when nlayers is 0 */
-    /* the client's staging (set_staging): Flag.SPLIT lookups write into it */
-    int has_staging;
-    Py_buffer st_weights, st_scales, st_gate;
-    int64_t st_rows;
-    int64_t *pos; /* [ids capacity] staging row of each taken id */
-} Conn;
-
-static void release_staging(Conn *c) {
+void release_staging(Conn *c) {
     if (!c->has_staging) return;
     c->has_staging = 0;
     PyBuffer_Release(&c->st_weights);
@@ -284,7 +260,7 @@ static ssize_t read_header(Conn *c, frame_t *f) {
     return (ssize_t)got;
 }
 
-static int send_all(int fd, const void *data, size_t len) {
+int send_all(int fd, const void *data, size_t len) {
     const char *p = data;
     while (len) {
         ssize_t r = send(fd, p, len, MSG_NOSIGNAL);
@@ -298,7 +274,12 @@ static int send_all(int fd, const void *data, size_t len) {
     return 0;
 }
 
-#include "staging_serve.h" /* reply_ok, serve_split, Conn_set_staging: rows into a client's staging */
+/* Rows of a resident layer (its two blocks; scale_bytes 0: the payload block alone) into packed rows at out. */
+static gather_job_t arena_job(const layer_t *l, int64_t rows, size_t weight_bytes, size_t scale_bytes,
+                              const int64_t *ids, int64_t n, char *out) {
+    return (gather_job_t){.src = l->weights.buf, .src2 = scale_bytes ? l->scales.buf : NULL, .rows = rows,
+                          .row_bytes = weight_bytes, .row_bytes2 = scale_bytes, .idx = ids, .n = n, .out = out};
+}
 
 /* Serve *f if it is a lookup this path takes; 1 if answered, 0 to leave it to the caller. */
 static int serve(Conn *c, const frame_t *f, double *seconds, uint64_t *served_rows) {
@@ -335,8 +316,8 @@ static int serve(Conn *c, const frame_t *f, double *seconds, uint64_t *served_ro
         }
     } else if (n <= FAIR_PIECE_ROWS) {
         atomic_fetch_add(&small_active, 1);
-        const int64_t bad = gather_api->gather_split(l->weights.buf, l->scales.buf, rows, wb, rb - wb, ids, (int64_t)n,
-                                                     out, c->threads);
+        const gather_job_t job = arena_job(l, rows, wb, rb - wb, ids, (int64_t)n, out);
+        const int64_t bad = gather_api->run(&job, c->threads);
         if (bad >= 0) {
             small_done();
             return 0; /* an id out of range: the caller answers with the error */
@@ -347,8 +328,8 @@ static int serve(Conn *c, const frame_t *f, double *seconds, uint64_t *served_ro
         for (uint64_t at = 0; at < n; at += FAIR_PIECE_ROWS) {
             const uint64_t len = n - at < FAIR_PIECE_ROWS ? n - at : FAIR_PIECE_ROWS;
             yield_to_small();
-            gather_api->gather_split(l->weights.buf, l->scales.buf, rows, wb, rb - wb, ids + at, (int64_t)len,
-                                     out + at * rb, c->threads);
+            const gather_job_t job = arena_job(l, rows, wb, rb - wb, ids + at, (int64_t)len, out + at * rb);
+            gather_api->run(&job, c->threads);
             pieces_served++;
         }
     }

@@ -55,15 +55,15 @@ MIN_TOKEN_CHARS = 16
 CLIENT_ENV = frozenset({
     "ENGRAM_STORE_ADDR",  # engram_store.integrations (vLLM, SGLang): the daemon to use, e.g.
     # unix:///run/engram-store/engram-store.sock; unset, the plugins do nothing
-    "ENGRAM_STORE_FETCH_DEADLINE_SECONDS",  # engram_store.client.fetch: seconds a fetch job's step may take,
+    "ENGRAM_STORE_FETCH_DEADLINE_SECONDS",  # engram_store.fetch.job: seconds a fetch job's step may take,
     # the daemon hedged by direct page reads, before it fails with its rows zero (default 2)
-    "ENGRAM_STORE_FETCH_HEDGE_SECONDS",  # engram_store.client.fetch: a fixed hedge budget, seconds a step
+    "ENGRAM_STORE_FETCH_HEDGE_SECONDS",  # engram_store.fetch.job: a fixed hedge budget, seconds a step
     # waits for the daemon before it also reads the pages itself (unset: measured, 2 ms + 2 x p99 of its
     # answers, at most 100 ms; equal to the deadline: never)
-    "ENGRAM_STORE_DIRECT_BUDGET_PAGES",  # engram_store.client.direct_budget: direct page reads in flight that
+    "ENGRAM_STORE_DIRECT_BUDGET_PAGES",  # engram_store.fetch.budget: direct page reads in flight that
     # all fetch jobs on the node reading one device may have together, hedged and fallback reads alike;
     # beyond it a step waits for its daemon (unset: the device's queue depth from sysfs, else 1024; 0: no bound)
-    "ENGRAM_STORE_DIRECT_BUDGET_DIR",  # engram_store.client.direct_budget: the directory of the budget files,
+    "ENGRAM_STORE_DIRECT_BUDGET_DIR",  # engram_store.fetch.budget: the directory of the budget files,
     # one a device (default /dev/shm; a directory every engine container on the node mounts makes it node-wide)
     "ENGRAM_STORE_CONNECT_WAIT_SECONDS",  # engram_store.integrations: seconds a plugin waits at load for a
     # daemon that is not listening yet (default 30)

@@ -24,7 +24,7 @@ agree per step instead (:mod:`.agreement`). Nothing is left on disk; files of th
 (``/dev/shm/engram-store-board-<pid>-*``) whose maker is gone are removed when a board is made.
 
 Layout (:data:`BOARD`): the first failure of all ranks wins. The native run function of a fetch job writes
-its failure before the step's rows are used (``native/fetch_board.h``: it takes ``claim`` 0 -> 1 with a
+its failure before the step's rows are used (``fetch/board.h``: it takes ``claim`` 0 -> 1 with a
 compare-and-swap, writes the fields, then sets ``failed`` to 1), so no check can run between a failed
 step and its record; Python writes a failure it found another way the same order (:func:`record`).
 """
@@ -57,7 +57,7 @@ MESSAGE_BYTES = BOARD_BYTES - 64 - 8 * SHOWN_PAGES
 # for the one writer), reserved u32 * 8 (the first 4: the board's id), pages i64[SHOWN_PAGES] (the first bad pages), message (UTF-8, NUL-ended)
 BOARD = struct.Struct(f"<IIIIiiII8I{SHOWN_PAGES}q{MESSAGE_BYTES}s")
 OFFSETS = {"bytes": BOARD_BYTES, "failed": 8, "kind": 12, "pid": 16, "layer": 20, "npages": 24, "claim": 28,
-           "pages": 64, "message": 64 + 8 * SHOWN_PAGES}  # what native/fetch_board.h writes at
+           "pages": 64, "message": 64 + 8 * SHOWN_PAGES}  # what fetch/board.h writes at
 KIND_CORRUPT, KIND_IO = 1, 2
 assert BOARD.size == BOARD_BYTES and struct.calcsize("<IIIIiiII8I") == OFFSETS["pages"]
 
@@ -185,7 +185,7 @@ class Board:
 
         native = load("_fetch", "cached Engram layers cannot be served to engines")
         if native is not None and getattr(native, "BOARD_OFFSETS", None) != OFFSETS:
-            raise StorageError(f"engram_store.native._fetch writes a failure board at {native.BOARD_OFFSETS}, "
+            raise StorageError(f"engram_store.fetch._fetch writes a failure board at {native.BOARD_OFFSETS}, "
                                f"this Python reads {OFFSETS}: reinstall engram-store (native modules out of date)")
         native_job.set_board(self.map)
 

@@ -24,7 +24,7 @@ from ..native.pagesizes import PageSizes
 
 THP_DIR = pagesizes.THP_DIR
 NATIVE_MODULES = ("engram_store.native._pread", "engram_store.native._uring", "engram_store.native._gather",
-                  "engram_store.native._fetch", "engram_store.daemon._unixfast")
+                  "engram_store.fetch._fetch", "engram_store.daemon._unixfast")
 AT_HWCAP = 16  # linux/auxvec.h
 HWCAP_CRC32 = 1 << 7  # aarch64: linux/arch/arm64/include/uapi/asm/hwcap.h
 

@@ -1,6 +1,6 @@
 """One host copy: a client's staging, written by the daemon in the engines' split layout.
 
-A fetch job's staging (``engram_store/client/fetch.py``) is what an engine's kernels read: a payload
+A fetch job's staging (``engram_store/fetch/job.py``) is what an engine's kernels read: a payload
 block ``[rows, weight_bytes]`` and a scale block ``[rows, scale_bytes]``, row ``i`` the row of the
 step's ``i``-th id. Without this protocol the daemon writes a step's rows packed into the shared
 region and the job copies them into the two blocks (two host copies per row). With it::
@@ -33,8 +33,8 @@ memfd at ``gate_offset`` says who may write, ``(request_id mod 2**30) << 2 | sta
 
 So when a step returns, the word reads ``REVOKED`` or ``DONE``, and no daemon can write until the
 next step opens it again. (A daemon stopped mid-write past a step's deadline fails that step and
-every later one at once until its write ends: ``native/staging_gate.h``.) The states and their
-encoding live in C only (``native/staging_gate.h``); this module names them for tests.
+every later one at once until its write ends: ``native/common/staging_gate.h``.) The states and their
+encoding live in C only (``native/common/staging_gate.h``); this module names them for tests.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ import struct
 from dataclasses import dataclass
 
 STAGING_VERSION = 1
-PAD_ID = -1  # native/frame.h SPLIT_PAD_ID
+PAD_ID = -1  # native/common/frame.h SPLIT_PAD_ID
 GATE_BYTES = 4  # the gate word (uint32); it sits alone on its cache line
 GATE_ALIGN = 64
-GATE_REVOKED, GATE_OPEN, GATE_WRITING, GATE_DONE = 0, 1, 2, 3  # native/staging_gate.h
+GATE_REVOKED, GATE_OPEN, GATE_WRITING, GATE_DONE = 0, 1, 2, 3  # native/common/staging_gate.h
 
 STAGING_FIELDS = (  # (name, struct code), in order: the STAGING payload
     ("staging_version", "H"),  # STAGING_VERSION

@@ -1,4 +1,4 @@
-"""The Linux AIO page reader: native code (``engram_store/native/_pread.c``) from one thread."""
+"""The Linux AIO page reader: native code (``engram_store/native/readers/_pread.c``) from one thread."""
 
 from __future__ import annotations
 

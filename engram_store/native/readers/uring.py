@@ -1,4 +1,4 @@
-"""The io_uring page reader: native code (``engram_store/native/_uring.c``), raw syscalls, no liburing.
+"""The io_uring page reader: native code (``engram_store/native/readers/_uring.c``), raw syscalls, no liburing.
 
 Each thread that reads gets its own ``_uring.Ring`` (made on its first read, kept in a
 thread-local): a ring serves one call at a time, and one per thread means no call waits
@@ -29,7 +29,7 @@ import numpy as np
 
 from ...errors import StorageError
 from ..syscalls import PAGE as PAGE_BYTES
-from . import MAX_NATIVE_QD
+from .base import MAX_NATIVE_QD
 
 log = logging.getLogger(__name__)
 
