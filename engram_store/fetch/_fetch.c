@@ -140,7 +140,7 @@ static Py_ssize_t checksums_len(Checksums *self) { return self->blob ? (Py_ssize
 static PySequenceMethods checksums_seq = {.sq_length = (lenfunc)checksums_len};
 
 static PyTypeObject ChecksumsType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "engram_store.native._fetch.Checksums",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "engram_store.fetch._fetch.Checksums",
     .tp_basicsize = sizeof(Checksums),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Checksums(crcs): a layer's page checksums copied into private memory (len: pages)",
@@ -654,7 +654,7 @@ static PyGetSetDef job_getset[] = {
 };
 
 static PyTypeObject JobType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "engram_store.native._fetch.Job",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "engram_store.fetch._fetch.Job",
     .tp_basicsize = sizeof(Job),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "One cached layer's fetch job; see the module docstring.",
