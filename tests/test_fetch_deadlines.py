@@ -1,6 +1,6 @@
 """Every fetch step ends within its deadline, and a job can go while host functions are queued.
 
-A stuck device is played by the native test hook ``test_hold_reads`` (every reader thread waits
+A stuck device is played by the fault hook ``hold_reads`` (``support.faults``: every reader thread waits
 before its next request, as a read that never completes): the step ends at the deadline with an
 error naming layer and deadline, its rows zero; later direct steps fail at once while the reader is
 held; released, steps are exact again (compared with ``TableSet.read_rows``). Then a job closed and
@@ -19,10 +19,11 @@ import time
 
 import numpy as np
 import pytest
+from support import faults
 from support.daemon_helpers import REPO, DaemonProcess, make_tables
 
 from engram_store import errors
-from engram_store.client.fetch import FetchJob, native_fetch
+from engram_store.fetch.job import FetchJob
 
 LAYER = 3
 ROWS = 1200
@@ -46,11 +47,10 @@ def daemon(tables, tmp_path):
 @pytest.fixture
 def held():
     """Release the readers whatever the test does."""
-    native = native_fetch()
     try:
-        yield native
+        yield
     finally:
-        native.test_hold_reads(False)
+        faults.set_hooks(hold_reads=False)
 
 
 def step(job: FetchJob, seed: int) -> tuple[np.ndarray, float]:
@@ -72,7 +72,7 @@ def test_a_stuck_direct_read_ends_the_step_at_the_deadline(daemon, tables, held)
     try:
         daemon.kill()  # every step reads directly
         exact(job, tables, step(job, 1)[0])
-        held.test_hold_reads(True)  # the device stops answering
+        faults.set_hooks(hold_reads=True)  # the device stops answering
         _, took = step(job, 2)
         assert took < DEADLINE + 10, "a stuck read must end the step at its deadline"  # a hang guard only
         with pytest.raises(errors.StorageError, match=rf"layer {LAYER}: no rows within the fetch deadline "
@@ -86,7 +86,7 @@ def test_a_stuck_direct_read_ends_the_step_at_the_deadline(daemon, tables, held)
         stats = job.stats()
         assert stats["timeouts"] == 1 and stats["stuck_steps"] == 1 and stats["failed_steps"] == 2, stats
         assert stats["direct_stuck_seconds"] > 0
-        held.test_hold_reads(False)  # the device answers again: its late read is dropped, never copied in
+        faults.set_hooks(hold_reads=False)  # the device answers again: its late read is dropped, never copied in
         deadline = time.monotonic() + 20
         while job.stats()["direct_stuck_seconds"]:
             assert time.monotonic() < deadline, job.stats()
@@ -101,15 +101,14 @@ def test_a_stuck_direct_read_ends_the_step_at_the_deadline(daemon, tables, held)
 def test_a_stuck_reader_leaves_the_daemon_path_working(daemon, tables, held):
     job = FetchJob(daemon.unix, LAYER, 2048, deadline=DEADLINE, hedge=0.001)  # hedges at once
     try:
-        held.test_hold_reads(True)
-        for seed in range(10, 16):  # the first hedge's read sticks; the daemon's answers still win
-            ids, took = step(job, seed)
-            assert took < DEADLINE + 10
-            exact(job, tables, ids)
-        stats = job.stats()
-        assert stats["daemon_steps"] == 6 and stats["direct_steps"] == 0 and stats["hedged_steps"] >= 1, stats
+        with faults.hold_reads():
+            for seed in range(10, 16):  # the first hedge's read sticks; the daemon's answers still win
+                ids, took = step(job, seed)
+                assert took < DEADLINE + 10
+                exact(job, tables, ids)
+            stats = job.stats()
+            assert stats["daemon_steps"] == 6 and stats["direct_steps"] == 0 and stats["hedged_steps"] >= 1, stats
     finally:
-        held.test_hold_reads(False)
         job.close()
 
 
@@ -117,8 +116,9 @@ SHUTDOWN = textwrap.dedent("""
     import ctypes, gc, json, sys, threading, time
     sys.path.insert(0, {tests!r})
     import numpy as np
+    from support import faults
     from support.daemon_helpers import DaemonProcess
-    from engram_store.client.fetch import FetchJob, native_fetch
+    from engram_store.fetch.job import FetchJob, native_fetch
 
     native = native_fetch()
     d = DaemonProcess({tables!r}, __import__("pathlib").Path({work!r}), dram_bytes="256KiB").start()
@@ -128,7 +128,7 @@ SHUTDOWN = textwrap.dedent("""
     run = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(job.native.run_address)  # called without the GIL
     call = job.native.call_address({rows})  # what a captured graph's host node holds
     run(call)
-    native.test_hold_reads(True)
+    faults.set_hooks(hold_reads=True)
     inside = threading.Thread(target=run, args=(call,))  # inside a run when the job goes
     inside.start()
     time.sleep(0.05)
@@ -142,7 +142,7 @@ SHUTDOWN = textwrap.dedent("""
     for t in callers + [inside]:
         t.join()
     late = native.late_calls() - late_before
-    native.test_hold_reads(False)
+    faults.set_hooks(hold_reads=False)
     deadline = time.monotonic() + 20
     while native.live_cores() and time.monotonic() < deadline:
         gc.collect()

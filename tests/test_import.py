@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from support.interrupt import kill_mid_write
 from safetensors.torch import save_file
+from support.interrupt import kill_mid_write
 
 from engram_store import TableSet, get_spec
 from engram_store.errors import CheckpointImportError, TableFormatError

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import vllm_cpu_checkpoint as checkpoint
 import vllm_cpu_shapes as shapes
+from support import vllm_cpu_checkpoint as checkpoint
 from support.daemon_helpers import REPO
 from test_vllm_cpu_engine import (  # noqa: F401  (ckpts, tables, work: the module's fixtures, reused)
     CACHED, RUNNERS, VLLM_CPU_PYTHON, Engine, cached_daemon, ckpts, corrupt_copy, tables, work)

@@ -1,5 +1,5 @@
 """What the engine scenario scripts (tests/engines/vllm_engine*.py, tests/engines/sglang_engine*.py) share. Each
-runs in its engine's own venv, so this module imports nothing beyond numpy and the stdlib."""
+runs in its engine's own venv, so this module imports nothing beyond numpy, the stdlib and engram_store."""
 
 from __future__ import annotations
 
@@ -37,6 +37,29 @@ def model_config(spec, **override):
                   engram_compressed_vocab_size=spec.compressed_vocab, engram_pad_token_id=spec.pad_id,
                   engram_vocab_size=spec.table_base)
     return types.SimpleNamespace(**(fields | override))
+
+
+def rows_off_by_one(spec) -> list[int]:
+    """``engram_num_embeddings`` of ``spec`` with one row too many in its last Engram layer."""
+    rows = [spec.rows(layer) for layer in spec.layers]
+    rows[-1] += 1
+    return rows
+
+
+def mismatch_named(attempt, spec, rows) -> None:
+    """``attempt()`` builds from a config with ``rows`` (:func:`rows_off_by_one`): it must raise ModelMismatch
+    naming the last layer and both row counts."""
+    from engram_store.errors import ModelMismatch
+
+    try:
+        attempt()
+    except ModelMismatch as exc:
+        message = str(exc)
+        assert f"rows of Engram layer {spec.layers[-1]}" in message and str(rows[-1]) in message \
+            and str(rows[-1] - 1) in message, message
+        ok(f"mismatch named: {message.split(';')[0]}")
+    else:
+        raise AssertionError("a config with a row count off by one was accepted")
 
 
 def evict(paths) -> None:

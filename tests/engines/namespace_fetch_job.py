@@ -5,8 +5,8 @@ tests/test_fetch_namespaces.py over stdin/stdout, one JSON line each way per sta
     python tests/engines/namespace_fetch_job.py SOCKET TABLES LAYER STEP_ROWS MARKER MODE WHEN
 
 MODE "pidfd": the job watches its daemon's process as the kernel allows (SO_PEERPIDFD crosses PID
-namespaces on Linux >= 6.5); "socket": pidfds are turned off (``test_without_pidfds``), so the job
-must recognize its daemon's death by the connection alone (older kernels).
+namespaces on Linux >= 6.5); "socket": pidfds are turned off (the fault hook ``without_pidfds`` of
+``support.faults``), so the job must recognize its daemon's death by the connection alone (older kernels).
 
 Stages: "holding" once the daemon holds the gate of step 1 mid-write (MARKER exists, the step waits
 for the write; WHEN "after": once step 1 ended at its deadline and a step after it failed too); after
@@ -25,11 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: engram_store
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: support
 
 from engram_store import errors  # noqa: E402
-from engram_store.client.fetch import FetchJob, native_fetch  # noqa: E402
+from engram_store.fetch.job import FetchJob  # noqa: E402
 from engram_store.format.tableset import TableSet  # noqa: E402
+from support import faults  # noqa: E402
 
 DEADLINE = 2.0  # without a way to see the daemon die, step 1 fails here and every later step with it
 HEDGE = 0.3  # step 1 reads directly after it (the daemon holds its write); a restarted daemon answers well within it
@@ -56,7 +58,7 @@ def wait_for(what, timeout: float = 20.0) -> None:
 def main(sock: str, tables_dir: str, layer: int, step_rows: int, marker: str, mode: str, when: str) -> None:
     tables = TableSet.open(tables_dir)
     rows, dim = tables.spec.rows(layer), tables.spec.row_format.dim
-    native_fetch().test_without_pidfds(mode == "socket")
+    faults.set_hooks(without_pidfds=mode == "socket")
     job = FetchJob(f"unix://{sock}", layer, step_rows, deadline=DEADLINE, hedge=HEDGE)
 
     def step(seed: int, threaded: bool = False):

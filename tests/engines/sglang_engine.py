@@ -34,7 +34,8 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from engine_helpers import evict, model_config, ok, resident_pages, snapshot  # noqa: E402
+from engine_helpers import (  # noqa: E402
+    evict, mismatch_named, model_config, ok, resident_pages, rows_off_by_one, snapshot)
 
 torch.library.define("torchvision::nms", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
 torch.library.define("torchvision::qnms", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
@@ -234,7 +235,6 @@ def scenario_lookup(tables_dir: str) -> None:
 
 def scenario_mismatch(tables_dir: str) -> None:
     """SGLang's EngramLayout of a V4.1 config equals our spec; a row count off by one is named."""
-    from engram_store.errors import ModelMismatch
     from engram_store.format.tableset import TableSet
     from engram_store.spec import get_spec
 
@@ -249,17 +249,8 @@ def scenario_mismatch(tables_dir: str) -> None:
         assert tuple(p for order in layout.primes[index] for p in order) == tuple(full.primes(layer).reshape(-1))
         assert layout.num_embeddings[index] == full.rows(layer) == full.expected_rows[layer]
     ok("SGLang's EngramLayout of the V4.1 config equals engram-store's deepseek-v4.1-flash spec")
-    rows = [spec.rows(layer) for layer in spec.layers]
-    rows[-1] += 1
-    try:
-        E.EngramLayout.from_config(model_config(spec, engram_num_embeddings=rows))
-    except ModelMismatch as exc:
-        message = str(exc)
-        assert f"rows of Engram layer {spec.layers[-1]}" in message and str(rows[-1]) in message \
-            and str(rows[-1] - 1) in message, message
-        ok(f"mismatch named: {message.split(';')[0]}")
-    else:
-        raise AssertionError("a config with a row count off by one was accepted")
+    rows = rows_off_by_one(spec)
+    mismatch_named(lambda: E.EngramLayout.from_config(model_config(spec, engram_num_embeddings=rows)), spec, rows)
 
 
 def scenario_refusals(tables_dir: str) -> None:

@@ -119,10 +119,11 @@ def scenario_cached(tables_dir: str) -> None:
 
 
 def scenario_chains(tables_dir: str) -> None:
-    """The order a cached layer's chain issues its work in, run as CUDA streams may run it (tests/engines/sglang_lanes.py:
-    each lane in order, lanes interleaved by a policy, only the chain's markers between them), with stagings of 4
-    tokens: an inline chain issued while the chain hashed ahead is still queued, both exact; a prefill of 3 pieces
-    and a remainder, exact, its pieces double-buffered. Each with its wrong order as a control that fails."""
+    """The order a cached layer's chain issues its work in, run as CUDA streams may run it
+    (tests/engines/sglang_lanes.py: each lane in order, lanes interleaved by a policy, only the chain's markers
+    between them), with stagings of 4 tokens: an inline chain issued while the chain hashed ahead is still queued,
+    both exact; a prefill of 3 pieces and a remainder, exact, its pieces double-buffered. Each with its wrong order
+    as a control that fails."""
     from sglang_lanes import POLICIES, SCHEDULES, Streams
 
     from engram_store.format.tableset import TableSet

@@ -5,7 +5,8 @@ steps) and ``tests/engines/vllm_engine_paths.py`` (the paths a cached layer take
 run by ``tests/test_vllm_plugin.py``, each in a fresh process (the shims below and the plugin's
 patches must not leak into other tests).
 
-    TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= ENGRAM_STORE_ADDR=unix://S python tests/engines/vllm_engine.py SCENARIO TABLES
+    TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= ENGRAM_STORE_ADDR=unix://S \
+        python tests/engines/vllm_engine.py SCENARIO TABLES
 
 Triton's interpreter runs vLLM's kernels on CPU tensors. CPU shims, nothing else:
 ``torch.accelerator.current_device_index`` and ``torch.cuda.get_device_properties``
@@ -28,7 +29,8 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from engine_helpers import evict, model_config, ok, resident_pages, snapshot  # noqa: E402
+from engine_helpers import (  # noqa: E402
+    evict, mismatch_named, model_config, ok, resident_pages, rows_off_by_one, snapshot)
 
 ENGRAM = "vllm.models.deepseek_v41.common.engram"
 
@@ -251,7 +253,6 @@ def scenario_write_paths(tables_dir: str) -> None:
 
 def scenario_mismatch(tables_dir: str) -> None:
     """vLLM's EngramLayout of a V4.1 config equals our spec; a row count off by one is named."""
-    from engram_store.errors import ModelMismatch
     from engram_store.format.tableset import TableSet
     from engram_store.spec import get_spec
 
@@ -264,18 +265,9 @@ def scenario_mismatch(tables_dir: str) -> None:
         assert layout.num_embeddings[index] == full.rows(layer) == full.expected_rows[layer]
     ok("vLLM's EngramLayout of the V4.1 config equals engram-store's deepseek-v4.1-flash spec")
     spec = TableSet.open(tables_dir).spec
-    rows = [spec.rows(layer) for layer in spec.layers]
-    rows[-1] += 1
+    rows = rows_off_by_one(spec)
     bad = E.EngramLayout(model_config(spec, engram_num_embeddings=rows))
-    try:
-        build(E, bad, 0)
-    except ModelMismatch as exc:
-        message = str(exc)
-        assert f"rows of Engram layer {spec.layers[-1]}" in message and str(rows[-1]) in message \
-            and str(rows[-1] - 1) in message, message
-        ok(f"mismatch named: {message.split(';')[0]}")
-    else:
-        raise AssertionError("a config with a row count off by one was accepted")
+    mismatch_named(lambda: build(E, bad, 0), spec, rows)
 
 
 def scenario_loader(tables_dir: str, ckpt_dir: str) -> None:

@@ -1,8 +1,10 @@
 """vLLM 0.33's own code on the paths a cached layer takes by default, through the engram-store plugin:
 scenarios run by ``tests/test_vllm_plugin.py``, each in a fresh process, with the shims of
-``tests/engines/vllm_engine.py`` and the step helpers of ``tests/engines/vllm_engine_cached.py`` (which this module imports).
+``tests/engines/vllm_engine.py`` and the step helpers of ``tests/engines/vllm_engine_cached.py`` (which this
+module imports).
 
-    TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= ENGRAM_STORE_ADDR=unix://S python tests/engines/vllm_engine_paths.py SCENARIO ...
+    TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= ENGRAM_STORE_ADDR=unix://S \
+        python tests/engines/vllm_engine_paths.py SCENARIO ...
 
 Blackwell's lookup thresholds and Engram batching (streams and events recorded on the CPU), the model
 runners' host-visible points after a failed fetch, the failure board across processes, and prompt hints
