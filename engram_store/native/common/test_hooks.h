@@ -2,7 +2,7 @@
  *
  * Production code only asks: test_hook_on(h) (a relaxed atomic load), test_hook_hold(h) (waits while
  * h is on; returns at once when it is off). Python sets them through one module function of each
- * extension linking this unit, TEST_HOOKS_METHOD:
+ * extension linking this unit, TEST_HOOKS_METHOD (tests call it only through tests/support/faults.py):
  *
  *   test_hooks(**flags) -> {name: bool}   set the named hooks, return every hook's state
  *
@@ -11,7 +11,7 @@
  *                    that does not answer: tests/test_fetch_deadlines.py)
  *   without_pidfds   connections attached while set get no pidfd of their daemon (an older kernel across
  *                    PID namespaces): a daemon gone mid-write is seen by its connection alone
- *                    (tests/namespace_fetch_job.py)
+ *                    (tests/engines/namespace_fetch_job.py)
  */
 #ifndef ENGRAM_STORE_TEST_HOOKS_H
 #define ENGRAM_STORE_TEST_HOOKS_H
