@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ... import errors
+from ...format import requests
 from ...storage.base import RowStore
 from ...wire import frames as wire
 from ...wire.frames import DType, Frame
@@ -49,9 +50,9 @@ def check_dtype(code: int) -> np.dtype:
 
 def check_region(served: Served, frame: Frame, region_bytes: int) -> None:
     """Raise the typed error of a region lookup that cannot be served; cheap checks before any work."""
-    served.check_layer(frame.layer)
-    dtype = check_dtype(frame.dtype)
-    served.check_count(frame.count)
+    requests.check_layer(frame.layer, served.layers)  # not served.check_*: this runs once a lookup
+    dtype = ID_DTYPES.get(frame.dtype) or check_dtype(frame.dtype)
+    requests.check_count(frame.count, served.max_request_rows)
     ids_end = frame.ids_offset + frame.count * dtype.itemsize
     out_end = frame.out_offset + frame.count * served.store.row_bytes
     if ids_end > region_bytes or out_end > region_bytes:
