@@ -112,7 +112,7 @@ def _hint_sender(daemon: Daemon, spec, layer: int, raw):
     """What the engine plugins run: a connection of their own and a PromptHints over it (all 24 columns: the
     bench's fetch job reads every head)."""
     from engram_store.client.client import EngramClient
-    from engram_store.integrations.hints import PromptHints
+    from engram_store.integrations.prompt_hints import PromptHints
 
     client = EngramClient.connect(daemon.unix, shm_bytes=64 << 20)
     return client, PromptHints(client, spec, {layer: None}, raw)

@@ -13,11 +13,11 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
-from daemon_helpers import REPO, DaemonProcess, expected, make_tables
+from support.daemon_helpers import REPO, DaemonProcess, expected, make_tables
 
 from engram_store import errors
 from engram_store.client.client import EngramClient
-from engram_store.daemon import fastpath
+from engram_store.daemon.unix import fastpath
 from engram_store.spec import ModelSpec
 
 

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, make_tables
+from support.daemon_helpers import DaemonProcess, make_tables
 
 from engram_store import errors
 from engram_store.client.region import Extents
@@ -97,7 +97,8 @@ def test_latency_histogram_buckets():
 
 
 def test_grpc_is_unavailable_until_the_store_is_attached(tmp_path):
-    from engram_store.daemon.grpc_service import EngramStoreService, GrpcServer
+    from engram_store.daemon.grpc.server import GrpcServer
+    from engram_store.daemon.grpc.service import EngramStoreService
     from engram_store.wire._proto import engram_store_pb2 as pb
     from engram_store.wire._proto import engram_store_pb2_grpc as pb_grpc
 

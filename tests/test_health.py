@@ -21,10 +21,10 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_helpers import REPO, START_TIMEOUT, DaemonProcess, make_tables
+from support.daemon_helpers import REPO, START_TIMEOUT, DaemonProcess, make_tables
 from engram_store.client import EngramClient
 from engram_store.daemon import readyfile
-from engram_store.daemon.metrics import MetricsServer
+from engram_store.daemon.http.metrics import MetricsServer
 
 
 def _get(url: str, method: str = "GET") -> tuple[int, str]:

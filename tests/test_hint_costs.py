@@ -11,15 +11,15 @@ import sys
 import numpy as np
 import pytest
 
-from engram_store.storage import hints as hints_module
-from engram_store.storage.hints import HINT_BYTES, ROW_BYTES, HintCounters, HintQueue, HintSettings
+from engram_store.storage import hint_queue as hints_module
+from engram_store.storage.hint_queue import HINT_BYTES, ROW_BYTES, HintCounters, HintQueue, HintSettings
 
 HINTS = 60_000  # 1-row hints under fresh keys: the costliest shape per row
 
 _MEASURE = r"""
 import json, sys
 import numpy as np
-from engram_store.storage.hints import HintCounters, HintQueue, HintSettings
+from engram_store.storage.hint_queue import HintCounters, HintQueue, HintSettings
 
 def rss():
     with open("/proc/self/status") as f:

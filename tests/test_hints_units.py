@@ -8,10 +8,10 @@ import threading
 
 import numpy as np
 import pytest
-from storage_helpers import FLASH, cache_budget, check_rows, make_tables
+from support.storage_helpers import FLASH, cache_budget, check_rows, make_tables
 
 from engram_store.daemon.limits import PeerBuckets, TokenBucket
-from engram_store.storage.hints import HINT_ROWS, HintCounters, HintQueue, HintSettings
+from engram_store.storage.hint_queue import HINT_ROWS, HintCounters, HintQueue, HintSettings
 from engram_store.storage.row_cache import RowCache
 from engram_store.storage.tiered import TieredStore
 

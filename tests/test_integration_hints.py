@@ -1,4 +1,4 @@
-"""The plugins' prompt hints (engram_store/integrations/hints.py): the rows of a prompt's chunks not computed yet
+"""The plugins' prompt hints (engram_store/integrations/prompt_hints.py): the rows of a prompt's chunks not computed yet
 equal ``engram_store.hashing`` of the whole prompt from there on (raw ids through a token map, lookback, this
 rank's columns); a prefix-cache hit hints fewer rows; one hint per request, at its first scheduled chunk, through
 vLLM's own SchedulerOutput / NewRequestData and SGLang-shaped requests, to a real daemon; a withdrawal when the
@@ -14,13 +14,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from daemon_helpers import REPO, DaemonProcess
+from support.daemon_helpers import REPO, DaemonProcess
 
 from engram_store.client.client import EngramClient
 from engram_store.format.tableset import TableSet
 from engram_store.hashing import row_ids_numpy
-from engram_store.integrations.hints import (PromptHints, hint_key, pending_rows, sglang_finished,
-                                             sglang_prefill_batch, vllm_scheduler_output)
+from engram_store.integrations.prompt_hints import (PromptHints, hint_key, pending_rows, sglang_finished,
+                                                  sglang_prefill_batch, vllm_scheduler_output)
 from engram_store.spec import get_spec
 from engram_store.storage.placement import slot_bytes
 from engram_store.tokens import RawIds, TokenMap
@@ -212,7 +212,8 @@ torch.library.define("torchvision::qnms", "(Tensor dets, Tensor scores, float io
 from array import array
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.sampling.sampling_params import SamplingParams
-from engram_store.integrations.hints import PromptHints, hint_key, pending_rows, sglang_finished, sglang_prefill_batch
+from engram_store.integrations.prompt_hints import (PromptHints, hint_key, pending_rows, sglang_finished,
+                                                  sglang_prefill_batch)
 from engram_store.spec import get_spec
 spec = get_spec("deepseek-v4.1-flash", 0.0002)
 tokens = np.random.default_rng(7).integers(0, spec.compressed_vocab, 3000)

@@ -16,8 +16,8 @@ import urllib.request
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, expected
-from storage_helpers import flip
+from support.daemon_helpers import DaemonProcess, expected
+from support.storage_helpers import flip
 
 from engram_store import errors
 from engram_store.format import checksums
@@ -132,7 +132,7 @@ def test_resident_fill_refuses_a_corrupt_page_and_serves_the_rest(tables):
         all_rows = np.arange(SPEC.rows(other_layer))
         np.testing.assert_array_equal(store.lookup(other_layer, all_rows), truth(other_layer, all_rows))
         assert set(store.resident_views()) == {other_layer}  # callers' own gathers skip the damaged layer
-        weights, scales = store._arena.blocks[LAYER]
+        weights, scales = store.parts.arena.blocks[LAYER]
         assert not weights[rows_of(7)].any() and not scales[rows_of(7)].any()  # no corrupt byte left in the arena
 
 
@@ -142,7 +142,7 @@ def test_a_read_error_in_the_fill_marks_only_the_pages_that_cannot_be_read(prist
     ts = TableSet.open(pristine)
     e = ts.manifest.layer(LAYER)
     with TieredStore.open(pristine, dram_bytes=1 << 20, mode="cached") as store:
-        lf = store._files[LAYER]
+        lf = store.parts.files[LAYER]
         real = np.fromfile(pristine / e.file, dtype=np.uint8)
         reads = []
 

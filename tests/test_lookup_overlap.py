@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 import pytest
-from storage_helpers import FLASH, cache_budget, check_rows, make_tables
+from support.storage_helpers import FLASH, cache_budget, check_rows, make_tables
 
 from engram_store.storage.cached_path import OVERLAP_MIN_HITS
 from engram_store.storage.overlap import ReadOverlap
@@ -41,11 +41,11 @@ def test_hits_are_copied_during_the_reads_and_rows_are_exact(tables):
     rng = np.random.default_rng(1)
     with open_store(tables) as store:
         ids = hits_and_misses(store, rng, 2 * OVERLAP_MIN_HITS, 700)
-        before = store._overlap.started
+        before = store.parts.overlap.started
         out = np.empty((len(ids), FLASH.row_bytes), np.uint8)
         st = store.lookup_into(LAYER, ids, out)
-        assert store._overlap.started == before + 1  # the hits were copied on a helper
-        assert store._cache.lock.readers == 0  # and it ended the lookup's cache read
+        assert store.parts.overlap.started == before + 1  # the hits were copied on a helper
+        assert store.parts.cache.lock.readers == 0  # and it ended the lookup's cache read
         assert st.rows_dram == 2 * OVERLAP_MIN_HITS and st.rows_nvme == len(ids) - st.rows_dram
         check_rows(store, tables, FLASH, LAYER, ids, out)
 
@@ -54,10 +54,10 @@ def test_few_hits_are_copied_on_the_calling_thread(tables):
     rng = np.random.default_rng(2)
     with open_store(tables) as store:
         ids = hits_and_misses(store, rng, OVERLAP_MIN_HITS // 4, 300)
-        before = store._overlap.started
+        before = store.parts.overlap.started
         out = np.empty((len(ids), FLASH.row_bytes), np.uint8)
         store.lookup_into(LAYER, ids, out)
-        assert store._overlap.started == before
+        assert store.parts.overlap.started == before
         check_rows(store, tables, FLASH, LAYER, ids, out)
 
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, expected, make_tables
+from support.daemon_helpers import DaemonProcess, expected, make_tables
 
 from engram_store.client.client import EngramClient
-from engram_store.daemon.http_server import MAX_REQUEST_BYTES, RENDER, BoundedHTTPServer, Reply
+from engram_store.daemon.http.server import MAX_REQUEST_BYTES, RENDER, BoundedHTTPServer, Reply
 
 ROOT = Path(__file__).resolve().parents[1]
 IDLE = 1000

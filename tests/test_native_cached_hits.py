@@ -11,11 +11,11 @@ import time
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, expected, make_tables
+from support.daemon_helpers import DaemonProcess, expected, make_tables
 
 from engram_store import errors
 from engram_store.client.client import EngramClient
-from engram_store.daemon import fastpath
+from engram_store.daemon.unix import fastpath
 
 pytestmark = pytest.mark.skipif(fastpath.native_module() is None, reason="_unixfast is not built")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_helpers import make_tables
+from support.daemon_helpers import make_tables
 
 from engram_store.format.arena_layout import BLOCK_ALIGN, ArenaLayout, ArenaView
 from engram_store.native import pagesizes, syscalls
@@ -176,7 +176,7 @@ def test_an_arena_on_a_kernel_of_other_page_sizes_serves_exact_rows(tables, capl
     if any(pagesizes.current().pool(p) and pagesizes.current().pool(p).available for p in pools):
         pytest.skip("this host has huge pages of those sizes free: the fallback would not be taken")
     with TieredStore.open(tables.directory, dram_bytes=256 << 10, mode="cached") as store:
-        files = [store._files[layer] for layer in store.layers]
+        files = [store.parts.files[layer] for layer in store.layers]
         rows = [(lf.layer, lf.layout.rows) for lf in files]
         options = arena_backings(rows, store.spec.row_format, sizes=sizes)
         assert options[0].kind == "hugetlb" and options[-1] == Backing("none", page, resident_layout(rows, store.spec.row_format).size)
@@ -242,7 +242,7 @@ def test_an_arena_on_reserved_2mib_pages_serves_exact_rows(tables):
     from engram_store.storage.tiered import TieredStore
 
     with TieredStore.open(tables.directory, dram_bytes=256 << 10, mode="cached") as store:
-        files = [store._files[layer] for layer in store.layers]
+        files = [store.parts.files[layer] for layer in store.layers]
         reader = open_reader(4)
         arena = ResidentArena.build(files, store.spec.row_format, posix_bulk_reader(reader))  # this kernel's sizes
         try:

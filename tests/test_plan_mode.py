@@ -16,11 +16,12 @@ import time
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess, expected, make_tables
-from storage_helpers import flip
+from support.daemon_helpers import DaemonProcess, expected, make_tables
+from support.storage_helpers import flip
 
 from engram_store import errors
 from engram_store.client import plan as client_plan
+from engram_store.client import plan_device
 from engram_store.client.client import EngramClient
 from engram_store.format import checksums
 from engram_store.format.layout import PAGE_BYTES
@@ -233,7 +234,7 @@ def test_device_crc_matches_the_reference():
     torch = pytest.importorskip("torch")
     pages = np.random.default_rng(0).integers(0, 256, (7, PAGE_BYTES), dtype=np.uint8)
     pages[3] = 0
-    crc = client_plan.DeviceCrc("cpu")
+    crc = plan_device.DeviceCrc("cpu")
     got = crc(torch.from_numpy(pages)).numpy()
     np.testing.assert_array_equal(got, checksums.page_crcs(pages).astype(np.int64))
 
@@ -248,8 +249,8 @@ def test_read_extents_coalesce_runs():
 def test_the_prefetcher_reads_cold_rows_by_plan_when_asked(tmp_path):
     """EngramPrefetcher(plan=True) over a cached daemon: cold rows read by this process, pages
     checked, rows byte-exact over a churn of steps; info() reports the plan executor."""
-    from daemon_helpers import DaemonProcess
-    from daemon_helpers import make_tables as make_daemon_tables
+    from support.daemon_helpers import DaemonProcess
+    from support.daemon_helpers import make_tables as make_daemon_tables
     from test_gpu_client_daemon import churn
 
     from engram_store.client.client import EngramClient
@@ -271,7 +272,7 @@ def test_the_prefetcher_reads_cold_rows_by_plan_when_asked(tmp_path):
 def test_plan_counters_reach_prometheus(tables, tmp_path):
     import urllib.request
 
-    from daemon_helpers import DaemonProcess
+    from support.daemon_helpers import DaemonProcess
 
     from engram_store.client.client import EngramClient
 

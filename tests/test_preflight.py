@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_helpers import REPO, DaemonProcess, daemon_command, expected, make_tables, make_token_file
+from support.daemon_helpers import REPO, DaemonProcess, daemon_command, expected, make_tables, make_token_file
 
 from engram_store.client.client import EngramClient
 from engram_store.daemon import host
@@ -264,7 +264,7 @@ def test_a_fill_error_surfaces_as_itself(tables):
     from engram_store.storage.tiered import TieredStore
 
     with TieredStore.open(tables.directory, dram_bytes=256 << 10, mode="cached") as store:
-        files = [store._files[layer] for layer in store.layers]
+        files = [store.parts.files[layer] for layer in store.layers]
 
         def bulk_read(lf, offset, nbytes, buf):
             raise ValueError("a bug in a bulk reader")  # not a StorageError: nothing to retry

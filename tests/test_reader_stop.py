@@ -1,4 +1,4 @@
-"""A read that gives way: the io_uring reader's ``stop`` flag (native/_uring.c), the NVMe tier's ``rows_read``, and
+"""A read that gives way: the io_uring reader's ``stop`` flag (native/readers/_uring.c), the NVMe tier's ``rows_read``, and
 the hint reader interrupted by a lookup (its read published as failed, so the lookup reads its rows itself; the
 rest of the hint read later). Bytes against the file; counters, never timings."""
 
@@ -9,12 +9,12 @@ import time
 
 import numpy as np
 import pytest
-from storage_helpers import FLASH, cache_budget, check_rows, make_tables
+from support.storage_helpers import FLASH, cache_budget, check_rows, make_tables
 
 from engram_store.format.layout import PAGE_BYTES
 from engram_store.native import syscalls
 from engram_store.native.readers import aio, uring
-from engram_store.storage.hints import HintSettings
+from engram_store.storage.hint_queue import HintSettings
 from engram_store.storage.tiered import TieredStore
 
 needs_uring = pytest.mark.skipif(uring.probe() is not None, reason=f"io_uring reader unavailable: {uring.probe()}")
@@ -108,9 +108,9 @@ def test_the_nvme_tier_says_which_rows_a_stopped_read_left(tables):
     with TieredStore.open(tables, dram_bytes=cache_budget(FLASH, 0.1), mode="cached", reader="uring") as store:
         rows = np.unique(np.random.default_rng(2).choice(FLASH.rows(layer), 2000, replace=False))
         out = np.zeros((len(rows), FLASH.row_bytes), np.uint8)
-        rs = store._nvme.read_rows(layer, rows, out, stop=np.array([1], np.int32))
+        rs = store.parts.nvme.read_rows(layer, rows, out, stop=np.array([1], np.int32))
         assert rs.rows_read == 0 and rs.pages == 0 and not out.any()
-        rs = store._nvme.read_rows(layer, rows, out, stop=np.array([0], np.int32))
+        rs = store.parts.nvme.read_rows(layer, rows, out, stop=np.array([0], np.int32))
         assert rs.rows_read is None and rs.pages > 0
         check_rows(store, tables, FLASH, layer, rows, out)
 
@@ -125,7 +125,7 @@ def test_a_lookup_interrupts_the_hint_reader_and_every_page_is_read_once_and_exa
     settings = HintSettings(cache_share=0.9, queue_depth=1)
     with TieredStore.open(tables, dram_bytes=cache_budget(FLASH, 0.6), mode="cached", reader="uring",
                           hints=settings) as store:
-        rpp = store._files[layer].layout.rows_per_page
+        rpp = store.parts.files[layer].layout.rows_per_page
         rows = np.random.default_rng(3).choice(FLASH.rows(layer) // rpp, 4000, replace=False) * rpp
         assert store.hint(layer, rows, key=1, holder="h") == len(rows)
         out = np.empty((500, FLASH.row_bytes), np.uint8)

@@ -1,11 +1,11 @@
-"""The io_uring page reader (``native/_uring.c`` behind ``readers/uring.py``).
+"""The io_uring page reader (``native/readers/_uring.c`` behind ``readers/uring.py``).
 
 Rows through a real cached-mode store must equal the reference reader byte for
 byte, from several threads at once (a ring each); a page flipped on disk must be
 refused; a forked child and a reused fd number must never read through the
 parent's ring or a stale registered file; and when the probe says io_uring cannot
 run, ``auto`` must log why and fall back to Linux AIO. The crc32c code both native
-readers share (``native/crc32c.h``) is checked against the numpy reference on every
+readers share (``native/common/crc32c.c``) is checked against the numpy reference on every
 path it takes.
 """
 
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from storage_helpers import FLASH, TINY, check_rows, flip, make_tables
+from support.storage_helpers import FLASH, TINY, check_rows, flip, make_tables
 
 from engram_store import errors
 from engram_store.format import checksums
@@ -56,7 +56,7 @@ def _rows_request(pages: np.ndarray, row_bytes: int, slot: np.ndarray):
 def test_cached_store_rows_are_exact_through_uring(tmp_path, qd):
     tables = make_tables(tmp_path, FLASH)
     with TieredStore.open(tables, dram_bytes=1 << 20, mode="cached", queue_depth=qd, reader="uring") as store:
-        assert store._nvme.reader.name == "uring"
+        assert store.parts.nvme.reader.name == "uring"
         rng = np.random.default_rng(qd)
         for layer in FLASH.layers:
             ids = rng.integers(0, FLASH.rows(layer), 3000)
@@ -70,7 +70,7 @@ def test_store_lookups_from_many_threads_each_get_a_ring(tmp_path):
     tables = make_tables(tmp_path, FLASH)
     layer = FLASH.layers[0]
     with TieredStore.open(tables, dram_bytes=1 << 20, mode="cached", queue_depth=8, reader="uring") as store:
-        reader = store._nvme.reader
+        reader = store.parts.nvme.reader
 
         def one(seed: int):
             ids = np.random.default_rng(seed).integers(0, FLASH.rows(layer), 2000)
@@ -259,7 +259,7 @@ def test_auto_falls_back_to_aio_and_logs_why_when_the_probe_fails(tmp_path, monk
     tables = make_tables(tmp_path, TINY)
     with caplog.at_level(logging.INFO, logger="engram_store.native.readers"):
         with TieredStore.open(tables, dram_bytes=1 << 20, mode="cached") as store:
-            assert store._nvme.reader.name == "aio"
+            assert store.parts.nvme.reader.name == "aio"
             ids = np.arange(0, TINY.rows(TINY.layers[0]), 5)
             check_rows(store, tables, TINY, TINY.layers[0], ids, store.lookup(TINY.layers[0], ids).reshape(len(ids), -1))
         assert open_reader(4).name == "aio"

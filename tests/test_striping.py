@@ -13,11 +13,12 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess
-from storage_helpers import FLASH, TINY
+from support.daemon_helpers import DaemonProcess
+from support.storage_helpers import FLASH, TINY
 
 from engram_store import errors
 from engram_store.format import writer as writer_mod
@@ -176,7 +177,7 @@ def test_scrub_finds_a_flipped_stripe_page(tmp_path):
         for _ in range(2000):
             if store.bad_pages():
                 break
-            store._scrub._stop.wait(0.01)
+            time.sleep(0.01)
         assert store.bad_pages() == {e.layer: [[81, 82]]}
 
 
