@@ -35,6 +35,9 @@ daemon's Info) is taken at :meth:`EngramStoreTables.connect`; every fetch job
 made here, now or later, reads those tables: a daemon restarted on another
 table set at the same address is refused (naming both) and the job reads its
 own files, so one engine never mixes two table sets.
+
+It runs past 400 lines as one class: the one object every engine adapter is handed (views, fetch
+jobs, GPU registration, the model check share its lock and its record of jobs).
 """
 
 from __future__ import annotations
