@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import threading
 from typing import Any, Callable, Iterator
 
@@ -156,7 +157,7 @@ def check(tables) -> None:
     the ranks agree per step only an agreed failure is raised here: a rank raising its own failure alone,
     outside the settle, would leave its peers in the settle's collective."""
     if _failure is not None:
-        raise _failure
+        raise copy.copy(_failure)
     if ranks.known() is agreement.Mode.AGREE:
         return
     local = _local_failure(tables)
@@ -189,7 +190,7 @@ def settle(tables) -> None:
     any rank sharing the batch (collectively where they share no failure board; sticky)."""
     global _settled
     if _failure is not None:
-        raise _failure
+        raise copy.copy(_failure)
     mode = ranks.mode()
     if mode is agreement.Mode.NONE or _settled:
         return
@@ -218,14 +219,20 @@ def _local_failure(tables) -> EngramStoreError | None:
 
 
 def _stick(exc: EngramStoreError) -> EngramStoreError:
-    """Keep ``exc`` as this process's failure (the first one stays), on the board too; returns the kept one."""
+    """Keep ``exc`` as this process's failure (the first one stays), on the board too; returns what to raise.
+
+    What is kept is a copy without a traceback, and every later raise raises a copy of it: a traceback
+    holds the frames it passed through (the agreement's, with the ranks' process groups), and a module
+    global holding it would keep those groups alive past the engine's ``destroy_process_group`` until
+    the interpreter's exit, where freeing a gloo group aborts the process."""
     global _failure
     with _failure_lock:
         if _failure is None:
-            _failure = exc
+            _failure = copy.copy(exc)
             if isinstance(exc, StorageError):
                 failures.record(exc)  # for the other ranks, when the native write did not do it
-        return _failure
+            return exc
+        return copy.copy(_failure)
 
 
 def _wait_for_device() -> None:
