@@ -42,13 +42,13 @@ def format_duration(seconds: float | None) -> str:
 class Progress:
     """Callable with byte counts; reports ``label: pct% done/total GB, MB/s, time left``."""
 
-    def __init__(self, label: str, total_bytes: int, enabled: bool | None = None, stream: TextIO = sys.stderr, *,
+    def __init__(self, label: str, total_bytes: int, enabled: bool | None = None, stream: TextIO | None = None, *,
                  log: logging.Logger | None = None, every: float = DEFAULT_EVERY_SECONDS,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.label = label
         self.total = max(int(total_bytes), 1)
         self.done = 0
-        self.stream = stream
+        self.stream = stream = sys.stderr if stream is None else stream  # the one of the moment, not of the import
         self.live = bool(stream.isatty()) if enabled is None else bool(enabled) and bool(stream.isatty())
         self.lines = bool(enabled) and not self.live  # forced on where there is no terminal: plain lines
         self.log = log
