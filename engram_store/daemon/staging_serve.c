@@ -80,7 +80,7 @@ int serve_split(Conn *c, const frame_t *f, double *seconds, uint64_t *rows) {
 
 /* set_staging(weights, scales, gate): the client's staging blocks (uint8 [rows, weight_bytes] and
    [rows, row_bytes - weight_bytes], writable, C-contiguous) and its gate word (4 writable bytes, aligned),
-   as daemon/staging.py checked and mapped them. */
+   as daemon/requests/staging.py checked and mapped them. */
 PyObject *Conn_set_staging(Conn *c, PyObject *args) {
     PyObject *o_w, *o_s, *o_g;
     if (!c->open) {

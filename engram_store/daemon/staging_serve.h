@@ -2,7 +2,7 @@
  * (one host copy, engram_store/wire/staging.py), under the staging's gate (native/common/staging_gate.h).
  * A unit of _unixfast (staging_serve.c).
  *
- *   Conn.set_staging(weights, scales, gate)   the staging daemon/staging.py checked and mapped
+ *   Conn.set_staging(weights, scales, gate)   the staging daemon/requests/staging.py checked and mapped
  *   serve_split(c, f, ...)                    one lookup: 1 answered, 0 left to the Python reader
  */
 #ifndef ENGRAM_STORE_STAGING_SERVE_H
