@@ -85,7 +85,7 @@ class JsonReport:
 def ensure_tables(args: argparse.Namespace, name: str) -> Path:
     """``--tables`` if given; else a synthetic ``--model`` table set at ``--scale`` in
     ``--workdir``/``<name>-<spec>-<scale>``, written once and reused by later runs."""
-    from engram_store.spec import get_spec
+    from engram_store.models.spec import get_spec
     from engram_store.tools.synth import write_synthetic
 
     if args.tables:

@@ -26,7 +26,7 @@ IOLOG_HEADER = "fio version 2 iolog"
 def hash_requests(spec, layer: int, tokens: np.ndarray, batch: int, length: int, raw) -> np.ndarray:
     """int32 ``[length, batch * 24]``: decode step ``s`` = token ``s`` of each of ``batch`` requests
     (contiguous stretches of ``tokens``, each hashed from its own start), request-major."""
-    from engram_store.hashing import row_ids_numpy
+    from engram_store.models.hashing import row_ids_numpy
 
     cu = np.arange(batch + 1, dtype=np.int64) * length
     ids = row_ids_numpy(spec, layer, tokens[: batch * length], cu_seqlens=cu, raw=raw)  # [batch * length, 24]

@@ -29,8 +29,8 @@ from _engine_step_report import pct, spread
 from sparse_tables import disk_bytes, remove_sparse, write_sparse
 
 from engram_store.format.layout import PAGE_BYTES
-from engram_store.hashing import row_ids_numpy
-from engram_store.spec import get_spec
+from engram_store.models.hashing import row_ids_numpy
+from engram_store.models.spec import get_spec
 
 DRAIN_SECONDS = 120.0  # the longest to wait for a prefill's hinted reads to end before the next prefill
 MAX_STEPS_BESIDE = 2000  # fresh decode steps for the prefills at most (their pages are written: ~7 GiB at batch 64)

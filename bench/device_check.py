@@ -69,7 +69,7 @@ import tokens as tokens_bench  # noqa: E402  (bench/tokens.py)
 from _common import JsonReport, add_report_args, check_row  # noqa: E402
 
 from engram_store import TableSet, get_spec  # noqa: E402
-from engram_store.hashing import row_ids_numpy, row_ids_torch  # noqa: E402
+from engram_store.models.hashing import row_ids_numpy, row_ids_torch  # noqa: E402
 from engram_store.tools.synth import write_synthetic  # noqa: E402
 from gpu_client import EngramClient, EngramPrefetcher, LocalClient, Step  # noqa: E402
 from gpu_client.resident import ArenaGather, readonly_tensor, register_host_memory, unregister_host_memory  # noqa: E402
@@ -370,7 +370,7 @@ def check_sglang_kernel(spec, ts: TableSet, address: str, device) -> list[dict]:
 
 def check_raw_ids(device, cpu_only: bool) -> list[dict]:
     """Raw ids on the device: the map's gather equals numpy's, and what raw ids add to a decode step's submit()."""
-    from engram_store.tokens import RawIds, TokenMap
+    from engram_store.models.tokens import RawIds, TokenMap
 
     tokenizer = tokens_bench.default_tokenizer()
     if tokenizer is None:

@@ -150,7 +150,7 @@ def measure(args: argparse.Namespace) -> dict:
     from support.daemon_helpers import DaemonProcess
     from import_throughput import evict, make_checkpoint
 
-    from engram_store.spec import get_spec
+    from engram_store.models.spec import get_spec
     from engram_store.tools.importer import import_checkpoint
 
     spec = get_spec(args.model, args.scale)

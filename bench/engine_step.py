@@ -59,12 +59,12 @@ from _store_profile import profile_store  # noqa: E402
 from sparse_tables import disk_bytes, remove_sparse, write_sparse  # noqa: E402
 
 from engram_store.format.layout import PAGE_BYTES  # noqa: E402
-from engram_store.spec import get_spec  # noqa: E402
+from engram_store.models.spec import get_spec  # noqa: E402
 
 # --------------------------------------------------------------------------- traffic
 def prefill_chunks(spec, layer: int, tokens: np.ndarray, n: int, chunk: int, raw) -> list[np.ndarray]:
     """``n`` chunks of ``chunk`` tokens from the end of ``tokens``, each hashed with its 3 tokens before."""
-    from engram_store.hashing import row_ids_numpy
+    from engram_store.models.hashing import row_ids_numpy
 
     out, h = [], spec.history_len
     for k in range(n):

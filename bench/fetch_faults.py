@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, flap: tuple[float, float], slow: tuple[float, float]) -> dict:
     from engine_step import Daemon
 
-    from engram_store.spec import get_spec
+    from engram_store.models.spec import get_spec
 
     tables = ensure_tables(args, "fetch-faults")
     spec = get_spec(args.model, args.scale)

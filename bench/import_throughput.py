@@ -109,7 +109,7 @@ def main(argv=None) -> int:
 
 def measure(args: argparse.Namespace) -> dict:
     """Copy and import the same synthetic checkpoint ``--reps`` times each; the result document."""
-    from engram_store.spec import get_spec
+    from engram_store.models.spec import get_spec
     from engram_store.tools.importer import import_checkpoint
 
     spec = get_spec(args.model, args.scale)

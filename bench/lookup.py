@@ -141,10 +141,10 @@ def text_requests(text: str, spec, count: int, size: int, requests: int = 64) ->
     """Lookups as a daemon sees them for real text: the files tokenized with the DeepSeek-V4
     tokenizer and compressed, split into ``requests`` concurrent requests served round-robin
     in chunks of ``size // rows_per_token`` tokens, each chunk hashed at the bench table's spec
-    (engram_store.hashing) and looked up for every layer in turn. ``count`` lookups."""
+    (engram_store.models.hashing) and looked up for every layer in turn. ``count`` lookups."""
     from traffic import default_tokenizer, load_corpus, open_tokenizer, parse_text, schedule
 
-    from engram_store.hashing import row_ids_numpy
+    from engram_store.models.hashing import row_ids_numpy
 
     name, globs = parse_text(text)
     tokenizer_json = default_tokenizer()

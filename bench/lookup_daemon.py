@@ -163,7 +163,7 @@ def _pipelined(client, reqs: list, depth: int = 2) -> np.ndarray:
 
 
 def _row_bytes(tables: str) -> int:
-    from engram_store.spec import ModelSpec
+    from engram_store.models.spec import ModelSpec
 
     return ModelSpec.from_dict(json.loads((Path(tables) / "manifest.json").read_text())["spec"]).row_bytes
 
@@ -345,7 +345,7 @@ def daemon_backend_factory(transport: str, backend_cls):
 def ensure_tables(args, workdir: Path) -> str:
     if args.tables:
         return args.tables
-    from engram_store.spec import get_spec
+    from engram_store.models.spec import get_spec
     from engram_store.tools.synth import write_synthetic
 
     out = workdir / "tables"

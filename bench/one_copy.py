@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args) -> dict:
     from engram_store.format.tableset import TableSet
-    from engram_store.spec import get_spec
+    from engram_store.models.spec import get_spec
 
     spec = get_spec(args.model, args.scale)
     tables_dir = ensure_tables(args, "one-copy")

@@ -52,7 +52,7 @@ def spread(values: list[float]) -> dict:
 
 def steps_ids(spec, batch: int, steps: int, seed: int) -> list[np.ndarray]:
     """``steps`` decode steps of ``batch`` random tokens: their layer-14 rows, ``[batch, heads]``."""
-    from engram_store.hashing import row_ids_numpy
+    from engram_store.models.hashing import row_ids_numpy
 
     rng = np.random.default_rng(seed)
     out = []
@@ -134,7 +134,7 @@ def run(args) -> dict:
     from engram_store.client.client import EngramClient
     from engram_store.fetch.job import FetchJob
     from engram_store.format.tableset import TableSet
-    from engram_store.spec import get_spec
+    from engram_store.models.spec import get_spec
 
     spec = get_spec(args.model, args.scale)
     tables_dir = ensure_tables(args, "sglang-tp")

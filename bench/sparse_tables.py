@@ -57,7 +57,7 @@ from engram_store.format.layout import PAGE_BYTES, PageLayout  # noqa: E402
 from engram_store.format.manifest import (MANIFEST, LayerEntry, Manifest, PageCrcHeader,  # noqa: E402
                                           crc_file_name, layer_file_name)
 from engram_store.format.writer import write_file_atomic  # noqa: E402
-from engram_store.spec import ModelSpec, get_spec  # noqa: E402
+from engram_store.models.spec import ModelSpec, get_spec  # noqa: E402
 from engram_store.tools.synth import synth_rows  # noqa: E402
 
 BATCH_PAGES = 8192  # pages synthesized and written per batch (32 MiB)

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import JsonReport, add_report_args  # noqa: E402
 
-from engram_store.spec import get_spec  # noqa: E402
-from engram_store.tokens import TokenMap  # noqa: E402
+from engram_store.models.spec import get_spec  # noqa: E402
+from engram_store.models.tokens import TokenMap  # noqa: E402
 from engram_store.tools.synth import write_synthetic  # noqa: E402
 
 

@@ -3,7 +3,7 @@
 
 Each ``--text`` corpus is read (``.gz`` files are decompressed in memory), tokenized with the
 DeepSeek-V4 tokenizer (or ``--tokenizer``), compressed through its token map and hashed at the
-FULL model spec (V4.1-Flash: 384M rows per Engram layer) with ``engram_store.hashing``. The
+FULL model spec (V4.1-Flash: 384M rows per Engram layer) with ``engram_store.models.hashing``. The
 tokens are cut into ``--requests`` contiguous requests, served round-robin in ``--chunk``-token
 chunks; each (chunk, layer) is one lookup whose rows are de-duplicated, as the daemon sees it.
 No table files are needed: only the access trace is simulated.
@@ -44,11 +44,11 @@ from cachesim import ADMIT_DIVISOR, S3_STATS, belady_hits, lru_hits, native, nex
 
 from engram_store.errors import EngramStoreError
 from engram_store.format.layout import PAGE_BYTES
-from engram_store.hashing import row_ids_numpy
-from engram_store.spec import ModelSpec, get_spec
+from engram_store.models.hashing import row_ids_numpy
+from engram_store.models.spec import ModelSpec, get_spec
 from engram_store.storage.policies import s3fifo
 from engram_store.storage.row_cache import LAYER_SHIFT
-from engram_store.tokens import RawIds, TokenMap, load_token_map, load_tokenizer
+from engram_store.models.tokens import RawIds, TokenMap, load_token_map, load_tokenizer
 
 DEFAULT_SIZES = (0.5, 1, 2, 5, 10, 25)
 QUICK_TOKENS = 20_000  # --quick: raw tokens of the corpus

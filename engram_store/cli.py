@@ -38,7 +38,7 @@ _STRIPE_HELP = ("stripe every layer's pages round-robin over these directories (
 
 def _cmd_synth(args) -> int:
     from .progress import Progress
-    from .spec import get_spec
+    from .models.spec import get_spec
     from .tools.importer import output_bytes
     from .tools.synth import write_synthetic
 
@@ -56,7 +56,7 @@ def _cmd_import(args) -> int:
     from pathlib import Path
 
     from .progress import Progress
-    from .spec import get_spec
+    from .models.spec import get_spec
     from .tools.importer import checkpoint_spec, import_checkpoint, output_bytes
 
     spec = get_spec(args.model) if args.model else checkpoint_spec(Path(args.ckpt))  # the pad is checked again with the map
@@ -114,7 +114,7 @@ def _cmd_verify(args) -> int:
 
 
 def _token_map_problems(ts) -> list[str]:
-    from .tokens import read_token_map, token_map_problems
+    from .models.tokens import read_token_map, token_map_problems
 
     entry = ts.manifest.token_map
     if not entry:
@@ -131,7 +131,7 @@ def _token_map_problems(ts) -> list[str]:
 def _cmd_tokens(args) -> int:
     import time
 
-    from .tokens import TokenMap
+    from .models.tokens import TokenMap
 
     t0 = time.perf_counter()
     tm = TokenMap.from_tokenizer(args.tokenizer)
@@ -147,8 +147,8 @@ def _cmd_tokens(args) -> int:
 
 def _hash_inputs(args):
     """(spec, RawIds or None, tokenizer or None) for `hash` from --tables / --tokenizer / --model."""
-    from .spec import get_spec
-    from .tokens import TOKENIZER_FILE, RawIds, TokenMap, load_token_map, load_tokenizer
+    from .models.spec import get_spec
+    from .models.tokens import TOKENIZER_FILE, RawIds, TokenMap, load_token_map, load_tokenizer
 
     spec, tm, tokenizer = get_spec(args.model, args.scale), None, None
     if args.tables:
@@ -179,7 +179,7 @@ def _hash_inputs(args):
 
 
 def _cmd_hash(args) -> int:
-    from .hashing import row_ids_numpy
+    from .models.hashing import row_ids_numpy
 
     spec, raw, tokenizer = _hash_inputs(args)
     layer = spec.layers[0] if args.layer is None else args.layer
@@ -212,7 +212,7 @@ _GROUP_HELP = ("group that may read the table set (the daemon's, e.g. engram-sto
 
 
 def register(sub) -> None:
-    from .spec import MODELS
+    from .models.spec import MODELS
 
     p = sub.add_parser("synth", help="write a synthetic table set", description="Write a synthetic table set "
                        "whose row bytes are a pure function of (seed, layer, row).")
@@ -281,7 +281,7 @@ def register(sub) -> None:
                        "NFD, strip accents, lowercase, runs of spaces, tabs and newlines to one space, strip; "
                        "a lone space is kept), and number the distinct results in order of first appearance: raw "
                        "ids whose text normalizes alike share a compressed id (DeepSeek-V4's tokenizer: 129,280 "
-                       "raw ids, 99,092 classes). The rule is engram_store/tokens.py's, equal to vLLM's "
+                       "raw ids, 99,092 classes). The rule is engram_store/models/tokens.py's, equal to vLLM's "
                        "build_compressed_token_map.")
     p.add_argument("tokenizer", help="tokenizer.json")
     p.add_argument("--out", default=None, help="write the map here (little-endian int32, one per raw id)")

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 

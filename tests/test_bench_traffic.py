@@ -1,5 +1,5 @@
 """bench/traffic.py: the native cache simulators against plain references, and the trace builder
-against engram_store.hashing.
+against engram_store.models.hashing.
 
 The S3-FIFO reference is the project's own policy (``engram_store.storage.policies.s3fifo``)
 driven the way the store's RowCache drives it (storage/arena.py: on_hit for a lookup's hits, then
@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engram_store.hashing import row_ids_numpy
-from engram_store.spec import get_spec
+from engram_store.models.hashing import row_ids_numpy
+from engram_store.models.spec import get_spec
 from engram_store.storage.policies.s3fifo import S3FifoPolicy
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"

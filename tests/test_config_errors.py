@@ -27,7 +27,7 @@ from support.daemon_helpers import REPO, daemon_command, make_tables, make_token
 from engram_store import errors
 from engram_store.format import writer
 from engram_store.format.manifest import MANIFEST
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.tools.importer import output_bytes
 from engram_store.tools.synth import write_synthetic
 

@@ -18,7 +18,7 @@ from support.daemon_helpers import REPO, DaemonProcess, expected, make_tables
 from engram_store import errors
 from engram_store.client.client import EngramClient
 from engram_store.daemon.unix import fastpath
-from engram_store.spec import ModelSpec
+from engram_store.models.spec import ModelSpec
 
 
 @pytest.fixture(scope="module")

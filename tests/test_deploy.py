@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from engram_store.daemon.config import KEYS, DaemonConfig, load_config, parse_size
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.storage.placement import parse_placement, plan_placement, slot_bytes
 from engram_store.storage.resident import resident_layout
 

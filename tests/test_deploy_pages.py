@@ -18,7 +18,7 @@ import yaml
 
 from engram_store.daemon.config import KEYS, parse_size
 from engram_store.native.pagesizes import HugePagePool, PageSizes
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.storage.resident import arena_backings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import torch
 
 from engram_store import get_spec
 from engram_store.errors import InvalidRequest
-from engram_store.spec import RowFormat
+from engram_store.models.spec import RowFormat
 from engram_store.tools.synth import synth_rows
 from gpu_client import dequantize
 

@@ -19,7 +19,7 @@ from engram_store.native.pagesizes import HugePagePool, PageSizes
 from engram_store.ops import doctor
 from engram_store.ops.access import User, blocked_at
 from engram_store.ops.probes import page_sizes
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = get_spec("tiny")

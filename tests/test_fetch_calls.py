@@ -14,7 +14,7 @@ from support.daemon_helpers import DaemonProcess
 
 from engram_store.fetch.job import FetchJob
 from engram_store.format.tableset import TableSet
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.tools.synth import write_synthetic
 
 SPEC = get_spec("deepseek-v4.1-flash", 0.0002)

@@ -18,7 +18,7 @@ from engram_store import errors
 from engram_store.fetch.job import FetchJob
 from engram_store.format.layout import PageLayout
 from engram_store.format.tableset import TableSet
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.storage.resident import resident_layout
 from engram_store.tools.synth import write_synthetic
 

@@ -24,7 +24,7 @@ from support.daemon_helpers import DaemonProcess
 
 from engram_store.client.unix_transport import UnixTransport
 from engram_store.format.tableset import TableSet
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.storage.resident import resident_layout
 from engram_store.tools.synth import write_synthetic
 

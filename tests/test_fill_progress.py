@@ -10,7 +10,7 @@ import re
 from engram_store.daemon.config import load_config
 from engram_store.daemon.fill_progress import arena_bytes_filled, logged_fill, planned_arena_bytes
 from engram_store.native.syscalls import create_memfd
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.storage.tiered import TieredStore
 from engram_store.tools.synth import write_synthetic
 

@@ -12,7 +12,7 @@ import pytest
 
 from engram_store import TableSet, TieredStore, get_spec
 from engram_store.errors import InvalidRequest, ResourceExhausted, StorageError
-from engram_store.hashing import row_ids_numpy
+from engram_store.models.hashing import row_ids_numpy
 from gpu_client import EngramPrefetcher, LocalClient, Step
 
 SPEC = get_spec("tiny")

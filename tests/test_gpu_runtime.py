@@ -26,7 +26,7 @@ from engram_store.format.tableset import TableSet
 from engram_store.integrations.tables import EngramStoreTables
 from engram_store.native import gpu_runtime
 from engram_store.native.gpu_runtime import GpuRuntime
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.storage.resident import resident_layout
 from engram_store.tools.synth import write_synthetic
 from gpu_client import resident

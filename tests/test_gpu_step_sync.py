@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from engram_store import get_spec
-from engram_store.tokens import TokenMap
+from engram_store.models.tokens import TokenMap
 from gpu_client import EngramPrefetcher, Step
 from gpu_client.step_inputs import StepInputs
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engram_store.errors import InvalidRequest
-from engram_store.hashing import next_history_numpy, next_history_torch, row_ids_numpy, row_ids_torch
-from engram_store.spec import get_spec
+from engram_store.models.hashing import next_history_numpy, next_history_torch, row_ids_numpy, row_ids_torch
+from engram_store.models.spec import get_spec
 
 V41 = get_spec("deepseek-v4.1-flash")
 

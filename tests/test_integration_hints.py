@@ -1,5 +1,5 @@
 """The plugins' prompt hints (engram_store/integrations/prompt_hints.py): the rows of a prompt's chunks not computed yet
-equal ``engram_store.hashing`` of the whole prompt from there on (raw ids through a token map, lookback, this
+equal ``engram_store.models.hashing`` of the whole prompt from there on (raw ids through a token map, lookback, this
 rank's columns); a prefix-cache hit hints fewer rows; one hint per request, at its first scheduled chunk, through
 vLLM's own SchedulerOutput / NewRequestData and SGLang-shaped requests, to a real daemon; a withdrawal when the
 request finishes."""
@@ -18,12 +18,12 @@ from support.daemon_helpers import REPO, DaemonProcess
 
 from engram_store.client.client import EngramClient
 from engram_store.format.tableset import TableSet
-from engram_store.hashing import row_ids_numpy
+from engram_store.models.hashing import row_ids_numpy
 from engram_store.integrations.prompt_hints import (PromptHints, hint_key, pending_rows, sglang_finished,
                                                   sglang_prefill_batch, vllm_scheduler_output)
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.storage.placement import slot_bytes
-from engram_store.tokens import RawIds, TokenMap
+from engram_store.models.tokens import RawIds, TokenMap
 from engram_store.tools.synth import write_synthetic
 
 SPEC = get_spec("deepseek-v4.1-flash", 0.0002)
@@ -214,7 +214,7 @@ from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.sampling.sampling_params import SamplingParams
 from engram_store.integrations.prompt_hints import (PromptHints, hint_key, pending_rows, sglang_finished,
                                                   sglang_prefill_batch)
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 spec = get_spec("deepseek-v4.1-flash", 0.0002)
 tokens = np.random.default_rng(7).integers(0, spec.compressed_vocab, 3000)
 sent, withdrawn = [], []

@@ -25,7 +25,7 @@ from engram_store.format.layout import PAGE_BYTES
 from engram_store.format.manifest import MANIFEST, Manifest
 from engram_store.format.tableset import TableSet
 from engram_store.native.readers.aio import native_reader
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.storage.resident import fill_split
 from engram_store.storage.tiered import TieredStore
 from engram_store.tools.synth import synth_rows, write_synthetic

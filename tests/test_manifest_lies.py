@@ -24,7 +24,8 @@ from engram_store.client.client import EngramClient
 from engram_store.format.layout import PageLayout
 from engram_store.format.manifest import MANIFEST
 from engram_store.format.tableset import TableSet
-from engram_store.tokens import MAP_FILE, TokenMap, write_token_map
+from engram_store.format.writer import write_file_atomic
+from engram_store.models.tokens import MAP_FILE, TokenMap, write_token_map
 
 TINY_VOCAB = 512  # the tiny spec's compressed_vocab
 RAW_VOCAB = 700
@@ -35,7 +36,8 @@ def honest(tmp_path_factory) -> Path:
     """The tiny table set with a token map (raw ids 0..699 onto 512 classes)."""
     directory = tmp_path_factory.mktemp("honest") / "tiny"
     make_tables(directory, seed=21).close()
-    entry = write_token_map(directory, TokenMap.from_array(np.arange(RAW_VOCAB) % TINY_VOCAB, TINY_VOCAB))
+    entry = write_token_map(TokenMap.from_array(np.arange(RAW_VOCAB) % TINY_VOCAB, TINY_VOCAB), None,
+                            write=lambda name, data: write_file_atomic(directory / name, data))
     _edit(directory, lambda m: m | {"token_map": entry})
     return directory
 

@@ -23,7 +23,7 @@ from engram_store.format.arena_layout import BLOCK_ALIGN, ArenaLayout, ArenaView
 from engram_store.native import pagesizes, syscalls
 from engram_store.native.readers import open_reader
 from engram_store.native.pagesizes import Backing, HugePagePool, PageSizes, backings, memfd_hugetlb_flags
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.storage.gds import posix_bulk_reader
 from engram_store.storage.resident import ResidentArena, arena_backings, resident_layout
 from engram_store.storage.row_cache import RowCache

@@ -18,7 +18,7 @@ from engram_store.daemon.config import DaemonConfig
 from engram_store.daemon.preflight import preflight
 from engram_store.format.tableset import TableSet
 from engram_store.integrations.tables import EngramStoreTables
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.storage.placement import parse_placement, plan_placement, slot_bytes
 from engram_store.storage.resident import resident_layout
 

@@ -12,9 +12,9 @@ import pytest
 
 from engram_store.errors import InvalidRequest
 from engram_store.format.tableset import TableSet
-from engram_store.hashing import row_ids, row_ids_numpy, row_ids_torch
-from engram_store.spec import get_spec
-from engram_store.tokens import RawIds, TokenMap
+from engram_store.models.hashing import row_ids, row_ids_numpy, row_ids_torch
+from engram_store.models.spec import get_spec
+from engram_store.models.tokens import RawIds, TokenMap
 from engram_store.tools.synth import write_synthetic
 
 V41_SMALL = get_spec("deepseek-v4.1-flash", 0.0005)  # V4.1's hash, small primes

@@ -26,7 +26,7 @@ from engram_store.daemon.preflight import preflight
 from engram_store.daemon.service import open_store
 from engram_store.format.layout import PageLayout
 from engram_store.format.manifest import MANIFEST, LayerEntry, Manifest, crc_file_name, layer_file_name
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.storage.profile import write_profile
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,7 +30,7 @@ from support.storage_helpers import flip
 
 from engram_store.client.client import EngramClient
 from engram_store.errors import CorruptRows, EngramStoreError
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy" / "prometheus" / "alerts.yml"

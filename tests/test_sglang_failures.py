@@ -16,7 +16,7 @@ import pytest
 from support.daemon_helpers import REPO, DaemonProcess
 from support.storage_helpers import flip
 
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.storage.resident import resident_layout
 from engram_store.tools.synth import write_synthetic
 

@@ -15,7 +15,7 @@ import pytest
 from support.daemon_helpers import REPO, DaemonProcess
 from support.engine_checkpoint import make_checkpoint
 
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.tools.synth import write_synthetic
 
 SGLANG_PYTHON = Path(os.environ.get("ENGRAM_STORE_SGLANG_PYTHON", REPO / ".venv-sglang" / "bin" / "python"))

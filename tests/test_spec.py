@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from engram_store.errors import SpecError
-from engram_store.spec import MODELS, ModelSpec, derive_multipliers, get_spec
+from engram_store.models.spec import MODELS, ModelSpec, derive_multipliers, get_spec
 
 
 def _is_prime(n: int) -> bool:

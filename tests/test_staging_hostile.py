@@ -17,7 +17,7 @@ from support.daemon_helpers import DaemonProcess, raw_connect, read_result
 from engram_store.client.client import EngramClient
 from engram_store.format.tableset import TableSet
 from engram_store.native import shm, syscalls
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.storage.resident import resident_layout
 from engram_store.tools.synth import write_synthetic
 from engram_store.wire import frames as wire

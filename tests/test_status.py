@@ -14,7 +14,7 @@ from support.storage_helpers import flip
 
 from engram_store.client.client import EngramClient
 from engram_store.client.engine_fit import engine_fit
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.wire.metric_names import (
     FAMILIES,
     NOT_EXPORTED,

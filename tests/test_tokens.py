@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from engram_store.errors import EngramStoreError, InvalidRequest, TableFormatError
-from engram_store.spec import get_spec
-from engram_store.tokens import (
+from engram_store.format.writer import write_file_atomic
+from engram_store.models.spec import get_spec
+from engram_store.models.tokens import (
     BLOCKED,
     MM_PAD_BASE,
     RawIds,
@@ -104,7 +105,7 @@ def test_out_of_range_raw_ids_are_refused(token_map):
 
 
 def test_stored_map_round_trip_and_corruption(token_map, tmp_path):
-    entry = write_token_map(tmp_path, token_map, TOKENIZER)
+    entry = write_token_map(token_map, TOKENIZER, write=lambda name, data: write_file_atomic(tmp_path / name, data))
     assert entry["classes"] == 99_092 and entry["tokenizer"] == "tokenizer.json"
     assert token_map_problems(tmp_path, entry) == []
     back = read_token_map(tmp_path, entry)
@@ -120,7 +121,7 @@ def test_stored_map_round_trip_and_corruption(token_map, tmp_path):
 
 
 def test_missing_tokenizers_package_is_one_clear_error(monkeypatch):
-    from engram_store import tokens
+    from engram_store.models import tokens
 
     tokens._tokenizers.cache_clear()
     monkeypatch.setitem(sys.modules, "tokenizers", None)
@@ -153,7 +154,7 @@ def test_tokens_command_counts_classes_and_writes_the_map(tmp_path, token_map, c
 
 
 def test_hash_command_negative_ids_short_history_raw_and_text(token_map, tokenizer, cli):
-    from engram_store.hashing import row_ids_numpy
+    from engram_store.models.hashing import row_ids_numpy
 
     out = cli("hash", "--layer", "14", "--tokens", "-1,17")  # a plain negative value parses
     assert out.returncode == 0, out.stderr

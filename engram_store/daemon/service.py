@@ -167,7 +167,7 @@ class Daemon:
 
     def _token_map_info(self) -> dict[str, Any] | None:
         """The manifest's token-map entry (files, classes, checksums) and the table set's absolute directory:
-        same-host clients read and check the map file there (engram_store.tokens.read_token_map)."""
+        same-host clients read and check the map file there (engram_store.models.tokens.read_token_map)."""
         if self._token_map is _UNREAD:
             entry = Manifest.load(self.config.tables).token_map if self.config.tables else None
             self._token_map = None if entry is None else entry | {"directory": os.path.abspath(self.config.tables)}

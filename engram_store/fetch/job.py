@@ -65,7 +65,7 @@ import numpy as np
 
 from .. import errors
 from ..native import load, shm, syscalls
-from ..spec import ModelSpec
+from ..models.spec import ModelSpec
 from ..wire import frames as wire
 from ..wire import staging as wst
 from ..client.table_files import TableFiles, TableIdentity

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import TableFormatError
-from ..spec import ModelSpec
+from ..models.spec import ModelSpec
 from .layout import PAGE_BYTES, PageLayout
 
 FORMAT_NAME = "engram-store-tables"
@@ -126,7 +126,7 @@ class Manifest:
     layers: tuple[LayerEntry, ...]
     page_bytes: int = PAGE_BYTES
     source: dict[str, Any] = field(default_factory=dict)  # how it was made (synth seed, checkpoint)
-    token_map: dict[str, Any] | None = None  # the compressed token map's files and checksums (engram_store.tokens)
+    token_map: dict[str, Any] | None = None  # the compressed token map's files and checksums (engram_store.models.tokens)
 
     def layer(self, layer: int) -> LayerEntry:
         for entry in self.layers:
@@ -235,7 +235,7 @@ TOKEN_MAP_KEYS = {"file": str, "crc32": int, "raw_vocab": int, "classes": int, "
 
 def token_map_entry_problems(spec: ModelSpec, entry: Any) -> list[str]:
     """What is wrong with a manifest's ``token_map`` entry itself (its files are checked by
-    :func:`engram_store.tokens.read_token_map`): every field present and typed, ``sha256``
+    :func:`engram_store.models.tokens.read_token_map`): every field present and typed, ``sha256``
     a hex digest, ``classes`` the spec's compressed vocabulary."""
     if not isinstance(entry, dict):
         return [f"field 'token_map' must be an object, got {entry!r}"]

@@ -213,8 +213,8 @@ def _crc_file_problems(directory: Path, e) -> list[str]:
 
 def _token_map_lies(directory: Path, manifest: Manifest) -> list[str]:
     """What the token map's files say against the manifest (size, sha256, values in range); a map
-    whose crc32 fails is corrupt, not lying: :func:`engram_store.tokens.token_map_problems` reports it."""
-    from ..tokens import read_token_map, token_map_problems
+    whose crc32 fails is corrupt, not lying: :func:`engram_store.models.tokens.token_map_problems` reports it."""
+    from ..models.tokens import read_token_map, token_map_problems
 
     entry = manifest.token_map
     if token_map_problems(directory, {k: entry.get(k) for k in ("file", "crc32")}):

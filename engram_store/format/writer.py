@@ -51,7 +51,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from ..errors import InsufficientSpace, TableFormatError
-from ..spec import ModelSpec
+from ..models.spec import ModelSpec
 from . import owned, target
 from .checksums import page_crcs
 from .layout import PAGE_BYTES, PageLayout
@@ -135,7 +135,7 @@ class TableSetWriter:
         self.entries: list[LayerEntry] = []
         self.tmp: Path | None = None
         self.mark: owned.Mark | None = None  # the writer's marker in self.tmp
-        self.token_map: dict | None = None  # manifest entry of files written by add_file (engram_store.tokens)
+        self.token_map: dict | None = None  # manifest entry of files written by add_file (engram_store.models.tokens)
         self.needed = space_needed(spec)
         if self.stripe_dirs:  # the directory holds only checksum files and the manifest
             self.needed -= sum(PageLayout(spec.rows(layer), spec.row_bytes).file_bytes for layer in spec.layers)

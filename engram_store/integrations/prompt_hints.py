@@ -6,7 +6,7 @@ about 196,608 rows. Yet all of a prompt's row ids are known when it is scheduled
 token ids alone). :class:`PromptHints` turns the engine's view of a newly scheduled request (its raw
 prompt token ids, how many are computed already, e.g. by a prefix-cache hit, and the chunk scheduled
 now) into one hint per cached layer: the rows of the tokens after the scheduled chunk, hashed exactly
-as the engine's own kernels hash them (:func:`pending_rows`: :mod:`engram_store.hashing` with the
+as the engine's own kernels hash them (:func:`pending_rows`: :mod:`engram_store.models.hashing` with the
 table set's compressed token map, by position, the 3 tokens before as lookback), this rank's hash
 columns only, each row once. When the request finishes or is aborted, it withdraws what the daemon
 still had queued.
@@ -39,9 +39,9 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from ..hashing import row_ids_numpy
-from ..spec import ModelSpec
-from ..tokens import BLOCKED, RawIds
+from ..models.hashing import row_ids_numpy
+from ..models.spec import ModelSpec
+from ..models.tokens import BLOCKED, RawIds
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ class RankHints:
                 return self._hints[0] if self._hints else None
             from ..client.client import EngramClient
             from ..errors import EngramStoreError
-            from ..tokens import raw_ids_for
+            from ..models.tokens import raw_ids_for
 
             t = tables()
             try:

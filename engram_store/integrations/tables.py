@@ -52,7 +52,7 @@ from ..fetch.job import FetchJob
 from ..client.table_files import TableIdentity
 from ..errors import ConfigError, ModelMismatch, StorageError, UnknownLayer
 from ..format.arena_layout import ArenaView
-from ..spec import ModelSpec
+from ..models.spec import ModelSpec
 
 if TYPE_CHECKING:
     import torch

@@ -23,7 +23,7 @@ resumed request hashes by position. A ``-1`` in ``lookback`` hashes as ``pad_id`
 without blocking older entries, exactly as vLLM's kernel does; mark a blocked
 lookback token by writing ``-1`` from it on (or, with raw ids, by the image id).
 
-With ``raw`` (a :class:`~engram_store.tokens.RawIds`) tokens and lookback are raw
+With ``raw`` (a :class:`~engram_store.models.tokens.RawIds`) tokens and lookback are raw
 token ids, compressed through the table set's map under its image rule.
 
 The result is int64 ``[T, len(orders) * heads]`` global row ids in
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 from .spec import ModelSpec
 
 if TYPE_CHECKING:

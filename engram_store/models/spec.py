@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import SpecError
+from ..errors import SpecError
 
 INT64_MAX = np.iinfo(np.int64).max
 

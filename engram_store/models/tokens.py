@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import EngramStoreError, InvalidRequest, TableFormatError
+from ..errors import EngramStoreError, InvalidRequest, TableFormatError
 
 if TYPE_CHECKING:
     import torch
@@ -217,18 +217,12 @@ class RawIds:
 
 
 # --------------------------------------------------------------------------- in a table set
-def write_token_map(directory: str | os.PathLike, tm: TokenMap, tokenizer_json: str | os.PathLike | None = None,
-                    write=None) -> dict[str, Any]:
-    """Write the map (and a copy of the tokenizer) into ``directory``; the manifest entry.
+def write_token_map(tm: TokenMap, tokenizer_json: str | os.PathLike | None, write) -> dict[str, Any]:
+    """Write the map (and a copy of the tokenizer) through ``write(name, data)``; the manifest entry.
 
-    ``write(name, data)`` writes one file (a :class:`~engram_store.format.writer.TableSetWriter`'s
+    ``write`` writes one file of the table set (a :class:`~engram_store.format.writer.TableSetWriter`'s
     ``add_file``, so the files are published atomically with the table set).
     """
-    if write is None:
-        from .format.writer import write_file_atomic
-
-        def write(name: str, data: bytes) -> None:
-            write_file_atomic(Path(directory) / name, data)
 
     def put(name: str, data: bytes) -> int:
         write(name, data)

@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from ..format.arena_layout import ArenaInfo, ArenaLayer, ArenaLayout
-from ..spec import ModelSpec
+from ..models.spec import ModelSpec
 from .stats import LookupStats
 
 __all__ = ["ArenaInfo", "ArenaLayer", "ArenaLayout", "DeferringStore", "HintingStore", "LookupStats", "PlanningStore",

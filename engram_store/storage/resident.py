@@ -32,7 +32,7 @@ from ..format.layout import PAGE_BYTES
 from ..native import pagesizes
 from ..native.pagesizes import Backing, PageSizes
 from ..native.syscalls import aligned_buffer, as_array, create_memfd_as, map_fd, seal_read_only
-from ..spec import RowFormat
+from ..models.spec import RowFormat
 from .integrity import failing_items
 from .layer_file import LayerFile
 

@@ -25,8 +25,8 @@ from ..errors import CheckpointImportError, SpecError
 from ..format.layout import PageLayout
 from ..format.manifest import Manifest
 from ..format.writer import Progress, TableSetWriter
-from ..spec import ModelSpec, config_mismatches, engram_config, spec_from_config
-from ..tokens import TokenMap, write_token_map
+from ..models.spec import ModelSpec, config_mismatches, engram_config, spec_from_config
+from ..models.tokens import TokenMap, write_token_map
 from .safetensors_io import TensorRef, read_header
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ def import_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, spec: Mod
             log.info("importing layer %d: %d rows from %s", layer, weight.shape[0], weight.file.name)
             w.write_layer(layer, _layer_blocks(weight, scale, block_rows, pool), progress)
         if token_map is not None:
-            w.token_map = write_token_map(w.tmp, token_map, tokenizer, write=w.add_file)
+            w.token_map = write_token_map(token_map, tokenizer, write=w.add_file)
             log.info("token map: %d raw ids -> %d classes", token_map.raw_vocab, token_map.classes)
         return w.commit()
 

@@ -20,8 +20,8 @@ from ..format.layout import PageLayout
 from ..format.manifest import Manifest
 from ..format.writer import Progress, TableSetWriter
 from ..errors import SpecError
-from ..spec import ModelSpec
-from ..tokens import TokenMap, write_token_map
+from ..models.spec import ModelSpec
+from ..models.tokens import TokenMap, write_token_map
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -92,5 +92,5 @@ def write_synthetic(out: str | Path, spec: ModelSpec, seed: int = 0, *, overwrit
         for layer in spec.layers:
             w.write_layer(layer, synth_blocks(spec, seed, layer, block_rows), progress)
         if token_map is not None:
-            w.token_map = write_token_map(w.tmp, token_map, tokenizer, write=w.add_file)
+            w.token_map = write_token_map(token_map, tokenizer, write=w.add_file)
         return w.commit()

@@ -133,7 +133,7 @@ def scenario_hints(tables_dir: str) -> None:
     from engram_store.format.tableset import TableSet
     from engram_store.integrations.prompt_hints import pending_rows
     from engram_store.integrations.sglang import hooks, prompt_hints
-    from engram_store.tokens import raw_ids_for
+    from engram_store.models.tokens import raw_ids_for
 
     load_plugin()
     spec = TableSet.open(tables_dir).spec

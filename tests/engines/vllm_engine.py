@@ -118,7 +118,7 @@ def plugin_layer(tables_dir: str, index: int, **shim_args):
 
 
 def token_batch(spec, seed: int, tokens: int = 48):
-    from engram_store.hashing import row_ids_numpy
+    from engram_store.models.hashing import row_ids_numpy
 
     rng = np.random.default_rng(seed)
     toks = rng.integers(0, spec.compressed_vocab, tokens)
@@ -254,7 +254,7 @@ def scenario_write_paths(tables_dir: str) -> None:
 def scenario_mismatch(tables_dir: str) -> None:
     """vLLM's EngramLayout of a V4.1 config equals our spec; a row count off by one is named."""
     from engram_store.format.tableset import TableSet
-    from engram_store.spec import get_spec
+    from engram_store.models.spec import get_spec
 
     load_plugin()
     E = shim()

@@ -256,7 +256,7 @@ def scenario_hints(tables_dir: str) -> None:
     from engram_store.client.client import EngramClient
     from engram_store.integrations.prompt_hints import pending_rows
     from engram_store.integrations.vllm import patches, prompt_hints
-    from engram_store.tokens import raw_ids_for
+    from engram_store.models.tokens import raw_ids_for
 
     E, ts, emb = plugin_layer(tables_dir, 1, tp_size=2, tp_rank=1)  # rank 1 of TP=2: heads 12..24
     spec = ts.spec

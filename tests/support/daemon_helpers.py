@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from engram_store.format.tableset import TableSet
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.tools.synth import write_synthetic
 from engram_store.wire import frames as wire
 

@@ -9,7 +9,7 @@ import numpy as np
 from engram_store.format.layout import PAGE_BYTES
 from engram_store.format.manifest import Manifest
 from engram_store.format.tableset import TableSet
-from engram_store.spec import get_spec
+from engram_store.models.spec import get_spec
 from engram_store.tools.synth import synth_rows, write_synthetic
 
 SEED = 11

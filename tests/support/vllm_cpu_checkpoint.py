@@ -37,7 +37,7 @@ TABLES_SHARD = "model-00002-of-00002.safetensors"
 
 def config(table_base: int = TABLE_BASE) -> dict:
     """config.json, with ``engram_num_embeddings`` from engram-store's recipe for ``table_base``."""
-    from engram_store.spec import spec_from_config
+    from engram_store.models.spec import spec_from_config
 
     cfg = dict(CONFIG, engram_vocab_size=table_base)
     spec = spec_from_config(cfg)
