@@ -16,7 +16,7 @@ import functools
 from typing import TYPE_CHECKING, Union
 
 from engram_store.errors import InvalidRequest
-from engram_store.spec import ModelSpec, RowFormat
+from engram_store.models.spec import ModelSpec, RowFormat
 
 if TYPE_CHECKING:
     import torch

@@ -56,15 +56,15 @@ from typing import TYPE_CHECKING, Any, Hashable, Sequence
 import numpy as np
 
 from engram_store.errors import EngramStoreError, InvalidRequest, ResourceExhausted, StorageError
-from engram_store.hashing import (
+from engram_store.models.hashing import (
     hash_suffix_torch,
     history_from_lookback_numpy,
     history_from_lookback_torch,
     next_history_torch,
     suffix_tokens_torch,
 )
-from engram_store.spec import ModelSpec
-from engram_store.tokens import TokenMap, raw_ids_for
+from engram_store.models.spec import ModelSpec
+from engram_store.models.tokens import TokenMap, raw_ids_for
 from gpu_client.future import PrefetchFuture, PrefetchOwner
 from gpu_client.landing import RowLanding
 from gpu_client.resident import ArenaGather, unregister_host_memory
@@ -85,7 +85,7 @@ class EngramPrefetcher(RowLanding):
     optionally ``arena()``). ``prefetch=False`` fetches a layer only when it is waited
     for (the no-prefetch baseline). ``resident=None`` uses the arena when offered.
     ``raw_ids=True``: steps hold raw token ids; the map comes from ``token_map`` (a
-    :class:`~engram_store.tokens.TokenMap`, a table-set directory, a ``tokenizer.json``)
+    :class:`~engram_store.models.tokens.TokenMap`, a table-set directory, a ``tokenizer.json``)
     or else from the daemon's Info (same host: the map file of its table set), and must
     match the one Info names. ``block_images``: the image placeholder (and SGLang's
     multimodal pad ids >= 1,000,000) breaks the n-gram (vLLM: always; SGLang: when the

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from engram_store.errors import InvalidRequest, StorageError
 from engram_store.format.arena_layout import ArenaInfo, ArenaView
 from engram_store.native.gpu_runtime import runtime
-from engram_store.spec import ModelSpec
+from engram_store.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     import torch

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 import numpy as np
 
 from engram_store.errors import InvalidRequest
-from engram_store.spec import ModelSpec
+from engram_store.models.spec import ModelSpec
 from gpu_client.step_inputs import StepInputs
 
 if TYPE_CHECKING:

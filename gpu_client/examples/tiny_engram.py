@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engram_store.spec import ModelSpec
+from engram_store.models.spec import ModelSpec
 from gpu_client.dequant import dequantize
 from gpu_client.prefetch import EngramPrefetcher, Step
 
