@@ -21,6 +21,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..native.pagesizes import read_meminfo
+
 UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1; anything this large is none
 PROBE_SECONDS = 1.0  # a listener whose backlog is full does not answer: it is live all the same
 
@@ -39,26 +41,13 @@ def memory_limits(proc: str | os.PathLike = "/proc") -> list[MemoryLimit]:
     """Every bound found (none when nothing can be read: then nothing is refused)."""
     proc = Path(proc)
     limits = []
-    meminfo = _meminfo(proc / "meminfo")
+    meminfo = read_meminfo(proc / "meminfo")
     if "MemAvailable" in meminfo:
         limits.append(MemoryLimit("MemAvailable", str(proc / "meminfo"), meminfo["MemAvailable"],
                                   f"MemAvailable {meminfo['MemAvailable']} bytes"))
     for directory, top, version in _memory_cgroups(proc):
         limits += _cgroup_limits(directory, top, version)
     return limits
-
-
-def _meminfo(path: Path) -> dict[str, int]:
-    out = {}
-    try:
-        for line in path.read_text().splitlines():
-            key, _, rest = line.partition(":")
-            parts = rest.split()
-            if parts and parts[0].isdigit():
-                out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    except OSError:
-        pass
-    return out
 
 
 def _memory_cgroups(proc: Path) -> list[tuple[Path, Path, int]]:
