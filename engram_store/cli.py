@@ -211,6 +211,16 @@ _GROUP_HELP = ("group that may read the table set (the daemon's, e.g. engram-sto
                "it is published with mode 0750 (directory) and 0640 (files)")
 
 
+def _add_writer_args(p: argparse.ArgumentParser) -> None:
+    """The options of the commands that write a table set at ``--out`` (synth, import)."""
+    p.add_argument("--force", action="store_true", help="replace the table set at --out (nothing but a table set "
+                   "is ever replaced: a directory holding anything else is refused; a striped set needs its "
+                   "--stripe-dir directories)")
+    p.add_argument("--group", default=None, help=_GROUP_HELP)
+    p.add_argument("--progress", action="store_true", default=None, help="show progress even when not on a terminal")
+    p.add_argument("--stripe-dir", action="append", default=None, metavar="DIR", help=_STRIPE_HELP)
+
+
 def register(sub) -> None:
     from .models.spec import MODELS
 
@@ -224,12 +234,7 @@ def register(sub) -> None:
                    help="tokenizer.json whose compressed token map is stored with the tables, as import does (it "
                         "must give the model's compressed vocabulary: DeepSeek-V4's for deepseek-v4.1-flash); "
                         "then hash --tables DIR takes --raw and --text")
-    p.add_argument("--force", action="store_true", help="replace the table set at --out (nothing but a table set "
-                   "is ever replaced: a directory holding anything else is refused; a striped set needs its "
-                   "--stripe-dir directories)")
-    p.add_argument("--group", default=None, help=_GROUP_HELP)
-    p.add_argument("--progress", action="store_true", default=None, help="show progress even when not on a terminal")
-    p.add_argument("--stripe-dir", action="append", default=None, metavar="DIR", help=_STRIPE_HELP)
+    _add_writer_args(p)
     p.set_defaults(func=_cmd_synth)
 
     p = sub.add_parser("import", help="import Engram tables from a safetensors checkpoint",
@@ -240,12 +245,7 @@ def register(sub) -> None:
                    help="check the checkpoint against this model (default: take the spec from config.json)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json whose compressed token map is stored with the tables (default: CKPT/tokenizer.json)")
-    p.add_argument("--force", action="store_true", help="replace the table set at --out (nothing but a table set "
-                   "is ever replaced: a directory holding anything else is refused; a striped set needs its "
-                   "--stripe-dir directories)")
-    p.add_argument("--group", default=None, help=_GROUP_HELP)
-    p.add_argument("--progress", action="store_true", default=None, help="show progress even when not on a terminal")
-    p.add_argument("--stripe-dir", action="append", default=None, metavar="DIR", help=_STRIPE_HELP)
+    _add_writer_args(p)
     p.set_defaults(func=_cmd_import)
 
     p = sub.add_parser("info", help="print a table set's layers, rows and bytes as JSON")
