@@ -9,7 +9,9 @@
   too, so that a test reads a script's constants the same way (``import vllm_cpu_shapes``).
   ``tests/engines/vllm_testmodel`` is the test-only vLLM plugin installed into ``.venv-vllm-cpu``.
 
-The GPU-client fixtures: a synthetic tiny table set and a LocalClient over it.
+The GPU-client fixtures: a synthetic tiny table set and a LocalClient over it. ``flash_tables`` makes the
+fetch-job and engine tests' table sets of V4.1's geometry the same way; ``reader_daemon`` runs a daemon over a
+module's ``tables`` once for each reader of a client's rows.
 
 A test module picks its own seed through a module-scoped ``tables`` fixture::
 
@@ -82,6 +84,38 @@ def tiny_tables(tmp_path_factory) -> Callable[[int], tuple[Path, TableSet]]:
     yield make
     for ts in opened:
         ts.close()
+
+
+@pytest.fixture(scope="module")
+def flash_tables(tmp_path_factory) -> Callable[[int], TableSet]:
+    """Factory: ``flash_tables(seed)`` writes a synthetic table set of DeepSeek-V4.1-flash's geometry at scale
+    0.0002 (two layers of ~77k 264-byte rows; ``spec=`` another) and opens it, for the fetch-job and engine
+    tests. Every TableSet it opened is closed when the test module ends."""
+    opened: list[TableSet] = []
+
+    def make(seed: int, spec=None) -> TableSet:
+        path = tmp_path_factory.mktemp("flash") / "tables"
+        write_synthetic(path, spec or get_spec("deepseek-v4.1-flash", 0.0002), seed=seed)
+        opened.append(TableSet.open(path))
+        return opened[-1]
+
+    yield make
+    for ts in opened:
+        ts.close()
+
+
+@pytest.fixture(scope="module", params=["resident", "resident-python", "cached"])
+def reader_daemon(request, tables, tmp_path_factory):
+    """A daemon over the module's ``tables`` (a ``TableSet``) for each reader of a client's rows: resident with
+    the native Unix path (when built), resident all in Python, cached behind a 256 KiB cache."""
+    from support.daemon_helpers import DaemonProcess
+
+    mode, _, path = request.param.partition("-")
+    with DaemonProcess(tables.directory, tmp_path_factory.mktemp("daemon"),
+                       dram_bytes="1GiB" if mode == "resident" else "256KiB",
+                       extra=["--no-unix-native"] if path == "python" else []) as d:
+        assert d.ready["mode"] == mode
+        yield d
 
 
 @pytest.fixture(scope="module")

@@ -30,12 +30,10 @@ def tables(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def daemon(tables, tmp_path_factory):
-    d = DaemonProcess(tables.directory, tmp_path_factory.mktemp("daemon"),
-                      extra=["--max-request-rows", "50000", "--client-shm-bytes", "4MiB", "--max-client-shm-bytes", "8MiB"])
-    try:
-        yield d.start()
-    finally:
-        d.stop()
+    with DaemonProcess(tables.directory, tmp_path_factory.mktemp("daemon"),
+                       extra=["--max-request-rows", "50000", "--client-shm-bytes", "4MiB",
+                              "--max-client-shm-bytes", "8MiB"]) as d:
+        yield d
 
 
 def _settled_fd_count(daemon: DaemonProcess, want: int) -> int:

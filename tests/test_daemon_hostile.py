@@ -21,21 +21,6 @@ def tables(tmp_path_factory):
     return make_tables(tmp_path_factory.mktemp("tables") / "tiny", seed=21)
 
 
-@pytest.fixture(scope="module", params=["resident", "resident-python", "cached"])
-def daemon(request, tables, tmp_path_factory):
-    """Every reader of a client region: the native path, the Python path, cached mode."""
-    mode, _, path = request.param.partition("-")
-    d = DaemonProcess(tables.directory, tmp_path_factory.mktemp("daemon"),
-                      dram_bytes="1GiB" if mode == "resident" else "256KiB",
-                      extra=["--no-unix-native"] if path == "python" else [])
-    try:
-        d.start()
-        assert d.ready["mode"] == mode
-        yield d
-    finally:
-        d.stop()
-
-
 def _honest_lookup(daemon: DaemonProcess, tables) -> None:
     ids = np.random.default_rng(5).integers(0, tables.rows(1), 500)
     for address in (daemon.unix, daemon.grpc):
@@ -43,9 +28,10 @@ def _honest_lookup(daemon: DaemonProcess, tables) -> None:
             np.testing.assert_array_equal(client.lookup(1, ids), expected(tables, 1, ids))
 
 
-def test_region_cannot_be_truncated_and_the_daemon_survives_the_attempt(daemon, tables):
-    """The SIGBUS attack: ftruncate the region to 0, then ask for rows written at offset 0."""
-    sock, welcome, _, fds = raw_connect(daemon.socket_path, SHM)
+def test_region_cannot_be_truncated_and_the_daemon_survives_the_attempt(reader_daemon, tables):
+    """The SIGBUS attack against every reader of a client region (``reader_daemon``: the native path, the
+    Python path, cached mode): ftruncate the region to 0, then ask for rows written at offset 0."""
+    sock, welcome, _, fds = raw_connect(reader_daemon.socket_path, SHM)
     try:
         assert welcome.status == Status.OK
         region_fd = fds[0]
@@ -73,5 +59,5 @@ def test_region_cannot_be_truncated_and_the_daemon_survives_the_attempt(daemon, 
         sock.close()
         for fd in fds:
             os.close(fd)
-    assert daemon.proc.poll() is None, daemon.log_text()
-    _honest_lookup(daemon, tables)
+    assert reader_daemon.proc.poll() is None, reader_daemon.log_text()
+    _honest_lookup(reader_daemon, tables)

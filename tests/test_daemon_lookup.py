@@ -13,7 +13,7 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
-from support.daemon_helpers import REPO, DaemonProcess, expected, make_tables
+from support.daemon_helpers import REPO, DaemonProcess, assert_grpc_serving, expected, make_tables
 
 from engram_store import errors
 from engram_store.client.client import EngramClient
@@ -26,22 +26,15 @@ def tables(tmp_path_factory):
     return make_tables(tmp_path_factory.mktemp("tables") / "tiny", seed=11)
 
 
-@pytest.fixture(scope="module", params=["resident", "resident-python", "cached"])
-def daemon(request, tables, tmp_path_factory):
-    """Resident with the native Unix path (when built), resident all in Python, cached."""
-    mode, _, path = request.param.partition("-")
-    dram = "1GiB" if mode == "resident" else "256KiB"
-    d = DaemonProcess(tables.directory, tmp_path_factory.mktemp("daemon"), dram_bytes=dram,
-                      extra=["--no-unix-native"] if path == "python" else [])
-    try:
-        d.start()
-        assert d.ready["mode"] == mode
-        with EngramClient.connect(d.unix) as c:
-            native = c.info()["unix_native"]
-        assert native == (path != "python" and fastpath.native_module() is not None)  # cached: all-hit lookups
-        yield d
-    finally:
-        d.stop()
+@pytest.fixture(scope="module")
+def daemon(reader_daemon):
+    """``reader_daemon`` (resident with the native Unix path when built, resident all in Python, cached), its Unix
+    path native unless turned off (cached: all-hit lookups)."""
+    with EngramClient.connect(reader_daemon.unix) as c:
+        native = c.info()["unix_native"]
+    python_only = "--no-unix-native" in reader_daemon.extra
+    assert native == (not python_only and fastpath.native_module() is not None)
+    return reader_daemon
 
 
 def _ids(tables, layer, shape, seed):
@@ -290,13 +283,8 @@ def test_sigterm_drains_and_exits_zero(tables, tmp_path):
 
 def test_grpc_health_is_serving(daemon):
     """The health service answers without the token (probes have none)."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     with grpc.insecure_channel(daemon.ready["grpc"]) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        for service in ("", "engram_store.v1.EngramStore"):
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=30)
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert_grpc_serving(channel)
 
 
 def test_ready_file_names_real_addresses(daemon):

@@ -19,11 +19,8 @@ def tables(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def resident(tables, tmp_path_factory):
-    d = DaemonProcess(tables.directory, tmp_path_factory.mktemp("resident"))
-    try:
-        yield d.start()
-    finally:
-        d.stop()
+    with DaemonProcess(tables.directory, tmp_path_factory.mktemp("resident")) as d:
+        yield d
 
 
 def test_views_are_the_arena_rows_of_a_range(resident, tables):

@@ -32,11 +32,8 @@ def tables(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def daemon(tables, tmp_path_factory):
-    d = DaemonProcess(tables.directory, tmp_path_factory.mktemp("daemon"), extra=["--log-level", "INFO"])
-    try:
-        yield d.start()
-    finally:
-        d.stop()
+    with DaemonProcess(tables.directory, tmp_path_factory.mktemp("daemon"), extra=["--log-level", "INFO"]) as d:
+        yield d
 
 
 def _ids(tables, n: int, seed: int) -> np.ndarray:

@@ -13,7 +13,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from support.daemon_helpers import REPO, DaemonProcess, make_tables
+from support.daemon_helpers import REPO, DaemonProcess, assert_grpc_serving, make_tables
 
 from engram_store.client.client import EngramClient
 from engram_store.wire._proto import engram_store_pb2 as pb
@@ -56,12 +56,9 @@ def tables(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def daemon(tables, tmp_path_factory):
-    d = DaemonProcess(tables.directory, tmp_path_factory.mktemp("daemon"),
-                      extra=["--grpc-max-calls-per-peer", "200", "--handshake-timeout-seconds", "2"])
-    try:
-        yield d.start()
-    finally:
-        d.stop()
+    with DaemonProcess(tables.directory, tmp_path_factory.mktemp("daemon"),
+                       extra=["--grpc-max-calls-per-peer", "200", "--handshake-timeout-seconds", "2"]) as d:
+        yield d
 
 
 def attack(daemon, kind: str, calls: int, *, token: str = "", body_mb: int = 0) -> subprocess.Popen:
@@ -134,11 +131,8 @@ def test_health_is_open_and_reads_no_request(daemon):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(daemon.ready["grpc"]) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        for name in ("", "engram_store.v1.EngramStore"):
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        watch = stub.Watch(health_pb2.HealthCheckRequest(), timeout=10)
+        assert_grpc_serving(channel, timeout=10)
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10)
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         watch.cancel()
         info = pb.InfoRequest()  # an EngramStore call without a token is still refused

@@ -42,11 +42,8 @@ def tables(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def daemon(tables, tmp_path_factory):
-    d = DaemonProcess(tables.directory, tmp_path_factory.mktemp("daemon"))
-    try:
-        yield d.start()
-    finally:
-        d.stop()
+    with DaemonProcess(tables.directory, tmp_path_factory.mktemp("daemon")) as d:
+        yield d
 
 
 def test_probes_answer_and_other_paths_are_404(daemon):

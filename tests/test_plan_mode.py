@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import re
 import shutil
-import time
 
 import numpy as np
 import pytest
-from support.daemon_helpers import DaemonProcess, expected, make_tables
+from support.daemon_helpers import DaemonProcess, expected, make_tables, wait_for
 from support.storage_helpers import flip
 
 from engram_store import errors
@@ -59,14 +58,6 @@ def page_rows(tables, page: int) -> np.ndarray:
 
 def delta(after: dict, before: dict, key: str) -> float:
     return after[key] - before[key]
-
-
-def wait_for(predicate, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.01)  # polling the daemon's counters, not waiting blindly
 
 
 def planned(client: EngramClient, layer: int, ids) -> np.ndarray:

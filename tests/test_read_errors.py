@@ -9,12 +9,11 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from support.daemon_helpers import DaemonProcess, expected, make_tables
+from support.daemon_helpers import DaemonProcess, expected, make_tables, wait_for
 from support.storage_helpers import flip
 
 from engram_store import errors
@@ -32,14 +31,6 @@ CUT = 200  # the file is cut to this many pages: pages CUT.. cannot be read
 @pytest.fixture(scope="module")
 def tables(tmp_path_factory) -> TableSet:
     return make_tables(tmp_path_factory.mktemp("read-errors") / "tiny", seed=17)
-
-
-def wait_for(predicate, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.01)  # polling the daemon's Info, not waiting blindly
 
 
 def rows_of(tables: TableSet, pages) -> np.ndarray:

@@ -39,11 +39,8 @@ def tables(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def daemon(tables, tmp_path_factory):
-    d = DaemonProcess(tables, tmp_path_factory.mktemp("sglang-daemon"))
-    try:
-        yield d.start()
-    finally:
-        d.stop()
+    with DaemonProcess(tables, tmp_path_factory.mktemp("sglang-daemon")) as d:
+        yield d
 
 
 def scenario(name: str, *args: str, address: str, expect_rc: int = 0, extra_env=None) -> str:

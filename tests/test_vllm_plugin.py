@@ -38,20 +38,14 @@ def tables(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def daemon(tables, tmp_path_factory):
-    d = DaemonProcess(tables, tmp_path_factory.mktemp("vllm-daemon"))
-    try:
-        yield d.start()
-    finally:
-        d.stop()
+    with DaemonProcess(tables, tmp_path_factory.mktemp("vllm-daemon")) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")
 def mixed(tables, tmp_path_factory):
-    d = mixed_daemon(tables, tmp_path_factory.mktemp("vllm-mixed"))
-    try:
-        yield d.start()
-    finally:
-        d.stop()
+    with mixed_daemon(tables, tmp_path_factory.mktemp("vllm-mixed")) as d:
+        yield d
 
 
 SCRIPTS = {"cached": "vllm_engine_cached.py", "cached-outage": "vllm_engine_cached.py",

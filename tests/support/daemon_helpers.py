@@ -19,6 +19,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,7 +140,11 @@ class DaemonProcess:
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
 
     def __enter__(self) -> "DaemonProcess":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()  # a daemon that never got ready is not left running
+            raise
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -155,6 +161,49 @@ def mixed_daemon(tables: Path, workdir: Path, cache_bytes: int = 2 << 20, extra:
     dram = resident_layout([(first, spec.rows(first))], spec.row_format).size + cache_bytes
     return DaemonProcess(Path(tables), Path(workdir), dram_bytes=str(dram),
                          extra=["--placement", f"{first}=resident,{cached}=cached", *extra])
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Poll ``predicate`` (a daemon's counters or Info; never a blind sleep) until it holds; fail after
+    ``timeout`` seconds saying ``what`` did not happen."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        time.sleep(0.01)  # polling, not waiting blindly
+
+
+@contextmanager
+def reaped(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """``proc``, killed and waited for on the way out if it still runs (a test that failed before stopping it)."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def wait_ready_file(proc: subprocess.Popen, path: Path, why: Callable[[], str] = lambda: "it exited") -> dict:
+    """Poll for the ready file ``proc`` writes at ``path`` (never a blind sleep) and return what it says;
+    fails if ``proc`` exits first (``why()`` says what it left) or START_TIMEOUT passes."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while not path.exists():
+        assert proc.poll() is None, why()
+        assert time.monotonic() < deadline, f"no ready file {path} after {START_TIMEOUT}s"
+        time.sleep(0.02)  # polling the file the daemon writes, not waiting blindly
+    return json.loads(path.read_text())
+
+
+def assert_grpc_serving(channel, timeout: float = 30) -> None:
+    """The gRPC health service on ``channel`` (no token: probes have none) says SERVING, for the server and
+    for the EngramStore service."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "engram_store.v1.EngramStore"):
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
 
 
 def raw_connect(path: str, shm_bytes: int = 1 << 20) -> tuple[socket.socket, wire.Frame, bytes, list[int]]:
@@ -185,6 +234,17 @@ def expected(tables: TableSet, layer: int, ids: np.ndarray) -> np.ndarray:
     """The reference bytes, shaped like a client's answer."""
     ids = np.asarray(ids)
     return tables.read_rows(layer, ids.reshape(-1)).reshape(ids.shape + (tables.row_bytes,))
+
+
+@contextmanager
+def stoppable(d: DaemonProcess) -> Iterator[DaemonProcess]:
+    """``d`` started, for a test that may stop it (``sigstop``): on the way out it is resumed, then stopped."""
+    with d:
+        try:
+            yield d
+        finally:
+            if d.proc.poll() is None:
+                os.kill(d.pid, signal.SIGCONT)
 
 
 def sigstop(pid: int) -> None:
