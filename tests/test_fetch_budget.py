@@ -18,14 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.daemon_helpers import mixed_daemon
+from support.daemon_helpers import mixed_daemon, stoppable
 
 from engram_store import errors
 from engram_store.fetch import budget as direct_budget
 from engram_store.fetch.job import FetchJob
 from engram_store.format.tableset import TableSet
 from engram_store.models.spec import get_spec
-from engram_store.tools.synth import write_synthetic
 
 SPEC = get_spec("deepseek-v4.1-flash", 0.0002)
 FIRST, CACHED = SPEC.layers
@@ -35,10 +34,8 @@ PAGES = 32  # two granules
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("budget") / "tables"
-    write_synthetic(directory, SPEC, seed=43)
-    return TableSet.open(directory)
+def tables(flash_tables):
+    return flash_tables(seed=43)
 
 
 @pytest.fixture
@@ -49,13 +46,8 @@ def budget_env(tmp_path, monkeypatch):
 
 @pytest.fixture
 def daemon(tables, tmp_path):
-    d = mixed_daemon(tables.directory, tmp_path).start()
-    try:
+    with stoppable(mixed_daemon(tables.directory, tmp_path)) as d:
         yield d
-    finally:
-        if d.proc.poll() is None:
-            os.kill(d.pid, signal.SIGCONT)
-        d.stop()
 
 
 class Holder:

@@ -15,7 +15,6 @@ from support.daemon_helpers import DaemonProcess
 from engram_store.fetch.job import FetchJob
 from engram_store.format.tableset import TableSet
 from engram_store.models.spec import get_spec
-from engram_store.tools.synth import write_synthetic
 
 SPEC = get_spec("deepseek-v4.1-flash", 0.0002)
 LAYER = SPEC.layers[1]
@@ -24,10 +23,8 @@ DIM = SPEC.row_format.dim
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("calls") / "tables"
-    write_synthetic(directory, SPEC, seed=41)
-    return TableSet.open(directory)
+def tables(flash_tables):
+    return flash_tables(seed=41)
 
 
 @pytest.fixture

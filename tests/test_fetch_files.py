@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -34,14 +36,15 @@ def copy_a(sets, tmp_path):
     return tmp_path / "A"
 
 
-def job_without_daemon(directory, workdir) -> FetchJob:
+@contextmanager
+def job_without_daemon(directory, workdir) -> Iterator[FetchJob]:
     """A job made on a daemon serving ``directory``, the daemon then killed: steps read directly."""
-    d = DaemonProcess(directory, workdir, dram_bytes="256KiB").start()
-    try:
+    with DaemonProcess(directory, workdir, dram_bytes="256KiB") as d:
         job = FetchJob(d.unix, LAYER, 2048, deadline=5)
+    try:
+        yield job
     finally:
-        d.stop()
-    return job
+        job.close()
 
 
 def step(job: FetchJob, seed: int) -> np.ndarray:
@@ -55,6 +58,22 @@ def rows(job: FetchJob) -> np.ndarray:
     return np.concatenate([job.weight[:ROWS], job.scales[:ROWS]], 1)
 
 
+def step_is_refused(job: FetchJob, seed: int, match: str) -> None:
+    """A step of ``job`` fails with a StorageError matching ``match``, its rows zero."""
+    step(job, seed)
+    with pytest.raises(errors.StorageError, match=match):
+        job.raise_if_failed()
+    assert not rows(job).any()
+
+
+def honest_job_is_exact(tables, workdir, seed: int) -> None:
+    """A job on ``tables``' intact files (its daemon down too) reads exact rows."""
+    with job_without_daemon(tables.directory, workdir) as honest:
+        ids = step(honest, seed)
+        honest.raise_if_failed()
+        np.testing.assert_array_equal(rows(honest), tables.read_rows(LAYER, ids))
+
+
 def files_of(directory) -> tuple[str, str]:
     entry = Manifest.load(directory).layer(LAYER)
     return entry.file, entry.crc_file
@@ -62,64 +81,32 @@ def files_of(directory) -> tuple[str, str]:
 
 def test_files_of_another_table_set_copied_over_are_refused_naming_layer_and_file(sets, copy_a, tmp_path):
     a, b = sets
-    job = job_without_daemon(copy_a, tmp_path)
-    try:
+    with job_without_daemon(copy_a, tmp_path) as job:
         ids = step(job, 1)
         job.raise_if_failed()
         np.testing.assert_array_equal(rows(job), a.read_rows(LAYER, ids))
         data, crc = files_of(copy_a)
         for name in (data, crc):  # cp B/layer_003.{bin,crc} A/: written in place, same size
             shutil.copyfile(b.directory / name, copy_a / name)
-        ids = step(job, 2)
-        with pytest.raises(errors.StorageError, match=rf"layer {LAYER}: its table file {copy_a}/{data} was written"):
-            job.raise_if_failed()
-        assert not rows(job).any()  # zero, never B's rows
+        step_is_refused(job, 2, rf"layer {LAYER}: its table file {copy_a}/{data} was written")  # never B's rows
         assert job.stats()["failed_steps"] == 1
-    finally:
-        job.close()
-    honest = job_without_daemon(b.directory, tmp_path)  # intact files: exact
-    try:
-        ids = step(honest, 3)
-        honest.raise_if_failed()
-        np.testing.assert_array_equal(rows(honest), b.read_rows(LAYER, ids))
-    finally:
-        honest.close()
+    honest_job_is_exact(b, tmp_path, seed=3)
 
 
 def test_a_truncated_checksum_file_is_an_error_not_a_signal(sets, copy_a, tmp_path):
     a, _ = sets
-    job = job_without_daemon(copy_a, tmp_path)
-    try:
+    with job_without_daemon(copy_a, tmp_path) as job:
         _, crc = files_of(copy_a)
         os.truncate(copy_a / crc, 0)  # a shared mapping of it would raise SIGBUS at the next page check
-        step(job, 4)
-        with pytest.raises(errors.StorageError, match=rf"layer {LAYER}: its checksum file {copy_a}/{crc} changed size"):
-            job.raise_if_failed()
-        assert not rows(job).any()
-        step(job, 5)  # every later direct step too, never a signal
-        with pytest.raises(errors.StorageError, match="changed size"):
-            job.raise_if_failed()
-    finally:
-        job.close()
-    honest = job_without_daemon(a.directory, tmp_path)
-    try:
-        ids = step(honest, 6)
-        honest.raise_if_failed()
-        np.testing.assert_array_equal(rows(honest), a.read_rows(LAYER, ids))
-    finally:
-        honest.close()
+        step_is_refused(job, 4, rf"layer {LAYER}: its checksum file {copy_a}/{crc} changed size")
+        step_is_refused(job, 5, "changed size")  # every later direct step too, never a signal
+    honest_job_is_exact(a, tmp_path, seed=6)
 
 
 def test_a_table_file_replaced_by_rename_is_refused(sets, copy_a, tmp_path):
     _, b = sets
-    job = job_without_daemon(copy_a, tmp_path)
-    try:
+    with job_without_daemon(copy_a, tmp_path) as job:
         data, _ = files_of(copy_a)
         shutil.copyfile(b.directory / data, copy_a / "new.bin")
         os.replace(copy_a / "new.bin", copy_a / data)  # a new inode at the path the job opened
-        step(job, 7)
-        with pytest.raises(errors.StorageError, match=rf"{copy_a}/{data} was replaced since the engine opened it"):
-            job.raise_if_failed()
-        assert not rows(job).any()
-    finally:
-        job.close()
+        step_is_refused(job, 7, rf"{copy_a}/{data} was replaced since the engine opened it")

@@ -13,12 +13,11 @@ import time
 
 import numpy as np
 import pytest
-from support.daemon_helpers import mixed_daemon, sigstop
+from support.daemon_helpers import mixed_daemon, sigstop, stoppable
 
 from engram_store.fetch.job import FetchJob
 from engram_store.format.tableset import TableSet
 from engram_store.models.spec import get_spec
-from engram_store.tools.synth import write_synthetic
 
 SPEC = get_spec("deepseek-v4.1-flash", 0.0002)
 FIRST, CACHED = SPEC.layers
@@ -27,21 +26,14 @@ STEPS = 100
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("hedge") / "tables"
-    write_synthetic(directory, SPEC, seed=23)
-    return TableSet.open(directory)
+def tables(flash_tables):
+    return flash_tables(seed=23)
 
 
 @pytest.fixture
 def daemon(tables, tmp_path):
-    d = mixed_daemon(tables.directory, tmp_path).start()
-    try:
+    with stoppable(mixed_daemon(tables.directory, tmp_path)) as d:
         yield d
-    finally:
-        if d.proc.poll() is None:
-            os.kill(d.pid, signal.SIGCONT)
-        d.stop()
 
 
 def run_steps(job: FetchJob, tables, seed: int, n: int = STEPS) -> float:

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from support.daemon_helpers import DaemonProcess
+from support.daemon_helpers import mixed_daemon
 from support.storage_helpers import flip
 
 from engram_store import errors
@@ -19,35 +19,22 @@ from engram_store.fetch.job import FetchJob
 from engram_store.format.layout import PageLayout
 from engram_store.format.tableset import TableSet
 from engram_store.models.spec import get_spec
-from engram_store.storage.resident import resident_layout
 from engram_store.tools.synth import write_synthetic
 
 SPEC = get_spec("deepseek-v4.1-flash", 0.0002)  # 24 heads, 264-byte rows, ~77k rows a layer
-FIRST, CACHED = SPEC.layers
-CACHE_BYTES = 2 << 20  # about 7k rows of layer 14's 77k: most of each step's rows come from NVMe
-DRAM = resident_layout([(FIRST, SPEC.rows(FIRST))], SPEC.row_format).size + CACHE_BYTES
+FIRST, CACHED = SPEC.layers  # mixed_daemon: CACHED behind 2 MiB, ~7k of its 77k rows: most rows come from NVMe
 STEP_ROWS = 64 * 24  # a decode step of batch 64
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("fetch") / "tables"
-    write_synthetic(directory, SPEC, seed=21)
-    return TableSet.open(directory)
-
-
-def start(tables, workdir, *flags: str) -> DaemonProcess:
-    return DaemonProcess(tables.directory, workdir, dram_bytes=str(DRAM),
-                         extra=["--placement", f"{FIRST}=resident,{CACHED}=cached", *flags]).start()
+def tables(flash_tables):
+    return flash_tables(seed=21)
 
 
 @pytest.fixture
 def daemon(tables, tmp_path):
-    d = start(tables, tmp_path)
-    try:
+    with mixed_daemon(tables.directory, tmp_path) as d:
         yield d
-    finally:
-        d.stop()
 
 
 def step_ids(seed: int, n: int = STEP_ROWS, padding: int = 0) -> np.ndarray:
@@ -108,7 +95,7 @@ def daemon_stats(daemon) -> dict:
 
 
 def test_killed_daemon_steps_stay_exact_then_the_job_goes_back_to_it(tables, tmp_path):
-    d = start(tables, tmp_path)
+    d = mixed_daemon(tables.directory, tmp_path).start()
     job = FetchJob(d.unix, CACHED, STEP_ROWS, deadline=0.5, hedge=0.5)
     try:
         fetch(job, step_ids(100))
@@ -138,7 +125,7 @@ def test_killed_daemon_steps_stay_exact_then_the_job_goes_back_to_it(tables, tmp
 
 
 def test_a_connection_the_daemon_drops_between_steps_is_remade_before_the_next_step(tables, tmp_path):
-    d = start(tables, tmp_path, "--client-idle-timeout-seconds", "1")
+    d = mixed_daemon(tables.directory, tmp_path, extra=("--client-idle-timeout-seconds", "1")).start()
     job = FetchJob(d.unix, CACHED, STEP_ROWS, hedge=2.0)
     try:
         fetch(job, step_ids(150))
@@ -158,7 +145,7 @@ def test_a_connection_the_daemon_drops_between_steps_is_remade_before_the_next_s
 
 
 def test_stopped_daemon_costs_one_hedge_then_steps_go_direct_and_its_connection_is_dropped(tables, tmp_path):
-    d = start(tables, tmp_path)
+    d = mixed_daemon(tables.directory, tmp_path).start()
     job = FetchJob(d.unix, CACHED, STEP_ROWS, deadline=0.3)
     try:
         os.kill(d.pid, signal.SIGSTOP)
@@ -200,7 +187,7 @@ def test_a_flipped_page_fails_the_step_naming_layer_and_page(tmp_path):
     layout = PageLayout(SPEC.rows(CACHED), SPEC.row_bytes)
     bad_page = 777
     (tmp_path / "d").mkdir()
-    d = start(tables, tmp_path / "d")
+    d = mixed_daemon(tables.directory, tmp_path / "d").start()
     flip(directory, CACHED, bad_page)  # before the job opens the file: a write after it is refused as such
     job = FetchJob(d.unix, CACHED, STEP_ROWS)
     try:

@@ -20,17 +20,12 @@ from pathlib import Path
 
 import pytest
 from support import staging_fakes
-from support.daemon_helpers import DaemonProcess
+from support.daemon_helpers import mixed_daemon
 
-from engram_store.client.unix_transport import UnixTransport
-from engram_store.format.tableset import TableSet
 from engram_store.models.spec import get_spec
-from engram_store.storage.resident import resident_layout
-from engram_store.tools.synth import write_synthetic
 
 SPEC = get_spec("deepseek-v4.1-flash", 0.0002)
 FIRST, CACHED = SPEC.layers
-DRAM = resident_layout([(FIRST, SPEC.rows(FIRST))], SPEC.row_format).size + (2 << 20)
 STEP_ROWS = 64 * 24
 CHILD = Path(__file__).resolve().parent / "engines" / "namespace_fetch_job.py"
 
@@ -45,29 +40,13 @@ pytestmark = pytest.mark.skipif(not can_unshare(), reason="needs unshare -p (roo
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("pidns") / "tables"
-    write_synthetic(directory, SPEC, seed=37)
-    return TableSet.open(directory)
-
-
-def start(tables, workdir) -> DaemonProcess:
-    return DaemonProcess(tables.directory, workdir, dram_bytes=str(DRAM),
-                         extra=["--placement", f"{FIRST}=resident,{CACHED}=cached"]).start()
+def tables(flash_tables):
+    return flash_tables(seed=37)
 
 
 @pytest.fixture(scope="module")
 def info(tables, tmp_path_factory):
-    """A real daemon's Info, for the scripted daemon to hand out."""
-    d = start(tables, tmp_path_factory.mktemp("info"))
-    try:
-        transport = UnixTransport(d.socket_path)
-        try:
-            return transport.info_cached
-        finally:
-            transport.close()
-    finally:
-        d.stop()
+    return staging_fakes.real_info(tables.directory, tmp_path_factory.mktemp("info"))
 
 
 class Child:
@@ -125,7 +104,7 @@ def test_a_daemon_in_another_pid_namespace_killed_mid_write(tables, info, tmp_pa
         assert st["dead_writers"] == 1, st
         if when == "during":
             assert steps[0]["seconds"] < 1.5, got  # ended by the death (+ 0.2 s grace), not the 2 s deadline
-        daemon = start(tables, workdir)  # the same socket
+        daemon = mixed_daemon(tables.directory, workdir).start()  # the same socket
         child.say("restarted")
         got = child.hear("done")
         for step in got["steps"]:

@@ -17,34 +17,23 @@ import time
 import numpy as np
 import pytest
 from support import staging_fakes
-from support.daemon_helpers import DaemonProcess
+from support.daemon_helpers import DaemonProcess, mixed_daemon
 from support.staging_fakes import FakeDaemon, Plan, Script
 
 from engram_store import errors
 from engram_store.fetch.job import FetchJob
-from engram_store.client.unix_transport import UnixTransport
 from engram_store.format.tableset import TableSet
 from engram_store.models.spec import get_spec
-from engram_store.storage.resident import resident_layout
-from engram_store.tools.synth import write_synthetic
 
 SPEC = get_spec("deepseek-v4.1-flash", 0.0002)  # 264-byte rows, ~77k rows a layer
 FIRST, CACHED = SPEC.layers
-DRAM = resident_layout([(FIRST, SPEC.rows(FIRST))], SPEC.row_format).size + (2 << 20)  # layer 14 mostly on NVMe
 STEP_ROWS = 64 * 24
 DIM = SPEC.row_format.dim
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("onecopy") / "tables"
-    write_synthetic(directory, SPEC, seed=31)
-    return TableSet.open(directory)
-
-
-def start(tables, workdir, *flags: str) -> DaemonProcess:
-    return DaemonProcess(tables.directory, workdir, dram_bytes=str(DRAM),
-                         extra=["--placement", f"{FIRST}=resident,{CACHED}=cached", *flags]).start()
+def tables(flash_tables):
+    return flash_tables(seed=31)
 
 
 def step_ids(seed: int, layer: int = CACHED, n: int = STEP_ROWS, padding: int = 0) -> np.ndarray:
@@ -84,7 +73,7 @@ def unix_stats(d: DaemonProcess) -> dict:
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 def test_rows_come_through_one_copy_from_both_daemon_paths(tables, tmp_path, native):
-    d = start(tables, tmp_path, *([] if native else ["--no-unix-native"]))
+    d = mixed_daemon(tables.directory, tmp_path, extra=() if native else ("--no-unix-native",)).start()
     cached = FetchJob(d.unix, CACHED, 4 * STEP_ROWS, hedge=2.0)  # no hedging: every step from the daemon
     resident = FetchJob(d.unix, FIRST, 2 * STEP_ROWS, hedge=2.0)
     try:
@@ -127,7 +116,7 @@ def test_rows_come_through_one_copy_from_both_daemon_paths(tables, tmp_path, nat
 
 
 def test_a_step_of_padding_only_and_two_copies_when_asked(tables, tmp_path):
-    d = start(tables, tmp_path)
+    d = mixed_daemon(tables.directory, tmp_path).start()
     job = FetchJob(d.unix, CACHED, STEP_ROWS, hedge=2.0, one_copy=False)
     try:
         assert not job.stats()["one_copy"]
@@ -147,7 +136,7 @@ def test_a_step_of_padding_only_and_two_copies_when_asked(tables, tmp_path):
 
 
 def test_a_restarted_daemon_gets_the_same_staging_and_writes_it(tables, tmp_path):
-    d = start(tables, tmp_path)
+    d = mixed_daemon(tables.directory, tmp_path).start()
     job = FetchJob(d.unix, CACHED, STEP_ROWS, deadline=0.5, hedge=0.5)
     address = (job.weight.ctypes.data, job.scales.ctypes.data, np.frombuffer(job.staging, np.uint8).ctypes.data)
     try:
@@ -182,16 +171,7 @@ def test_a_restarted_daemon_gets_the_same_staging_and_writes_it(tables, tmp_path
 # --------------------------------------------------------------------------- races, against a scripted daemon
 @pytest.fixture(scope="module")
 def info(tables, tmp_path_factory):
-    """A real daemon's Info (so that jobs accept the fake's tables and open their files)."""
-    d = start(tables, tmp_path_factory.mktemp("info"))
-    try:
-        transport = UnixTransport(d.socket_path)
-        try:
-            return transport.info_cached
-        finally:
-            transport.close()
-    finally:
-        d.stop()
+    return staging_fakes.real_info(tables.directory, tmp_path_factory.mktemp("info"))
 
 
 @pytest.fixture

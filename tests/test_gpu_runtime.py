@@ -14,6 +14,8 @@ import mmap
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -28,7 +30,6 @@ from engram_store.native import gpu_runtime
 from engram_store.native.gpu_runtime import GpuRuntime
 from engram_store.models.spec import get_spec
 from engram_store.storage.resident import resident_layout
-from engram_store.tools.synth import write_synthetic
 from gpu_client import resident
 
 SPEC = get_spec("deepseek-v4.1-flash", 0.0002)  # 24 heads, 264-byte rows, ~77k rows a layer
@@ -46,20 +47,15 @@ def libs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("gpu-runtime") / "tables"
-    write_synthetic(directory, SPEC, seed=31)
-    return TableSet.open(directory)
+def tables(flash_tables):
+    return flash_tables(seed=31)
 
 
 @pytest.fixture(scope="module")
 def daemon(tables, tmp_path_factory):
-    d = DaemonProcess(tables.directory, tmp_path_factory.mktemp("daemon"), dram_bytes=str(DRAM),
-                      extra=["--placement", f"{FIRST}=resident,{CACHED}=cached"])
-    try:
-        yield d.start()
-    finally:
-        d.stop()
+    with DaemonProcess(tables.directory, tmp_path_factory.mktemp("daemon"), dram_bytes=str(DRAM),
+                       extra=["--placement", f"{FIRST}=resident,{CACHED}=cached"]) as d:
+        yield d
 
 
 def _use(kind: str, libs) -> tuple[GpuRuntime, Standin, Standin]:
@@ -78,13 +74,20 @@ def _use(kind: str, libs) -> tuple[GpuRuntime, Standin, Standin]:
     return rt, lib, launcher
 
 
-@pytest.fixture(params=["hip", "cuda"])
-def side(request, libs):
+@contextmanager
+def _using(kind: str, libs) -> Iterator[tuple[GpuRuntime, Standin, Standin]]:
+    """``_use(kind, libs)`` for the length of a ``with``: no runtime is this process's after it."""
     try:
-        yield _use(request.param, libs)
+        yield _use(kind, libs)
     finally:
         gpu_runtime.use(None)
-        gc.collect()  # registrations owned by collected test objects end (their finalizers unregister)
+
+
+@pytest.fixture(params=["hip", "cuda"])
+def side(request, libs):
+    with _using(request.param, libs) as used:
+        yield used
+    gc.collect()  # registrations owned by collected test objects end (their finalizers unregister)
 
 
 def _buffer(nbytes: int = 1 << 20) -> tuple[mmap.mmap, int]:
@@ -187,8 +190,7 @@ def _flags_of(lib: Standin, ptr: int) -> list[int]:
 
 
 def test_register_cuda_read_only_where_supported_and_every_staging_on_its_own(daemon, libs):
-    rt, lib, _ = _use("cuda", libs)
-    try:
+    with _using("cuda", libs) as (rt, lib, _):
         t, job, arena = _tables_and_job(daemon)
         reg = t.register_cuda()
         assert reg and t.register_cuda(FIRST).how == "read-only" and t.register_cuda(CACHED)
@@ -200,28 +202,22 @@ def test_register_cuda_read_only_where_supported_and_every_staging_on_its_own(da
         registers = lib.registers
         assert t.register_cuda() and lib.registers == registers  # idempotent: nothing asked again
         job.close(), second.close()
-    finally:
-        gpu_runtime.use(None)
 
 
 def test_register_cuda_without_read_only_support_tries_without_the_flag_once(daemon, libs, caplog):
-    rt, lib, _ = _use("cuda", libs)
-    lib.set(attr_read_only=0, attr_host_tables=1)  # e.g. Grace: the GPU reads through the host's page tables
-    try:
+    with _using("cuda", libs) as (rt, lib, _):
+        lib.set(attr_read_only=0, attr_host_tables=1)  # e.g. Grace: the GPU reads through the host's page tables
         t, job, arena = _tables_and_job(daemon)
         with caplog.at_level(logging.WARNING, logger="gpu_client.resident"):
             reg = t.register_cuda(FIRST)
         assert reg and reg.how == "without the read-only flag" and _flags_of(lib, arena) == [HIP_FLAGS]
         assert "cudaDevAttrHostRegisterReadOnlySupported = 0" in caplog.text and t.register_cuda(CACHED)
         job.close()
-    finally:
-        gpu_runtime.use(None)
 
 
 def test_a_refused_arena_names_the_attribute_and_leaves_cached_layers_served(daemon, libs):
-    rt, lib, _ = _use("cuda", libs)
-    lib.set(attr_read_only=0, attr_host_tables=0)  # read-only unsupported, and a PROT_READ mapping cannot be pinned
-    try:
+    with _using("cuda", libs) as (rt, lib, _):
+        lib.set(attr_read_only=0, attr_host_tables=0)  # read-only unsupported, and a PROT_READ mapping cannot be pinned
         t, job, arena = _tables_and_job(daemon)
         cached = t.register_cuda(CACHED)
         assert cached, cached.message  # the staging is registered on its own
@@ -233,13 +229,10 @@ def test_a_refused_arena_names_the_attribute_and_leaves_cached_layers_served(dae
             assert words in refused.message
         assert _flags_of(lib, arena) == [HIP_FLAGS] and lib.pending_error() == 0
         job.close()
-    finally:
-        gpu_runtime.use(None)
 
 
 def test_an_arena_registered_by_another_owner_is_used_and_the_error_cleared(daemon, libs):
-    rt, lib, _ = _use("cuda", libs)
-    try:
+    with _using("cuda", libs) as (rt, lib, _):
         t, job, arena = _tables_and_job(daemon)
         size = t.view.size
         assert lib.lib.cudaHostRegister(ctypes.c_void_p(arena), ctypes.c_size_t(size), CUDA_READ_ONLY_FLAGS) == 0
@@ -247,13 +240,10 @@ def test_an_arena_registered_by_another_owner_is_used_and_the_error_cleared(daem
         assert reg and not reg.owned and "another owner" in reg.how and lib.pending_error() == 0
         assert lib.lib.cudaHostUnregister(ctypes.c_void_p(arena)) == 0
         job.close()
-    finally:
-        gpu_runtime.use(None)
 
 
 def test_on_hip_the_arena_is_registered_portable_mapped_and_a_refusal_spares_the_staging(daemon, libs):
-    rt, lib, _ = _use("hip", libs)
-    try:
+    with _using("hip", libs) as (rt, lib, _):
         t, job, arena = _tables_and_job(daemon)
         assert t.register_cuda() and _flags_of(lib, arena) == [HIP_FLAGS]
         job.close()
@@ -265,8 +255,6 @@ def test_on_hip_the_arena_is_registered_portable_mapped_and_a_refusal_spares_the
         assert not refused and "hipHostRegister refused the arena" in refused.message
         assert "hipErrorInvalidValue" in refused.message and t.register_cuda(CACHED)
         job.close()
-    finally:
-        gpu_runtime.use(None)
 
 
 # --- the default choice: from torch, with the libraries the process has loaded ------------------------------

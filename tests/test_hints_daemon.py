@@ -18,7 +18,6 @@ from engram_store.models.hashing import row_ids_numpy
 from engram_store.models.spec import get_spec
 from engram_store.storage.hint_reader import BATCH_ROWS
 from engram_store.storage.placement import slot_bytes
-from engram_store.tools.synth import write_synthetic
 
 SPEC = get_spec("deepseek-v4.1-flash", 0.0002)  # 264-byte rows, 15 a page, ~77k rows a layer
 LAYER = SPEC.layers[-1]
@@ -28,10 +27,8 @@ DEADLINE = 60.0
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("hints") / "tables"
-    write_synthetic(directory, SPEC, seed=5)
-    return TableSet.open(directory)
+def tables(flash_tables):
+    return flash_tables(seed=5)
 
 
 def daemon(tables, tmp_path, *extra: str, slots: int = 90_000) -> DaemonProcess:

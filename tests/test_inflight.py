@@ -16,7 +16,6 @@ from engram_store.format.layout import PageLayout
 from engram_store.format.tableset import TableSet
 from engram_store.models.spec import get_spec
 from engram_store.storage.inflight import InFlight
-from engram_store.tools.synth import write_synthetic
 
 SPEC = get_spec("deepseek-v4.1-flash", 0.0002)
 LAYER = SPEC.layers[-1]
@@ -24,10 +23,8 @@ CLIENTS = 8
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("inflight") / "tables"
-    write_synthetic(directory, SPEC, seed=31)
-    return TableSet.open(directory)
+def tables(flash_tables):
+    return flash_tables(seed=31)
 
 
 def pages_of(ids: np.ndarray) -> int:

@@ -17,14 +17,12 @@ import pytest
 from support.daemon_helpers import REPO, DaemonProcess
 
 from engram_store.client.client import EngramClient
-from engram_store.format.tableset import TableSet
 from engram_store.models.hashing import row_ids_numpy
 from engram_store.integrations.prompt_hints import (PromptHints, hint_key, pending_rows, sglang_finished,
                                                   sglang_prefill_batch, vllm_scheduler_output)
 from engram_store.models.spec import get_spec
 from engram_store.storage.placement import slot_bytes
 from engram_store.models.tokens import RawIds, TokenMap
-from engram_store.tools.synth import write_synthetic
 
 SPEC = get_spec("deepseek-v4.1-flash", 0.0002)
 RAW_VOCAB = 129_280
@@ -126,10 +124,8 @@ def test_a_full_backlog_drops_hints_and_a_failing_client_never_raises_into_the_e
 
 # --- through a real daemon, with vLLM's own scheduler output --------------------------------------
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("plugin-hints") / "tables"
-    write_synthetic(directory, SPEC, seed=9)
-    return TableSet.open(directory)
+def tables(flash_tables):
+    return flash_tables(seed=9)
 
 
 def daemon(tables, tmp_path) -> DaemonProcess:

@@ -15,11 +15,9 @@ import pytest
 from support.daemon_helpers import DaemonProcess, raw_connect, read_result
 
 from engram_store.client.client import EngramClient
-from engram_store.format.tableset import TableSet
 from engram_store.native import shm, syscalls
 from engram_store.models.spec import get_spec
 from engram_store.storage.resident import resident_layout
-from engram_store.tools.synth import write_synthetic
 from engram_store.wire import frames as wire
 from engram_store.wire import staging as wst
 
@@ -33,10 +31,8 @@ SEALED = syscalls.F_SEAL_SHRINK | syscalls.F_SEAL_GROW | syscalls.F_SEAL_SEAL
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("hostile-staging") / "tables"
-    write_synthetic(directory, SPEC, seed=41)
-    return TableSet.open(directory)
+def tables(flash_tables):
+    return flash_tables(seed=41)
 
 
 @pytest.fixture(scope="module", params=["native", "python"])

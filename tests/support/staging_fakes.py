@@ -7,9 +7,10 @@ with the real gate functions) and plain LOOKUP (rows into the region). Its timin
 request, so that tests can put a daemon's write exactly where a race needs it: answering after the
 job gave up, holding the gate while the job's direct read wins, dying mid-write.
 
-In a test thread: ``FakeDaemon(path, info, tables, layer, script).start()``. As a process (for a
-daemon that dies): ``python tests/support/staging_fakes.py SOCKET INFO_JSON TABLES LAYER MARKER`` runs the
-script ``die_mid_write``: claim the gate, write garbage rows, create MARKER, then wait to be killed.
+In a test thread: ``FakeDaemon(path, info, tables, layer, script).start()``, ``info`` from
+``real_info``. As a process (for a daemon that dies): ``python tests/support/staging_fakes.py SOCKET
+INFO_JSON TABLES LAYER MARKER`` runs the script ``die_mid_write``: claim the gate, write garbage rows,
+create MARKER, then wait to be killed.
 """
 
 from __future__ import annotations
@@ -190,6 +191,20 @@ class Staging:
         whole = np.frombuffer(self.map, dtype=np.uint8)
         self.weights = whole[g.weight_offset: g.weight_offset + g.rows * g.weight_bytes].reshape(g.rows, -1)
         self.scales = whole[g.scale_offset: g.scale_offset + g.rows * g.scale_bytes].reshape(g.rows, -1)
+
+
+def real_info(tables: Path, workdir: Path) -> dict:
+    """The Info a real daemon over ``tables`` hands out (a ``mixed_daemon``, as the fetch tests run), for a
+    FakeDaemon to hand out in turn: so that jobs accept the fake's tables and open their files."""
+    from engram_store.client.unix_transport import UnixTransport
+    from support.daemon_helpers import mixed_daemon
+
+    with mixed_daemon(tables, workdir) as d:
+        transport = UnixTransport(d.socket_path)
+        try:
+            return transport.info_cached
+        finally:
+            transport.close()
 
 
 def main(argv: list[str]) -> None:
