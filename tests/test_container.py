@@ -12,13 +12,12 @@ import json
 import os
 import shlex
 import subprocess
-import time
 import urllib.request
 
 import numpy as np
 import pytest
 
-from support.daemon_helpers import START_TIMEOUT, make_tables
+from support.daemon_helpers import make_tables, wait_ready_file
 from engram_store.client import EngramClient
 from engram_store.version import __version__
 
@@ -73,12 +72,7 @@ def test_container_serves_a_lookup_through_the_mounted_socket(tmp_path):
          IMAGE], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         ready = run / "ready.json"
-        deadline = time.monotonic() + START_TIMEOUT
-        while not ready.exists():  # polling the file the daemon writes, not waiting blindly
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "container not ready"
-            time.sleep(0.05)
-        info = json.loads(ready.read_text())
+        info = wait_ready_file(proc, ready, lambda: proc.stdout.read())
         assert info["socket"] == "/run/engram-store/engram-store.sock" and info["mode"] == "resident"
         sock = run / "engram-store.sock"
         st = sock.stat()

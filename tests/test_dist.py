@@ -15,7 +15,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 import venv
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support.daemon_helpers import START_TIMEOUT
+from support.daemon_helpers import reaped, wait_ready_file
 from engram_store.format.tableset import TableSet
 from engram_store.version import __version__
 
@@ -98,13 +97,8 @@ def test_installed_command_synths_serves_and_looks_up(installed):
     proc = subprocess.Popen([str(bin_dir / "engram-store"), "serve", "--tables", str(tables), "--socket", str(sock),
                              "--metrics", "127.0.0.1:0", "--ready-file", str(ready), "--dram-bytes", "64MiB",
                              "--log-level", "WARNING"], env=env, cwd=root, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while not ready.exists():  # polling the file the daemon writes, not waiting blindly
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "daemon not ready"
-            time.sleep(0.02)
-        info = json.loads(ready.read_text())
+    with reaped(proc):
+        info = wait_ready_file(proc, ready, lambda: proc.stderr.read())
         with urllib.request.urlopen(f"http://{info['metrics']}/readyz", timeout=30) as r:
             assert r.status == 200
         ts = TableSet.open(tables)
@@ -117,7 +111,3 @@ def test_installed_command_synths_serves_and_looks_up(installed):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert not ready.exists()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -8,7 +8,6 @@ daemon is recognised as stale by its pid.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -21,7 +20,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.daemon_helpers import REPO, START_TIMEOUT, DaemonProcess, make_tables
+from support.daemon_helpers import REPO, DaemonProcess, make_tables, reaped, wait_ready_file
 from engram_store.client import EngramClient
 from engram_store.daemon import readyfile
 from engram_store.daemon.http.metrics import MetricsServer
@@ -104,7 +103,7 @@ def test_readyz_is_503_until_the_tables_are_loaded(tables, tmp_path):
     proc = subprocess.Popen([sys.executable, str(script), str(tables.directory), str(tmp_path / "s.sock"),
                              str(ready_file)], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
-    try:
+    with reaped(proc):
         address = proc.stdout.readline().strip()  # printed by the gate: the store is not open yet
         assert address, "the gated daemon exited before opening its store"
         base = f"http://{address}"
@@ -117,21 +116,12 @@ def test_readyz_is_503_until_the_tables_are_loaded(tables, tmp_path):
         assert status == 200 and not list(text_string_to_metric_families(text))
         proc.stdin.write("go\n")
         proc.stdin.flush()
-        deadline = time.monotonic() + START_TIMEOUT
-        while not ready_file.exists():  # polling the file the daemon writes, not waiting blindly
-            assert proc.poll() is None, "daemon exited while loading"
-            assert time.monotonic() < deadline, "daemon not ready"
-            time.sleep(0.01)
-        info = json.loads(ready_file.read_text())
+        info = wait_ready_file(proc, ready_file, lambda: "daemon exited while loading")
         assert info["metrics"] == address and info["pid"] == proc.pid
         assert _get(base + "/readyz") == (200, "ok\n")  # ready before the file is written
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert not ready_file.exists()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_readyz_says_stopping_while_draining():
