@@ -171,6 +171,16 @@ def _all_rows(spec, ts: TableSet, tables: Path, workdir: Path, lanes, steps: dic
         rows += _guard("cached-chain disk", _disk_rows, chain.job, killed.get("direct_pages", 0), lanes.kind == "cuda")
 
 
+def _step(lanes, side, prog, chain, ids: _Ids) -> tuple[np.ndarray, float]:
+    """One step of ``chain``: its next row ids drawn, then ``prog`` launched on ``side`` between syncs; (the
+    ids, the launch's ms)."""
+    want = ids(chain)
+    lanes.sync()
+    span = side.run(prog.launch)
+    lanes.sync()
+    return want, span.ms()
+
+
 def _graph_rows(lanes, side, ts, job, reader: str, spec, n: int, ids: _Ids, steps: int, got: dict) -> list[dict]:
     """The chain replayed ``steps`` times (a CUDA graph, or called directly on the host): rows exact every
     20 steps and at the last, per-step time against the same without the host node."""
@@ -179,11 +189,8 @@ def _graph_rows(lanes, side, ts, job, reader: str, spec, n: int, ids: _Ids, step
     before = job.stats()
     times, bare_times, job_times, exact = [], [], [], True
     for step in range(steps):
-        want = ids(chain)
-        lanes.sync()
-        span = side.run(prog.launch)
-        lanes.sync()
-        times.append(span.ms())
+        want, ms = _step(lanes, side, prog, chain, ids)
+        times.append(ms)
         job_times.append(1e3 * job.stats()["last_seconds"])
         if step % 20 == 0 or step == steps - 1:
             exact &= chain.exact(ts, want)
@@ -316,11 +323,8 @@ def _killed_rows(lanes, side, ts, chain, prog, daemon, ids: _Ids, steps: int, ou
     code = daemon.proc.wait(30)
     times, exact = [], True
     for _ in range(steps):
-        want = ids(chain)
-        lanes.sync()
-        span = side.run(prog.launch)
-        lanes.sync()
-        times.append(span.ms())
+        want, ms = _step(lanes, side, prog, chain, ids)
+        times.append(ms)
         exact &= chain.exact(ts, want)
     d = _delta(job, before, "direct_steps", "daemon_steps", "failed_steps", "direct_pages", "bad_pages")
     try:

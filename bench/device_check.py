@@ -54,6 +54,7 @@ import argparse
 import sys
 import tempfile
 import time
+from typing import Any, Callable
 from pathlib import Path
 
 import numpy as np
@@ -289,20 +290,43 @@ def check_kvikio(ts: TableSet, device) -> list[dict]:
                 f"{nbytes >> 20} MiB layer file (page cache warm); mode {mode}, compat_mode={compat}")]
 
 
-def check_vllm_kernel(spec, ts: TableSet, address: str, device) -> list[dict]:
-    """vLLM's kernel reading the daemon's arena over UVA, as the vLLM plugin makes it do."""
+def _engine_kernel(check: str, engine: str, test: str, load: Callable[[], Any], address: str, device):
+    """What an engine kernel's check needs: (what ``load()`` imports of the engine, the daemon's arena tables
+    registered with CUDA), or the one row saying why the check does not run."""
     if device.type != "cuda":
-        return [row("vllm-kernel", None, "", "no CUDA device (tests/test_vllm_plugin.py runs it on CPU, interpreted)")]
+        return [row(check, None, "", f"no CUDA device ({test} runs it on CPU, interpreted)")]
     try:
-        from vllm.models.deepseek_v41.common import engram as vllm_engram
-        from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
+        kernel = load()
     except Exception as exc:
-        return [row("vllm-kernel", None, "", f"vLLM does not import here ({type(exc).__name__}: {exc})")]
+        return [row(check, None, "", f"{engine} does not import here ({type(exc).__name__}: {exc})")]
     from engram_store.integrations.tables import EngramStoreTables
 
     tables = EngramStoreTables.connect(address)
     if not tables.register_cuda():
-        return [row("vllm-kernel", False, "", "cudaHostRegister refused the arena")]
+        return [row(check, False, "", "cudaHostRegister refused the arena")]
+    return kernel, tables
+
+
+def _vllm_kernel():
+    from vllm.models.deepseek_v41.common import engram
+    from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
+
+    return engram, get_accelerator_view_from_cpu_tensor
+
+
+def _sglang_kernel():
+    from sglang.kernels.ops.embeddings.engram_gather import engram_gather
+    from sglang.srt.layers.engram import _registered_device_ptr
+
+    return engram_gather, _registered_device_ptr
+
+
+def check_vllm_kernel(spec, ts: TableSet, address: str, device) -> list[dict]:
+    """vLLM's kernel reading the daemon's arena over UVA, as the vLLM plugin makes it do."""
+    got = _engine_kernel("vllm-kernel", "vLLM", "tests/test_vllm_plugin.py", _vllm_kernel, address, device)
+    if isinstance(got, list):
+        return got
+    (vllm_engram, get_accelerator_view_from_cpu_tensor), tables = got
     out_rows = []
     layer = spec.layers[-1]
     fmt, heads = spec.row_format, spec.rows_per_token
@@ -334,19 +358,12 @@ def check_vllm_kernel(spec, ts: TableSet, address: str, device) -> list[dict]:
 
 def check_sglang_kernel(spec, ts: TableSet, address: str, device) -> list[dict]:
     """SGLang's gather kernel reading the daemon's arena at the addresses the SGLang plugin gives it."""
-    if device.type != "cuda":
-        return [row("sglang-kernel", None, "", "no CUDA device (tests/test_sglang_plugin.py runs it on CPU, interpreted)")]
-    try:
-        from sglang.kernels.ops.embeddings.engram_gather import engram_gather
-        from sglang.srt.layers.engram import _registered_device_ptr
-    except Exception as exc:
-        return [row("sglang-kernel", None, "", f"SGLang does not import here ({type(exc).__name__}: {exc})")]
-    from engram_store.integrations.tables import EngramStoreTables
+    got = _engine_kernel("sglang-kernel", "SGLang", "tests/test_sglang_plugin.py", _sglang_kernel, address, device)
+    if isinstance(got, list):
+        return got
+    (engram_gather, _registered_device_ptr), tables = got
     from gpu_client.dequant import dequantize
 
-    tables = EngramStoreTables.connect(address)
-    if not tables.register_cuda():
-        return [row("sglang-kernel", False, "", "cudaHostRegister refused the arena")]
     layer = spec.layers[-1]
     fmt = spec.row_format
     weight, scales = tables.views(layer)  # the plugin's host table: _host_table_ptrs = these two blocks
