@@ -1,10 +1,12 @@
-"""What the benches share: the same output flags everywhere, the storage benches' table set and scratch dir.
+"""What the benches share: the same output flags everywhere, the storage benches' table set and scratch dir,
+a daemon started for a run.
 
 Every bench takes ``--help``, ``--quick`` (a smoke run of seconds) and ``--json [PATH]``
 (:func:`add_report_args`): the report as one JSON document written to PATH, or to stdout
 when PATH is ``-`` or left out, in which case stdout carries the JSON only and the human
 table goes to stderr (:class:`JsonReport`). The storage benches (lookup.py,
-nvme_throughput.py) also take ``--tables``, ``--workdir``, ``--model`` and ``--scale``.
+nvme_throughput.py, the load benches) also take ``--tables``, ``--workdir``, ``--model`` and ``--scale``
+(:func:`add_table_args`). The benches that start a daemon do it with :func:`start_daemon`.
 bench/ is on ``sys.path`` when they run as scripts, so they import this as ``_common``.
 """
 
@@ -14,12 +16,16 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
+
+import numpy as np
 
 JSON_HELP = ("write the report as one JSON document to PATH; '-' or no PATH: to stdout, which then carries "
              "the JSON only (the table goes to stderr)")
@@ -29,6 +35,20 @@ def add_report_args(ap: argparse.ArgumentParser, quick_help: str) -> None:
     """``--quick`` and ``--json [PATH]``, the same in every bench."""
     ap.add_argument("--quick", action="store_true", help=quick_help)
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH", help=JSON_HELP)
+
+
+def add_model_args(ap: argparse.ArgumentParser, scale: float, scale_help: str = "table scale") -> None:
+    """``--model`` (a spec name, default deepseek-v4.1-flash) and ``--scale`` (default ``scale``)."""
+    ap.add_argument("--model", default="deepseek-v4.1-flash")
+    ap.add_argument("--scale", type=float, default=scale, help=scale_help)
+
+
+def add_table_args(ap: argparse.ArgumentParser, scale: float, scale_help: str = "table scale", workdir: str = ".",
+                   workdir_help: str = "where to synthesize/cache the bench table set") -> None:
+    """``--tables``, ``--workdir``, ``--model`` and ``--scale``: what :func:`ensure_tables` reads."""
+    ap.add_argument("--tables", help="existing table set (default: synthesize one in --workdir)")
+    ap.add_argument("--workdir", default=workdir, help=workdir_help)
+    add_model_args(ap, scale, scale_help)
 
 
 class JsonReport:
@@ -82,6 +102,20 @@ class JsonReport:
             Path(self.path).write_text(text + "\n")
 
 
+def report_run(args: argparse.Namespace, measure: Callable[[], Any], table: Callable[[Any], None]) -> Any:
+    """``measure()`` inside a :class:`JsonReport`; its document is emitted with the human ``table(doc)``
+    and returned."""
+    with JsonReport(args) as out:
+        doc = measure()
+        out.emit(doc, lambda: table(doc))
+    return doc
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, min and max of ``values`` (a bench's repeated runs)."""
+    return {"median": float(np.median(values)), "min": float(np.min(values)), "max": float(np.max(values))}
+
+
 def ensure_tables(args: argparse.Namespace, name: str) -> Path:
     """``--tables`` if given; else a synthetic ``--model`` table set at ``--scale`` in
     ``--workdir``/``<name>-<spec>-<scale>``, written once and reused by later runs."""
@@ -109,7 +143,52 @@ def stop_process(proc: subprocess.Popen, timeout: float) -> None:
             proc.wait()
 
 
-def run_in_workdir(run: Callable[[argparse.Namespace], int], args: argparse.Namespace, name: str) -> int:
+def write_token_file(workdir: Path) -> Path:
+    """``workdir/grpc.token``, written once: a random gRPC token, mode 0600 (the daemon refuses one others may
+    read); give it to the daemon as ``--grpc-token-file`` and to gRPC clients as ``token_file=``."""
+    path = workdir / "grpc.token"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+    return path
+
+
+def start_daemon(serve_args: list[str], workdir: Path, timeout: float, *, isolated: bool = False,
+                 **popen: Any) -> tuple[subprocess.Popen, dict]:
+    """``engram-store serve`` (log level WARNING, then ``serve_args``) as a subprocess logging to
+    ``workdir/daemon.log``; waits for the ready file it writes once it serves (``workdir/ready.json``).
+
+    Returns the process and the ready file's contents (the real addresses). A daemon that exits or is not
+    ready within ``timeout`` seconds is stopped and RuntimeError raised with its log's tail. ``isolated``:
+    without this environment's ``ENGRAM_STORE_*`` variables (only the arguments configure it); ``popen``:
+    more ``subprocess.Popen`` arguments (``cwd``, ``preexec_fn``)."""
+    ready, log_path = workdir / "ready.json", workdir / "daemon.log"
+    cmd = [sys.executable, "-m", "engram_store.daemon", "serve", "--ready-file", str(ready), "--log-level", "WARNING",
+           *serve_args]
+    if isolated:
+        popen["env"] = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_STORE_")}
+    with open(log_path, "ab") as log:  # the daemon holds its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, **popen)
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_process(proc, 10)
+            raise RuntimeError(f"daemon did not start: {log_path.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.02)  # polling the ready file
+    return proc, json.loads(ready.read_text())
+
+
+def stop_daemon(proc: subprocess.Popen, workdir: Path) -> str:
+    """Stop a daemon :func:`start_daemon` started in the scratch folder ``workdir`` and remove the folder; the
+    last 1,000 characters of its log."""
+    stop_process(proc, 30)
+    tail = (workdir / "daemon.log").read_text(errors="replace")[-1000:]
+    shutil.rmtree(workdir, ignore_errors=True)
+    return tail
+
+
+def run_in_workdir(run: Callable[[argparse.Namespace], Any], args: argparse.Namespace, name: str) -> Any:
     """``run(args)``; a ``--quick`` run given neither ``--tables`` nor ``--workdir`` works in a
     scratch directory (``<name>-*`` under the temp dir) that is removed afterwards."""
     scratch = None

@@ -5,7 +5,6 @@ measured decode steps (fio after each block)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import stop_process
+from _common import start_daemon, stop_process
 from _engine_step_report import pct, spread
 
 from engram_store.format.layout import PAGE_BYTES
@@ -41,26 +40,19 @@ class Daemon:
 
     def __init__(self, tables: Path, dram_bytes: int, qd: int, *extra: str, tree: Path = REPO) -> None:
         self.workdir, self.dram_bytes = Path(tempfile.mkdtemp(prefix="es-daemon-")), dram_bytes
-        self.ready, sock = self.workdir / "ready.json", self.workdir / "engram.sock"
-        self.log = open(self.workdir / "daemon.log", "ab")
-        cmd = [sys.executable, "-m", "engram_store.daemon", "serve", "--tables", str(tables), "--dram-bytes",
-               str(dram_bytes), "--store-mode", "cached", "--nvme-queue-depth", str(qd), "--scrub-bytes-per-second",
-               "0", "--socket", str(sock), "--grpc", "", "--metrics", "", "--ready-file", str(self.ready),
-               "--log-level", "WARNING", *extra]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_STORE_")}
-        self.proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=self.log, stderr=subprocess.STDOUT)  # its engram_store
-        deadline = time.monotonic() + 300
-        while not self.ready.exists():  # the daemon writes it once it serves
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                log = (self.workdir / "daemon.log").read_text()[-2000:]
-                self.stop()
-                raise RuntimeError(f"daemon did not start: {log}")
-            time.sleep(0.05)
+        sock = self.workdir / "engram.sock"
+        try:
+            self.proc, _ = start_daemon(["--tables", str(tables), "--dram-bytes", str(dram_bytes), "--store-mode",
+                                         "cached", "--nvme-queue-depth", str(qd), "--scrub-bytes-per-second", "0",
+                                         "--socket", str(sock), "--grpc", "", "--metrics", "", *extra], self.workdir,
+                                        300, isolated=True, cwd=tree)  # the tree's engram_store
+        except RuntimeError:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
         self.unix = f"unix://{sock}"
 
     def stop(self) -> None:
         stop_process(self.proc, 60)
-        self.log.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 

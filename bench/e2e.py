@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from _common import JsonReport, add_report_args, stop_process  # noqa: E402
+from _common import add_report_args, report_run, start_daemon, stop_process  # noqa: E402
 
 from engram_store import get_spec  # noqa: E402
 from engram_store.tools.synth import write_synthetic  # noqa: E402
@@ -68,30 +66,19 @@ class Daemon:
     """``engram-store serve`` as a subprocess on a temp socket; the ready file gives the real address."""
 
     def __init__(self, tables: Path, workdir: Path, dram_bytes: str, cpus: set[int] | None = None) -> None:
-        self.workdir, self.ready_file, self.cpus = workdir, workdir / "ready.json", cpus
+        self.workdir, self.cpus = workdir, cpus
         self.command = [sys.executable, "-m", "engram_store.daemon"]
-        self.args = self.command + ["serve", "--tables", str(tables), "--dram-bytes", dram_bytes,
-                                    "--socket", str(workdir / "engram.sock"), "--grpc", "", "--metrics", "",
-                                    "--ready-file", str(self.ready_file), "--log-level", "WARNING"]
+        self.args = ["--tables", str(tables), "--dram-bytes", dram_bytes, "--socket", str(workdir / "engram.sock"),
+                     "--grpc", "", "--metrics", ""]
 
     def __enter__(self) -> "Daemon":
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_STORE_")}
-        self.log = open(self.workdir / "daemon.log", "wb")
         pin = (lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None
-        self.proc = subprocess.Popen(self.args, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     preexec_fn=pin)
-        deadline = time.monotonic() + READY_TIMEOUT
-        while not self.ready_file.exists():  # the daemon writes it once it serves
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                sys.exit(f"daemon did not start: {(self.workdir / 'daemon.log').read_text()[-2000:]}")
-            time.sleep(0.02)
-        self.ready = json.loads(self.ready_file.read_text())
+        self.proc, self.ready = start_daemon(self.args, self.workdir, READY_TIMEOUT, isolated=True, cwd=REPO,
+                                             preexec_fn=pin)
         return self
 
     def __exit__(self, *exc: object) -> None:
         stop_process(self.proc, 30)
-        self.log.close()
 
 
 def _sync(device: torch.device) -> None:
@@ -250,9 +237,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with JsonReport(args) as report:
-        doc = measure(args)
-        report.emit(doc, lambda: _print_table(doc))
+    doc = report_run(args, lambda: measure(args), _print_table)
     return 0 if doc["logits_identical"] else 1
 
 

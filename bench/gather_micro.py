@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import JsonReport, add_report_args  # noqa: E402
+from _common import add_report_args, report_run  # noqa: E402
 
 WEIGHT_BYTES, SCALE_BYTES = 256, 8  # DeepSeek-V4.1 rows: 256 FP8 values, 8 E8M0 scales
 
@@ -189,9 +189,7 @@ def main(argv=None) -> int:
     for key in ("rows", "layers", "size", "requests", "rounds", "threads"):
         if getattr(args, key) < 1:
             ap.error(f"--{key} must be at least 1")
-    with JsonReport(args) as report:
-        rep = run(args)
-        report.emit(rep, lambda: print_report(rep))
+    report_run(args, lambda: run(args), print_report)
     return 0
 
 

@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -37,7 +35,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import JsonReport, add_report_args, ensure_tables, run_in_workdir, stop_process  # noqa: E402
+from _common import (add_report_args, add_table_args, ensure_tables, report_run, run_in_workdir,  # noqa: E402
+                     spread, start_daemon, stop_daemon, write_token_file)
 
 PHASES = ("quiet", "flood", "ended", "later")
 FLOODER = textwrap.dedent("""
@@ -71,29 +70,16 @@ FLOODER = textwrap.dedent("""
 """)
 
 
-def start_daemon(args: argparse.Namespace, tables: Path, work: Path) -> tuple[subprocess.Popen, dict]:
+def start_hinted_daemon(args: argparse.Namespace, tables: Path, work: Path) -> tuple[subprocess.Popen, dict]:
+    """The daemon under test: a cached store of ``--slots`` rows, Unix socket and gRPC (with a token)."""
     from engram_store.format.tableset import TableSet
     from engram_store.storage.placement import slot_bytes
 
     row_bytes = TableSet.open(tables).spec.row_bytes
-    ready = work / "ready.json"
-    token = work / "grpc.token"
-    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-    cmd = [sys.executable, "-m", "engram_store.daemon", "serve", "--tables", str(tables), "--store-mode", "cached",
-           "--dram-bytes", str(args.slots * slot_bytes(row_bytes, "s3fifo")), "--scrub-bytes-per-second", "0",
-           "--socket", str(work / "engram.sock"), "--grpc", "127.0.0.1:0", "--grpc-token-file", str(token),
-           "--ready-file", str(ready), "--log-level", "WARNING", *args.daemon_arg]
-    log = open(work / "daemon.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_process(proc, 10)
-            raise SystemExit(f"daemon did not start: {(work / 'daemon.log').read_text()[-2000:]}")
-        time.sleep(0.02)  # polling the ready file
-    return proc, json.loads(ready.read_text())
+    return start_daemon(["--tables", str(tables), "--store-mode", "cached", "--dram-bytes",
+                         str(args.slots * slot_bytes(row_bytes, "s3fifo")), "--scrub-bytes-per-second", "0",
+                         "--socket", str(work / "engram.sock"), "--grpc", "127.0.0.1:0", "--grpc-token-file",
+                         str(write_token_file(work)), *args.daemon_arg], work, 120)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -132,7 +118,7 @@ class Looker:
                 "lookups": len(lat), "miss_share": missed / (len(lat) * self.rows)}
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> dict:
     from engram_store.client.client import EngramClient
 
     if args.quick:
@@ -140,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         args.slots, args.hot, args.hint_rows = min(args.slots, 8000), min(args.hot, 7000), min(args.hint_rows, 10_000)
     tables = ensure_tables(args, "hint-load")
     work = Path(tempfile.mkdtemp(prefix="hint-load-"))
-    proc, ready = start_daemon(args, tables, work)
+    proc, ready = start_hinted_daemon(args, tables, work)
     report = {"rounds": [], "config": {k: v for k, v in vars(args).items() if k != "json"}}
     try:
         with EngramClient.connect(ready["unix"]) as client:
@@ -156,13 +142,9 @@ def run(args: argparse.Namespace) -> int:
             for _ in range(args.rounds):
                 report["rounds"].append(one_round(args, proc, looker, ready["unix"], layer, rows[layer]))
     finally:
-        stop_process(proc, 30)
-        report["daemon_log_tail"] = (work / "daemon.log").read_text(errors="replace")[-1000:]
-        shutil.rmtree(work, ignore_errors=True)
+        report["daemon_log_tail"] = stop_daemon(proc, work)
     report["summary"] = summarize(report["rounds"])
-    with JsonReport(args) as out:
-        out.emit(report, lambda: print_table(report["summary"], args))
-    return 0
+    return report
 
 
 def one_round(args: argparse.Namespace, proc: subprocess.Popen, looker: Looker, target: str, layer: int,
@@ -192,15 +174,11 @@ def one_round(args: argparse.Namespace, proc: subprocess.Popen, looker: Looker, 
     return result
 
 
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": float(np.median(values)), "min": float(np.min(values)), "max": float(np.max(values))}
-
-
 def summarize(rounds: list[dict]) -> dict:
-    summary = {p: {k: _spread([r[p][k] for r in rounds]) for k in rounds[0][p]} for p in PHASES}
-    summary["flood_p99_ratio"] = _spread([r["flood"]["p99_ms"] / r["quiet"]["p99_ms"] for r in rounds])
-    summary["ended_p99_ratio"] = _spread([r["ended"]["p99_ms"] / r["quiet"]["p99_ms"] for r in rounds])
-    summary["flooder"] = {k: _spread([r["flooder"][k] for r in rounds]) for k in ("sent", "queued")}
+    summary = {p: {k: spread([r[p][k] for r in rounds]) for k in rounds[0][p]} for p in PHASES}
+    summary["flood_p99_ratio"] = spread([r["flood"]["p99_ms"] / r["quiet"]["p99_ms"] for r in rounds])
+    summary["ended_p99_ratio"] = spread([r["ended"]["p99_ms"] / r["quiet"]["p99_ms"] for r in rounds])
+    summary["flooder"] = {k: spread([r["flooder"][k] for r in rounds]) for k in ("sent", "queued")}
     return summary
 
 
@@ -223,10 +201,7 @@ def print_table(summary: dict, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tables", help="existing table set (default: synthesize one in --workdir)")
-    ap.add_argument("--workdir", default=".", help="where to synthesize/cache the bench table set")
-    ap.add_argument("--model", default="deepseek-v4.1-flash")
-    ap.add_argument("--scale", type=float, default=0.0005, help="table scale")
+    add_table_args(ap, 0.0005)
     ap.add_argument("--slots", type=int, default=30_000, help="rows the daemon's cache holds")
     ap.add_argument("--hot", type=int, default=26_000, help="rows of the looker's hot set")
     ap.add_argument("--rows", type=int, default=1536, help="row ids per lookup (1536: a decode step of 64 tokens)")
@@ -243,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     add_report_args(ap, "smoke run: one round of 0.5 s phases, 'later' 1 s after, a small cache and hot set")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    return run_in_workdir(run, args, "hint-load")
+    report_run(args, lambda: run_in_workdir(run, args, "hint-load"), lambda doc: print_table(doc["summary"], args))
+    return 0
 
 
 if __name__ == "__main__":

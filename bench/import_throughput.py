@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import JsonReport, add_report_args  # noqa: E402
+from _common import add_model_args, add_report_args, report_run  # noqa: E402
 
 
 def make_checkpoint(path: Path, spec, seed: int = 0) -> int:
@@ -93,17 +93,14 @@ def verify_import(ckpt: Path, tables: Path, spec, rows_per_layer: int = 2000) ->
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="deepseek-v4.1-flash")
-    ap.add_argument("--scale", type=float, default=0.004, help="table scale (0.004 of V4.1 = ~0.8 GB)")
+    add_model_args(ap, 0.004, "table scale (0.004 of V4.1 = ~0.8 GB)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--dir", default=None, help="work directory on the disk to measure (default: a temp dir here)")
     add_report_args(ap, "smoke size: the tiny model, 1 rep")
     args = ap.parse_args(argv)
     if args.quick:
         args.model, args.scale, args.reps = "tiny", 1.0, 1
-    with JsonReport(args) as report:
-        result = measure(args)
-        report.emit(result, lambda: print_table(result))
+    report_run(args, lambda: measure(args), print_table)
     return 0
 
 

@@ -346,11 +346,10 @@ def dram_for(mode: str, layer_rows: dict[int, int], row_bytes: int, policy: str)
 
 
 def main(argv=None) -> int:
+    from _common import JsonReport, add_report_args, add_table_args, run_in_workdir  # bench/ is on sys.path as a script
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tables", help="existing table set (default: synthesize one in --workdir)")
-    ap.add_argument("--workdir", default=".", help="where to synthesize/cache the bench table set")
-    ap.add_argument("--model", default="deepseek-v4.1-flash")
-    ap.add_argument("--scale", type=float, default=0.002, help="table scale (0.002 of V4.1 = ~200 MiB per layer)")
+    add_table_args(ap, 0.002, "table scale (0.002 of V4.1 = ~200 MiB per layer)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), help=f"DRAM modes ({', '.join(MODES)}, cached-<pct>)")
     ap.add_argument("--traffic", nargs="+", default=list(TRAFFIC), type=_traffic,
                     help=f"{', '.join(TRAFFIC)}, or text:[NAME=]GLOB[,GLOB...] (real text, tokenized and hashed; "
@@ -365,8 +364,6 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hit-rates", action="store_true", help="skip the hit-rate comparison")
     ap.add_argument("--hit-requests", type=int, default=900, help="decode requests of the hit-rate trace")
     ap.add_argument("--hit-policies", nargs="+", default=["s3fifo", "lru"], help="store policies to compare")
-    from _common import JsonReport, add_report_args, run_in_workdir  # bench/ is on sys.path when run as a script
-
     add_report_args(ap, "tiny table, few requests (smoke test)")
     args = ap.parse_args(argv)
     if args.quick:

@@ -32,7 +32,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import secrets
 import shutil
 import subprocess
 import sys
@@ -43,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, also when imported by bench/lookup.py
-from _common import JsonReport, add_report_args  # noqa: E402
+from _common import add_report_args, report_run, write_token_file  # noqa: E402
 
 SIZES = {"decode": 6144, "prefill": 196_608}
 BACKENDS = ("inproc", "torch", "unix-view", "unix-spin", "unix-pipe", "unix-into", "unix-arena", "grpc")
@@ -229,24 +228,14 @@ def measure(pool: ClientPool, backends: list[str], sizes: list[int], clients: li
 
 
 # --- the daemon ----------------------------------------------------------------------
-def make_token_file(workdir: Path) -> Path:
-    """The gRPC token file of the bench's daemons (mode 0600: the daemon refuses one others may read)."""
-    path = workdir / "grpc.token"
-    if not path.exists():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32) + "\n")
-    return path
-
-
 def start_daemon(tables: str, workdir: Path, dram_bytes: int, mode: str = "resident",
                  extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, dict]:
     """A daemon serving the Unix socket and gRPC on 127.0.0.1:0, which authenticates clients
-    with ``make_token_file(workdir)`` (give gRPC clients ``token_file=``)."""
+    with ``write_token_file(workdir)`` (give gRPC clients ``token_file=``)."""
     ready = workdir / "ready.json"
     cmd = [sys.executable, "-m", "engram_store.daemon", "serve", "--tables", tables, "--dram-bytes", str(dram_bytes),
            "--store-mode", mode, "--no-verify", "--socket", str(workdir / "engram.sock"), "--grpc", "127.0.0.1:0",
-           "--grpc-token-file", str(make_token_file(workdir)), "--metrics", "", "--ready-file", str(ready), "--log-level", "WARNING", "--max-client-shm-bytes", "1GiB",
+           "--grpc-token-file", str(write_token_file(workdir)), "--metrics", "", "--ready-file", str(ready), "--log-level", "WARNING", "--max-client-shm-bytes", "1GiB",
            *extra]
     proc = subprocess.Popen(cmd)
     while not ready.exists():  # the daemon writes it once every listener is open
@@ -326,7 +315,7 @@ def daemon_backend_factory(transport: str, backend_cls):
         from engram_store.client.client import EngramClient
 
         client = EngramClient.connect(ready["unix"] if transport == "unix" else f"grpc://{ready['grpc']}",
-                                      shm_bytes=256 << 20, token_file=str(make_token_file(workdir)))
+                                      shm_bytes=256 << 20, token_file=str(write_token_file(workdir)))
 
         def close() -> None:
             client.close()
@@ -382,9 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(backends) - set(BACKENDS))
     if unknown:
         ap.error(f"unknown backends {unknown}; choose from {', '.join(BACKENDS)}")
-    with JsonReport(args) as out:
-        report = run(args, sizes, clients, backends, noisy_requests)
-        out.emit(report, lambda: print_table(report))
+    report_run(args, lambda: run(args, sizes, clients, backends, noisy_requests), print_table)
     return 0
 
 
@@ -403,7 +390,7 @@ def run(args: argparse.Namespace, sizes: list[int], clients: list[int], backends
         if set(backends) & set(DAEMON_BACKENDS):
             proc, ready = start_daemon(tables, workdir, dram_bytes)
             addresses = {b: ready["unix"] for b in DAEMON_BACKENDS} | {"grpc": f"grpc://{ready['grpc']}"}
-        pool = ClientPool(tables, addresses, dram_bytes, layer_rows, clients, str(make_token_file(workdir)))
+        pool = ClientPool(tables, addresses, dram_bytes, layer_rows, clients, str(write_token_file(workdir)))
         rows = measure(pool, backends, sizes, clients, args)
         noisy = []
         if args.noisy:

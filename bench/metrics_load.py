@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import JsonReport, add_report_args, ensure_tables, run_in_workdir, stop_process  # noqa: E402
+from _common import (add_report_args, add_table_args, ensure_tables, report_run, run_in_workdir,  # noqa: E402
+                     spread, start_daemon, stop_daemon, write_token_file)
 
 TRANSPORTS = ("unix", "grpc")
 SCRAPER = textwrap.dedent("""
@@ -93,25 +91,13 @@ SCRAPER = textwrap.dedent("""
 """)
 
 
-def start_daemon(args: argparse.Namespace, tables: Path, work: Path) -> tuple[subprocess.Popen, dict, str]:
-    token = work / "grpc.token"
-    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-    ready = work / "ready.json"
-    cmd = [sys.executable, "-m", "engram_store.daemon", "serve", "--tables", str(tables), "--dram-bytes",
-           args.dram_bytes, "--socket", str(work / "engram.sock"), "--grpc", "127.0.0.1:0", "--grpc-token-file",
-           str(token), "--metrics", "127.0.0.1:0", "--ready-file", str(ready), "--log-level", "WARNING",
-           *args.daemon_arg]
-    log = open(work / "daemon.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_process(proc, 10)
-            raise SystemExit(f"daemon did not start: {(work / 'daemon.log').read_text()[-2000:]}")
-        time.sleep(0.02)  # polling the ready file
-    return proc, json.loads(ready.read_text()), str(token)
+def start_metrics_daemon(args: argparse.Namespace, tables: Path, work: Path) -> tuple[subprocess.Popen, dict, str]:
+    """The daemon under test: Unix socket, gRPC (with a token) and /metrics; (process, ready file, token file)."""
+    token = str(write_token_file(work))
+    proc, ready = start_daemon(["--tables", str(tables), "--dram-bytes", args.dram_bytes, "--socket",
+                                str(work / "engram.sock"), "--grpc", "127.0.0.1:0", "--grpc-token-file", token,
+                                "--metrics", "127.0.0.1:0", *args.daemon_arg], work, 120)
+    return proc, ready, token
 
 
 def measure_lookups(clients: dict, rows: dict[int, int], n: int, seconds: float, rng) -> dict[str, list[float]]:
@@ -131,14 +117,14 @@ def measure_lookups(clients: dict, rows: dict[int, int], n: int, seconds: float,
     return out
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> dict:
     from engram_store.client.client import EngramClient
 
     if args.quick:
         args.seconds, args.rounds, args.scrapers = 0.5, 1, min(args.scrapers, 8)
     tables = ensure_tables(args, "metrics-load")
     work = Path(tempfile.mkdtemp(prefix="metrics-load-"))
-    proc, ready, token = start_daemon(args, tables, work)
+    proc, ready, token = start_metrics_daemon(args, tables, work)
     rng = np.random.default_rng(7)
     report = {"rounds": [], "config": {k: v for k, v in vars(args).items() if k != "json"}}
     try:
@@ -174,17 +160,9 @@ def run(args: argparse.Namespace) -> int:
         for c in clients.values():
             c.close()
     finally:
-        stop_process(proc, 30)
-        report["daemon_log_tail"] = (work / "daemon.log").read_text(errors="replace")[-1000:]
-        shutil.rmtree(work, ignore_errors=True)
+        report["daemon_log_tail"] = stop_daemon(proc, work)
     report["summary"] = summarize(report["rounds"])
-    with JsonReport(args) as out:
-        out.emit(report, lambda: print_table(report["summary"], args))
-    return 0
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": float(np.median(values)), "min": float(np.min(values)), "max": float(np.max(values))}
+    return report
 
 
 def summarize(rounds: list[dict]) -> dict:
@@ -193,10 +171,10 @@ def summarize(rounds: list[dict]) -> dict:
         entry = {}
         for phase in ("quiet", "scraped"):
             for q in ("p50_ms", "p99_ms"):
-                entry[f"{phase}_{q}"] = _spread([r[phase][name][q] for r in rounds])
-        entry["p99_ratio"] = _spread([r["scraped"][name]["p99_ms"] / r["quiet"][name]["p99_ms"] for r in rounds])
+                entry[f"{phase}_{q}"] = spread([r[phase][name][q] for r in rounds])
+        entry["p99_ratio"] = spread([r["scraped"][name]["p99_ms"] / r["quiet"][name]["p99_ms"] for r in rounds])
         summary[name] = entry
-    summary["scrapers"] = {k: _spread([r["scrapers"][k] for r in rounds])
+    summary["scrapers"] = {k: spread([r["scrapers"][k] for r in rounds])
                            for k in ("per_second", "p50_ms", "p99_ms", "failures", "probes", "probe_failures",
                                      "idle_opened")}
     return summary
@@ -220,10 +198,7 @@ def print_table(summary: dict, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tables", help="existing table set (default: synthesize one in --workdir)")
-    ap.add_argument("--workdir", default=".", help="where to synthesize/cache the bench table set")
-    ap.add_argument("--model", default="deepseek-v4.1-flash")
-    ap.add_argument("--scale", type=float, default=0.001, help="table scale")
+    add_table_args(ap, 0.001)
     ap.add_argument("--dram-bytes", default="1GiB", help="the daemon's dram_bytes")
     ap.add_argument("--rows", type=int, default=6144, help="row ids per lookup (6144: a decode step of 256 tokens)")
     ap.add_argument("--seconds", type=float, default=5.0, help="seconds of lookups per transport and phase")
@@ -235,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     add_report_args(ap, "smoke run: one round of 0.5 s phases, 8 scrapers")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    return run_in_workdir(run, args, "metrics-load")
+    report_run(args, lambda: run_in_workdir(run, args, "metrics-load"), lambda doc: print_table(doc["summary"], args))
+    return 0
 
 
 if __name__ == "__main__":

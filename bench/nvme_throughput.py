@@ -48,7 +48,8 @@ from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's idle BLAS threads would count as the readers' CPU
 import numpy as np
-from _common import JsonReport, add_report_args, ensure_tables, run_in_workdir  # bench/ is on sys.path when run as a script
+# bench/ is on sys.path when run as a script
+from _common import JsonReport, add_report_args, add_table_args, ensure_tables, run_in_workdir
 
 QUICK_QDS = (1, 16)
 DEFAULT_QDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -304,10 +305,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tables", help="existing table set directory (default: synthesize one in --workdir)")
-    ap.add_argument("--workdir", default=".", help="where to synthesize/cache the bench table set (on the disk to measure)")
-    ap.add_argument("--model", default="deepseek-v4.1-flash")
-    ap.add_argument("--scale", type=float, default=0.01, help="table scale (0.01 of V4.1 = ~1 GiB per layer)")
+    add_table_args(ap, 0.01, "table scale (0.01 of V4.1 = ~1 GiB per layer)",
+                   workdir_help="where to synthesize/cache the bench table set (on the disk to measure)")
     ap.add_argument("--qd", type=int, nargs="+", default=list(DEFAULT_QDS), help="queue depths")
     ap.add_argument("--seconds", type=float, default=2.0, help="seconds per measurement")
     ap.add_argument("--reps", type=int, default=1, help="alternate ours/fio this many times per point, keep each best")

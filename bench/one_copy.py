@@ -28,10 +28,8 @@ min..max. Every measured step's rows are compared with ``TableSet.read_rows``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import JsonReport, add_report_args, ensure_tables, stop_process  # noqa: E402
+from _common import add_model_args, add_report_args, ensure_tables, report_run, start_daemon, stop_process  # noqa: E402
 
 CASES = ("resident", "cached-hit", "python")
 HOT_FACTOR = 2  # the cached cases' hot set: this many times a step's rows
@@ -62,20 +60,15 @@ class Daemon:
         dram = resident_layout([(first, spec.rows(first))], spec.row_format).size + \
             cache_rows * slot_bytes(spec.row_bytes, "s3fifo")
         self.workdir = Path(tempfile.mkdtemp(prefix="es-onecopy-"))
-        ready, sock = self.workdir / "ready.json", self.workdir / "engram.sock"
-        self.log = open(self.workdir / "daemon.log", "ab")
-        cmd = [sys.executable, "-m", "engram_store.daemon", "serve", "--tables", str(tables), "--dram-bytes", str(dram),
-               "--placement", f"{first}=resident,{cached}=cached", "--scrub-bytes-per-second", "0", "--socket",
-               str(sock), "--grpc", "", "--metrics", "", "--ready-file", str(ready), "--log-level", "WARNING", *extra]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_STORE_")}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 600
-        while not ready.exists():  # the daemon writes it once it serves
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                text = (self.workdir / "daemon.log").read_text()[-2000:]
-                self.stop()
-                raise RuntimeError(f"daemon did not start: {text}")
-            time.sleep(0.05)
+        sock = self.workdir / "engram.sock"
+        try:
+            self.proc, _ = start_daemon(["--tables", str(tables), "--dram-bytes", str(dram), "--placement",
+                                         f"{first}=resident,{cached}=cached", "--scrub-bytes-per-second", "0",
+                                         "--socket", str(sock), "--grpc", "", "--metrics", "", *extra], self.workdir,
+                                        600, isolated=True, cwd=REPO)
+        except RuntimeError:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
         self.unix = f"unix://{sock}"
 
     def store_stats(self) -> dict:
@@ -86,7 +79,6 @@ class Daemon:
 
     def stop(self) -> None:
         stop_process(self.proc, 60)
-        self.log.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -181,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=30, help="measured steps per mode, case and size")
     ap.add_argument("--warm", type=int, default=2, help="unmeasured steps first")
     ap.add_argument("--deadline", type=float, default=30.0, help="the jobs' deadline and hedge budget (no hedging)")
-    ap.add_argument("--model", default="deepseek-v4.1-flash")
-    ap.add_argument("--scale", type=float, default=0.005, help="table scale (0.005: 1.9M rows, 0.5 GB a layer)")
+    add_model_args(ap, 0.005, "table scale (0.005: 1.9M rows, 0.5 GB a layer)")
     ap.add_argument("--tables", default=None, help="an existing table set of --model (default: synthesized)")
     ap.add_argument("--workdir", default=None, help="where a synthesized table set goes (default: a temp dir, "
                     "removed at exit; given: kept and reused)")
@@ -195,9 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workdir is None and args.tables is None:
         scratch = args.workdir = tempfile.mkdtemp(prefix="one-copy-")
     try:
-        with JsonReport(args) as out:
-            doc = run(args)
-            out.emit(doc, lambda: print_table(doc))
+        report_run(args, lambda: run(args), print_table)
     finally:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import JsonReport, add_report_args, ensure_tables  # noqa: E402
+from _common import add_report_args, add_table_args, ensure_tables, report_run, spread  # noqa: E402
 
 LAYER = 14
 CHECKED_STEPS = 3  # steps of each run whose rows are compared with TableSet.read_rows
@@ -44,10 +44,6 @@ CHECKED_STEPS = 3  # steps of each run whose rows are compared with TableSet.rea
 
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q, method="inverted_cdf"))
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))}
 
 
 def steps_ids(spec, batch: int, steps: int, seed: int) -> list[np.ndarray]:
@@ -211,17 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs of each mode, alternating")
     ap.add_argument("--cache-share", type=float, default=1.0, help="the daemon's cache, percent of layer 14's rows")
     ap.add_argument("--flag-steps", type=int, default=1000, help="all-reduces timed for the step check's flag")
-    ap.add_argument("--tables", default=None, help="a table set (default: a synthetic one in --workdir)")
-    ap.add_argument("--workdir", default=tempfile.gettempdir(), help="where the synthetic table set is kept")
-    ap.add_argument("--model", default="deepseek-v4.1-flash")
-    ap.add_argument("--scale", type=float, default=0.0002)
+    add_table_args(ap, 0.0002, workdir=tempfile.gettempdir())
     add_report_args(ap, "smoke size: TP 2, batch 8, 6 steps, one run of each mode, 50 flag calls")
     args = ap.parse_args(argv)
     if args.quick:
         args.tp, args.batch, args.steps, args.warm_steps, args.repeats, args.flag_steps = [2], 8, 6, 4, 1, 50
-    with JsonReport(args) as out:
-        doc = run(args)
-        out.emit(doc, lambda: print_table(doc))
+    report_run(args, lambda: run(args), print_table)
     return 0
 
 

@@ -50,7 +50,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import JsonReport, add_report_args  # noqa: E402
+from _common import JsonReport, add_model_args, add_report_args  # noqa: E402
 
 from engram_store.format.checksums import page_crcs  # noqa: E402
 from engram_store.format.layout import PAGE_BYTES, PageLayout  # noqa: E402
@@ -237,8 +237,7 @@ def check_sample(directory: Path, spec: ModelSpec, seed: int, layer: int, writte
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 2)[2],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="deepseek-v4.1-flash")
-    ap.add_argument("--scale", type=float, default=1.0, help="table scale (1: the full spec)")
+    add_model_args(ap, 1.0, "table scale (1: the full spec)")
     ap.add_argument("--pages", type=int, default=200_000, help="random pages written in the last layer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="where to write it (default: the temp dir); removed afterwards")
