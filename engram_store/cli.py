@@ -157,6 +157,12 @@ def _hash_inputs(args):
         manifest = Manifest.load(args.tables)
         spec = manifest.spec
         entry = manifest.token_map or {}
+    if spec.token_ids == "raw":  # the model hashes raw ids (Qwen4Exp): no token map; --raw changes nothing
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+        if args.text is not None and tokenizer is None:
+            raise EngramStoreError(f"--text needs --tokenizer (model {spec.name!r} hashes the raw ids it gives)")
+        return spec, None, tokenizer
+    if args.tables:
         if (args.raw or args.text is not None) and not entry:
             raise EngramStoreError(f"{args.tables}: the table set stores no token map (import it with a "
                                    "tokenizer.json, or synth it with --tokenizer)")

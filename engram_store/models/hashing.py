@@ -26,6 +26,11 @@ lookback token by writing ``-1`` from it on (or, with raw ids, by the image id).
 With ``raw`` (a :class:`~engram_store.models.tokens.RawIds`) tokens and lookback are raw
 token ids, compressed through the table set's map under its image rule.
 
+A spec with ``boundary = "eos"`` (Qwen4Exp, raw ids, ``pad_id`` its EOS) hashes as vLLM's
+``ple_ngram_ids`` does: no -1; the current token is always kept; look-back tokens at or beyond
+the first EOS looking back, and positions before the request's start (history and lookback
+fill), hash as EOS. ``history`` is then vLLM's ``ngram_context`` row as it is.
+
 The result is int64 ``[T, len(orders) * heads]`` global row ids in
 (order, head) order.
 """
@@ -57,7 +62,10 @@ def _check_batch(spec: ModelSpec, T: int, cu: np.ndarray, history_shape: tuple[i
 
 
 def _check_ids(spec: ModelSpec, name: str, lo: int, hi: int) -> None:
-    if lo < BLOCKED or hi >= spec.compressed_vocab:
+    if spec.boundary == "eos":
+        if lo < 0 or hi >= spec.compressed_vocab:
+            raise InvalidRequest(f"{name} must be token ids in [0, {spec.compressed_vocab}), got values in [{lo}, {hi}]")
+    elif lo < BLOCKED or hi >= spec.compressed_vocab:
         raise InvalidRequest(f"{name} must be compressed ids in [0, {spec.compressed_vocab}) or -1 (blocked), "
                              f"got values in [{lo}, {hi}]")
 
@@ -94,6 +102,10 @@ def suffix_tokens_numpy(spec: ModelSpec, tokens, cu_seqlens=None, history=None) 
     tokens, cu, hist = _as_batch_numpy(spec, tokens, cu_seqlens, history)
     ext, pos = _segments_numpy(spec, tokens, cu, hist)
     tok = ext[pos[:, None] - np.arange(spec.max_ngram, dtype=np.int64)]
+    if spec.boundary == "eos":  # the current token is kept; EOS ends the look-back
+        blocked = np.logical_or.accumulate(tok[:, 1:] == spec.pad_id, axis=1)
+        tok[:, 1:][blocked] = spec.pad_id
+        return tok
     blocked = np.logical_or.accumulate(tok == BLOCKED, axis=1)
     return np.where(blocked, spec.pad_id, tok)
 
@@ -114,8 +126,9 @@ def history_from_lookback_numpy(spec: ModelSpec, lookback, raw: "RawIds | None" 
     if raw is not None:
         comp = raw.compress_numpy(lb, none=spec.pad_id)
     else:
-        if lb.size:
-            _check_ids(spec, "lookback", int(lb.min()), int(lb.max()))
+        given = lb[lb != BLOCKED] if spec.boundary == "eos" else lb  # -1: before the start, under either rule
+        if given.size:
+            _check_ids(spec, "lookback", int(given.min()), int(given.max()))
         comp = np.where(lb == BLOCKED, spec.pad_id, lb)
     hist = np.full((lb.shape[0], spec.history_len), spec.pad_id, dtype=np.int64)
     hist[:, spec.history_len - lb.shape[1]:] = comp[:, ::-1]
@@ -200,6 +213,10 @@ def suffix_tokens_torch(spec: ModelSpec, tokens, cu_seqlens=None, history=None, 
     tokens, cu, hist = _as_batch_torch(spec, tokens, cu_seqlens, history, validate)
     ext, pos = _segments_torch(spec, tokens, cu, hist)
     tok = ext[pos[:, None] - torch.arange(spec.max_ngram, device=tokens.device)]
+    if spec.boundary == "eos":  # the current token is kept; EOS ends the look-back
+        blocked = torch.cummax((tok[:, 1:] == spec.pad_id).to(torch.int8), dim=1).values.bool()
+        tok[:, 1:] = torch.where(blocked, torch.full_like(tok[:, 1:], spec.pad_id), tok[:, 1:])
+        return tok
     blocked = torch.cummax((tok == BLOCKED).to(torch.int8), dim=1).values.bool()
     return torch.where(blocked, torch.full_like(tok, spec.pad_id), tok)
 

@@ -20,26 +20,59 @@ from typing import Any
 import numpy as np
 
 from ..errors import SpecError
+from .qwen4exp import SPECS as QWEN4EXP_SPECS, splitmix_multipliers
 
 INT64_MAX = np.iinfo(np.int64).max
 
 
+PAYLOAD_BITS = {"float8_e4m3fn": 8, "bfloat16": 16, "float4_e2m1fn": 4}  # bits per value (E2M1: two a byte)
+SCALE_DTYPES = ("float8_e8m0fnu", "float8_e4m3fn")  # one byte per block scale
+TABLE_SCALE_DTYPES = ("float32",)
+
+
 @dataclass(frozen=True)
 class RowFormat:
-    """Bytes of one table row: ``dim`` payload bytes then ``dim // scale_block`` scale bytes."""
+    """Bytes of one table row: ``payload_bytes`` of values then ``scale_count`` block-scale bytes.
 
-    payload_dtype: str = "float8_e4m3fn"  # one byte per value
+    ``scale_block = 0``: no per-row scales. ``table_scale_dtype``: the table also has one scale
+    for all its rows (vLLM's per-tensor FP8 ``weight_scale``, NVFP4's ``weight_scale_2``), kept
+    beside the rows, never in them; ``""``: none.
+    """
+
+    payload_dtype: str = "float8_e4m3fn"  # one of PAYLOAD_BITS
     dim: int = 256  # values per row
-    scale_dtype: str = "float8_e8m0fnu"  # one power-of-two scale byte per block
-    scale_block: int = 32  # values sharing one scale
+    scale_dtype: str = "float8_e8m0fnu"  # one scale byte per block ("" without block scales)
+    scale_block: int = 32  # values sharing one scale; 0: no block scales
+    table_scale_dtype: str = ""  # one scale per table ("" for none)
 
     @property
     def scale_count(self) -> int:
-        return self.dim // self.scale_block
+        return self.dim // self.scale_block if self.scale_block else 0
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of a row's values (``dim`` for FP8, the split layout's weights block width)."""
+        return self.dim * PAYLOAD_BITS[self.payload_dtype] // 8
 
     @property
     def row_bytes(self) -> int:
-        return self.dim + self.scale_count
+        return self.payload_bytes + self.scale_count
+
+    def problems(self) -> list[str]:
+        """Why this format cannot be laid out; empty when it can."""
+        out = []
+        bits = PAYLOAD_BITS.get(self.payload_dtype)
+        if bits is None:
+            out.append(f"payload_dtype {self.payload_dtype!r} is not one of {sorted(PAYLOAD_BITS)}")
+        elif self.dim < 1 or self.dim * bits % 8:
+            out.append(f"dim {self.dim} values of {self.payload_dtype} are not a whole number of bytes")
+        if self.scale_block < 0 or (self.scale_block and self.dim % self.scale_block):
+            out.append("dim must be a multiple of scale_block")
+        if self.scale_block and self.scale_dtype not in SCALE_DTYPES:
+            out.append(f"scale_dtype {self.scale_dtype!r} is not one of {list(SCALE_DTYPES)}")
+        if self.table_scale_dtype and self.table_scale_dtype not in TABLE_SCALE_DTYPES:
+            out.append(f"table_scale_dtype {self.table_scale_dtype!r} is not one of {list(TABLE_SCALE_DTYPES)}")
+        return out
 
 
 @dataclass(frozen=True)
@@ -60,6 +93,12 @@ class ModelSpec:
     scale: float = 1.0
     pad_token_id: int | None = None  # raw engram_pad_token_id (pad_id is its compressed id); None: unknown
     image_token_id: int | None = None  # raw id of the image placeholder, blocked under the image rule
+    # Fields of other families (their defaults are V4.1's; to_dict leaves defaults out):
+    row_pad_to: int = 1  # a layer's table rows: the primes' sum rounded up to this (Qwen4Exp pads to 128)
+    boundary: str = "blocked"  # see BOUNDARIES
+    multiplier_rule: str = "numpy_rng"  # see MULTIPLIER_RULES
+    seed: int = 0  # splitmix64 rule: the model's seed
+    token_ids: str = "compressed"  # the hash reads "compressed" ids (through a token map) or "raw" ids
 
     def __post_init__(self) -> None:
         if not self.layers or sorted(set(self.layers)) != list(self.layers):
@@ -76,8 +115,15 @@ class ModelSpec:
                 raise SpecError(f"spec {self.name!r}: layer {layer} needs {self.max_ngram} multipliers")
             if any(m <= 0 or m > INT64_MAX // self.compressed_vocab for m in mult):
                 raise SpecError(f"spec {self.name!r}: layer {layer} multipliers must be in (0, int64_max // vocab]")
-        if self.row_format.dim % self.row_format.scale_block:
-            raise SpecError(f"spec {self.name!r}: dim must be a multiple of scale_block")
+        for problem in self.row_format.problems():
+            raise SpecError(f"spec {self.name!r}: {problem}")
+        for field, value, allowed in (("boundary", self.boundary, BOUNDARIES),
+                                      ("multiplier_rule", self.multiplier_rule, MULTIPLIER_RULES),
+                                      ("token_ids", self.token_ids, ("compressed", "raw"))):
+            if value not in allowed:
+                raise SpecError(f"spec {self.name!r}: {field} {value!r} is not one of {list(allowed)}")
+        if self.row_pad_to < 1:
+            raise SpecError(f"spec {self.name!r}: row_pad_to must be >= 1, got {self.row_pad_to}")
 
     # --- derived geometry -------------------------------------------------
     @property
@@ -107,7 +153,15 @@ class ModelSpec:
         return (np.cumsum(flat) - flat).reshape(len(self.orders), self.heads)
 
     def rows(self, layer: int) -> int:
-        return int(self.primes(layer).sum())
+        """Rows of ``layer``'s table: its primes' sum, padded to ``row_pad_to`` (rows the hash never names)."""
+        return -(-int(self.primes(layer).sum()) // self.row_pad_to) * self.row_pad_to
+
+    def derived_multipliers(self, layer: int) -> tuple[int, ...]:
+        """``layer``'s multipliers recomputed by the spec's rule (only to check the pinned values)."""
+        if self.multiplier_rule == "splitmix64":
+            return splitmix_multipliers(self._index(layer), self.compressed_vocab, self.max_ngram, self.seed,
+                                        self.seed_factor)
+        return derive_multipliers(layer, self.compressed_vocab, self.max_ngram, self.seed_factor)
 
     def multipliers_array(self, layer: int) -> np.ndarray:
         self._index(layer)
@@ -128,7 +182,10 @@ class ModelSpec:
         return dataclasses.replace(self, table_base=base, scale=self.scale * scale, expected_rows=None)
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        """Plain data; fields added for other families are left out at their defaults, so a V4.1
+        spec reads the same as before they existed."""
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in _LATER or v != _LATER[k]}
+        d["row_format"] = {k: v for k, v in d["row_format"].items() if k != "table_scale_dtype" or v}
         d["multipliers"] = {str(k): list(v) for k, v in self.multipliers.items()}
         d["expected_rows"] = None if self.expected_rows is None else {str(k): v for k, v in self.expected_rows.items()}
         return d
@@ -152,6 +209,17 @@ class ModelSpec:
         for layer, want in (self.expected_rows or {}).items():
             if self.rows(layer) != want:
                 raise SpecError(f"spec {self.name!r} layer {layer}: primes sum to {self.rows(layer)}, checkpoint has {want}")
+
+
+# boundary rules of the hash's look-back (engram_store.models.hashing):
+# "blocked": V4.1; -1 (a blocked token) and every older token hash as pad_id, positions before the
+#            request's start as pad_id.
+# "eos":     Qwen4Exp; look-back tokens at or beyond the first pad_id (EOS) looking back, and
+#            positions before the start, hash as pad_id; the current token is always kept.
+BOUNDARIES = ("blocked", "eos")
+# multiplier rules: "numpy_rng" (V4.1, derive_multipliers), "splitmix64" (Qwen4Exp, .qwen4exp)
+MULTIPLIER_RULES = ("numpy_rng", "splitmix64")
+_LATER = {"row_pad_to": 1, "boundary": "blocked", "multiplier_rule": "numpy_rng", "seed": 0, "token_ids": "compressed"}
 
 
 def _is_prime(n: int) -> bool:
@@ -239,6 +307,9 @@ MODELS: dict[str, ModelSpec] = {
         row_format=RowFormat(dim=64, scale_block=32),
     ),
 }
+
+
+MODELS.update({name: ModelSpec.from_dict(d) for name, d in QWEN4EXP_SPECS.items()})
 
 
 # --------------------------------------------------------------------------- from a checkpoint's config.json
