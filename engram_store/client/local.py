@@ -46,12 +46,13 @@ class MemoryTables:
         self.spec = spec
         self._row_bytes = spec.row_bytes
         fmt = spec.row_format
-        layout = ArenaLayout.plan([(layer, rows.shape[0]) for layer, rows in layers.items()], fmt.dim, fmt.scale_count)
+        layout = ArenaLayout.plan([(layer, rows.shape[0]) for layer, rows in layers.items()], fmt.payload_bytes,
+                                  fmt.scale_count)
         self._fd = os.memfd_create("engram-local-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self._fd, layout.size)
         for entry, rows in zip(layout.layers, layers.values()):
-            os.pwrite(self._fd, np.ascontiguousarray(rows[:, : fmt.dim]), entry.weight_offset)
-            os.pwrite(self._fd, np.ascontiguousarray(rows[:, fmt.dim:]), entry.scale_offset)
+            os.pwrite(self._fd, np.ascontiguousarray(rows[:, : fmt.payload_bytes]), entry.weight_offset)
+            os.pwrite(self._fd, np.ascontiguousarray(rows[:, fmt.payload_bytes:]), entry.scale_offset)
         syscalls.seal_read_only(self._fd)
         self._view = ArenaView.map_fd(self._fd, layout)
         self._rows_of = {a.layer: a.rows for a in layout.layers}

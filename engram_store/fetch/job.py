@@ -164,7 +164,7 @@ class FetchJob:
             raise errors.UnknownLayer(f"layer {self.layer} is not an Engram layer of spec {self.spec.name!r}")
         fmt = self.spec.row_format
         self.layer_rows = identity.rows[str(self.layer)]
-        self.row_bytes, self.dim, self.scale_bytes = fmt.row_bytes, fmt.dim, fmt.row_bytes - fmt.dim
+        self.row_bytes, self.dim, self.scale_bytes = fmt.row_bytes, fmt.payload_bytes, fmt.scale_count
         files = TableFiles(self.layer, described, native)
         self.one_copy = bool(one_copy)
         try:

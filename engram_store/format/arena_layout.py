@@ -43,9 +43,9 @@ class ArenaLayer:
     layer: int
     rows: int
     weight_offset: int  # byte offset of the weights block, BLOCK_ALIGN aligned
-    weight_bytes: int  # payload bytes per row (RowFormat.dim: one FP8 byte per value)
+    weight_bytes: int  # payload bytes per row (RowFormat.payload_bytes: dim for FP8)
     scale_offset: int  # byte offset of the scales block, BLOCK_ALIGN aligned
-    scale_bytes: int  # scale bytes per row (RowFormat.scale_count: one E8M0 byte per block)
+    scale_bytes: int  # scale bytes per row (RowFormat.scale_count: one byte per block, 0 for none)
 
     @property
     def row_bytes(self) -> int:

@@ -51,7 +51,7 @@ def resident_layout(layer_rows: list[tuple[int, int]], row_format: RowFormat, *,
                     page_bytes: int = BLOCK_ALIGN) -> ArenaLayout:
     """Where each ``(layer, rows)`` goes in the resident arena (the engines' layout), its size a
     whole number of ``page_bytes`` (the pages backing it; 2 MiB blocks hold any smaller page)."""
-    return ArenaLayout.plan(layer_rows, row_format.dim, row_format.scale_count, page_bytes=page_bytes)
+    return ArenaLayout.plan(layer_rows, row_format.payload_bytes, row_format.scale_count, page_bytes=page_bytes)
 
 
 def arena_backings(layer_rows: list[tuple[int, int]], row_format: RowFormat, *, huge: bool = True,

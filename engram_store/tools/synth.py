@@ -1,9 +1,12 @@
 """Synthetic table sets: each row's bytes are a pure function of (seed, layer, row).
 
 :func:`synth_rows` is the reference a test uses to check any row of a synthetic
-table without a stored copy. Payload bytes are valid FP8 e4m3 values (the NaN
-codes 0x7F/0xFF are avoided) and scale bytes are E8M0 exponents near 2^0, so
-dequantized rows are finite and the tiny model's logits are meaningful.
+table without a stored copy. Payload bytes are finite values of the row format's
+payload dtype (FP8 e4m3 without the NaN codes 0x7F/0xFF; BF16 of magnitude below 2;
+any packed E2M1) and block-scale bytes are E8M0 exponents near 2^0 (E4M3 scales
+near 1 for NVFP4), so dequantized rows are finite and the tiny model's logits are
+meaningful. A format with one scale per table (``table_scale_dtype``) takes 1.0
+for it: the rows alone are synthetic.
 
 With a ``tokenizer.json`` the set also stores the compressed token map, as ``import``
 does, so raw ids and text hash against it (``engram-store hash --tables DIR --text ...``).
@@ -28,6 +31,7 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 SCALE_MIN = 120  # E8M0 exponents 120..134 -> scales 2^-7 .. 2^7
 SCALE_SPAN = 15
+E4M3_SCALE_MIN = 0x30  # E4M3 block scales (NVFP4) 0x30..0x3F: 0.5 .. 1.875
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -46,10 +50,18 @@ def synth_rows(spec: ModelSpec, seed: int, layer: int, row_ids: np.ndarray) -> n
     with np.errstate(over="ignore"):
         ctr = (rows[:, None] * np.uint64(words) + np.arange(words, dtype=np.uint64)) ^ key
         out = _splitmix64(ctr).view(np.uint8).reshape(len(rows), words * 8)[:, : fmt.row_bytes].copy()
-    payload = out[:, : fmt.dim]
-    payload[(payload & 0x7F) == 0x7F] ^= 0x01  # 0x7F/0xFF are NaN in e4m3fn
-    scales = out[:, fmt.dim :]
-    scales[:] = SCALE_MIN + scales % SCALE_SPAN
+    payload = out[:, : fmt.payload_bytes]
+    if fmt.payload_dtype == "float8_e4m3fn":
+        payload[(payload & 0x7F) == 0x7F] ^= 0x01  # 0x7F/0xFF are NaN in e4m3fn
+    elif fmt.payload_dtype == "bfloat16":  # exponents 120..127: magnitudes in [2^-7, 2^1), never inf/NaN
+        bits = payload.view("<u2")
+        bits[:] = (bits & 0x807F) | ((120 + ((bits >> 7) & 7)) << 7)
+    # float4_e2m1fn: every nibble is a finite value
+    scales = out[:, fmt.payload_bytes :]
+    if fmt.scale_dtype == "float8_e4m3fn":
+        scales[:] = E4M3_SCALE_MIN + scales % 16
+    else:
+        scales[:] = SCALE_MIN + scales % SCALE_SPAN
     return out
 
 

@@ -103,7 +103,7 @@ def attach(served: Served, current: ClientStaging | None, fds: list[int], payloa
         raise errors.InvalidRequest("this daemon writes no client staging (its store or native gather cannot); use "
                                     "ordinary lookups")
     store = served.store
-    return map_staging(fds, payload, row_bytes=store.row_bytes, dim=store.spec.row_format.dim,
+    return map_staging(fds, payload, row_bytes=store.row_bytes, dim=store.spec.row_format.payload_bytes,
                        max_rows=served.max_request_rows, max_bytes=served.max_client_shm_bytes,
                        budget=served.region_budget)
 

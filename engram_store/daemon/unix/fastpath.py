@@ -115,7 +115,7 @@ class NativeConn:
     def _open(self) -> Any:
         cfg, store = self.path.config, self.path.store
         conn = self.path.module.Conn(self._sock.fileno(), self._region, self.ids, self.path.views,
-                                     store.row_bytes, store.spec.row_format.dim, self.path.threads,
+                                     store.row_bytes, store.spec.row_format.payload_bytes, self.path.threads,
                                      cfg.max_request_rows, cfg.busy_poll_us * 1000, self.path.cached)
         if self._staging is not None:
             conn.set_staging(self._staging.weights, self._staging.scales, self._staging.gate)
