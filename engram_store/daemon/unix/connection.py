@@ -49,7 +49,7 @@ from ..requests import hints, info, lookup
 from ..requests import staging as client_staging
 from ..requests.context import Caller
 from ..requests.outcome import failed, outcome
-from . import fastpath, handshake
+from . import fastpath, handshake, outbox
 from .shared import Shared
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class Connection:
         # Kernel send timeout for the native path's blocking sends (on this connection's reader only).
         timeout = shared.config.client_send_timeout_seconds
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(timeout), int(timeout % 1 * 1e6)))
-        self.outbox = limits.Outbox(sock, shared.sender, MAX_QUEUED_REPLY_BYTES)
+        self.outbox = outbox.Outbox(sock, shared.sender, MAX_QUEUED_REPLY_BYTES)
         self.lane = limits.Lane()
         self.region = None
         self.region_bytes = 0  # taken from the clients' budget (served.region_budget)

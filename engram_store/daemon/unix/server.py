@@ -53,7 +53,7 @@ from .. import limits
 from ..config import DaemonConfig
 from ..requests.context import Served
 from ..stats import DaemonStats
-from . import fastpath
+from . import fastpath, outbox
 from .connection import Connection
 from .handshake import FD_LIMIT_ERRNOS
 from .shared import Shared
@@ -84,7 +84,7 @@ class UnixServer:
         self.served = Served(store, config.max_request_rows,
                              limits.PeerBuckets(config.hint_rows_per_second),  # hinted rows a second, per client (uid)
                              info, stats_snapshot, self.region_budget, config.max_client_shm_bytes)
-        self.sender: limits.Sender | None = None
+        self.sender: outbox.Sender | None = None
         self._shared: Shared | None = None  # what connections draw on, from start()
         self._uids: collections.Counter[int] = collections.Counter()
         self._spare_fd = -1  # closed to accept a client at the fd limit, only to tell it so
@@ -111,7 +111,7 @@ class UnixServer:
             raise
         self._sock = sock
         self._spare_fd = _open_spare()
-        self.sender = limits.Sender(self.config.client_send_timeout_seconds)
+        self.sender = outbox.Sender(self.config.client_send_timeout_seconds)
         cfg = self.config
         self._shared = Shared(self.served, cfg, self.stats, self.sender,
                               limits.RoundRobin(self.pool, per_lane=cfg.worker_count // 4),

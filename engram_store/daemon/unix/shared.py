@@ -14,7 +14,7 @@ from .. import limits
 from ..config import DaemonConfig
 from ..requests.context import Served
 from ..stats import DaemonStats
-from . import fastpath
+from . import fastpath, outbox
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Shared:
     served: Served
     config: DaemonConfig
     stats: DaemonStats
-    sender: limits.Sender
+    sender: outbox.Sender
     turns: limits.RoundRobin
     piece_rows: int
     poll_token: fastpath.PollToken
