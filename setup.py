@@ -86,8 +86,8 @@ setup(
                   [f"{GATHER}/_gather.c", f"{GATHER}/pool.c", f"{GATHER}/epoch_guard.c", f"{COMMON}/staging_gate.c"],
                   [GATHER, COMMON]),
         extension("engram_store.daemon._unixfast",
-                  [f"{DAEMON}/_unixfast.c", f"{DAEMON}/cached_hits.c", f"{DAEMON}/staging_serve.c",
-                   f"{COMMON}/frame.c", f"{COMMON}/staging_gate.c"],
+                  [f"{DAEMON}/_unixfast.c", f"{DAEMON}/unixfast_io.c", f"{DAEMON}/cached_hits.c",
+                   f"{DAEMON}/staging_serve.c", f"{COMMON}/frame.c", f"{COMMON}/staging_gate.c"],
                   [DAEMON, GATHER, COMMON]),
         extension("engram_store.fetch._fetch",
                   [f"{FETCH}/{unit}.c" for unit in

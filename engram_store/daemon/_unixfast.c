@@ -29,7 +29,7 @@
  *
  * Fair share: a lookup of more than FAIR_PIECE_ROWS rows is gathered in pieces of
  * that many rows, and before each piece it waits while small lookups of other
- * connections are gathering (up to MAX_YIELD_NS per piece, so large ones still
+ * connections are gathering (up to MAX_YIELD_NS per piece, unixfast_io.c, so large ones still
  * move): a decode-sized lookup beside clients looping 1M-row lookups has the
  * gather pool and the CPUs to itself from the next piece boundary on.
  * fair_stats() counts the pieces and the waits. (Measured on a shared 2-core host:
@@ -46,87 +46,24 @@
 
 #include <errno.h>
 #include <stddef.h>
-#include <limits.h>
-#include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "gather_api.h"    /* engram_gather_api, gather_job_t: the gather pool of engram_store.native._gather */
 #include "frame.h"         /* frame_t, MAGIC, VERSION, OP_*, DTYPE_INT64, FLAG_SPLIT, frame_fields() */
-#include "unixfast.h"      /* Conn, the fair share */
+#include "unixfast_io.h"   /* Conn, gather_api, the fair share, now_ns, send_all, release_staging */
 #include "cached_hits.h"   /* cache_t, cache_serve: lookups of cached layers whose rows are all cached */
 #include "staging_serve.h" /* serve_split, Conn_set_staging: rows into a client's staging */
 
-#define MAX_YIELD_NS 2000000LL  /* the longest one piece waits for small lookups to finish */
-
 enum { SERVED = 0, FRAME = 1, PEER_EOF = 2 };
 
-const engram_gather_api *gather_api;
 static atomic_flag poll_token = ATOMIC_FLAG_INIT; /* held by the one connection busy-polling, native or Python
                                                       (poll_token_try / poll_token_release) */
-
-/* The fair share of every Conn of this process. */
-_Atomic uint32_t small_active;         /* small lookups gathering now (a futex word) */
-static _Atomic uint32_t large_waiting; /* pieces asleep on small_active */
-_Atomic uint64_t pieces_served;
-static _Atomic uint64_t pieces_yielded;
-
-int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static long futex_wait(_Atomic uint32_t *addr, uint32_t val, int64_t timeout_ns) {
-    struct timespec ts = {.tv_sec = timeout_ns / 1000000000, .tv_nsec = timeout_ns % 1000000000};
-    return syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT | FUTEX_PRIVATE_FLAG, val, timeout_ns > 0 ? &ts : NULL,
-                   NULL, 0);
-}
-
-static void futex_wake_all(_Atomic uint32_t *addr) {
-    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE | FUTEX_PRIVATE_FLAG, INT_MAX, NULL, NULL, 0);
-}
-
-/* Before a piece: let small lookups in progress finish first, MAX_YIELD_NS at most. */
-void yield_to_small(void) {
-    const int64_t deadline = now_ns() + MAX_YIELD_NS;
-    int waited = 0;
-    for (uint32_t s; (s = atomic_load(&small_active)) != 0;) {
-        const int64_t left = deadline - now_ns();
-        if (left <= 0) break;
-        atomic_fetch_add(&large_waiting, 1);
-        futex_wait(&small_active, s, left);
-        atomic_fetch_sub(&large_waiting, 1);
-        waited = 1;
-    }
-    pieces_yielded += waited;
-}
-
-void small_done(void) {
-    if (atomic_fetch_sub(&small_active, 1) == 1 && atomic_load(&large_waiting)) futex_wake_all(&small_active);
-}
-
-/* fork() copies only the calling thread: small lookups of threads that do not exist there are void. */
-static void reset_fair_share_in_child(void) {
-    small_active = large_waiting = 0;
-}
-
-void release_staging(Conn *c) {
-    if (!c->has_staging) return;
-    c->has_staging = 0;
-    PyBuffer_Release(&c->st_weights);
-    PyBuffer_Release(&c->st_scales);
-    PyBuffer_Release(&c->st_gate);
-    PyMem_Free(c->pos);
-    c->pos = NULL;
-}
 
 static void release(Conn *c) {
     if (!c->open) return;
@@ -258,20 +195,6 @@ static ssize_t read_header(Conn *c, frame_t *f) {
             return -errno;
     }
     return (ssize_t)got;
-}
-
-int send_all(int fd, const void *data, size_t len) {
-    const char *p = data;
-    while (len) {
-        ssize_t r = send(fd, p, len, MSG_NOSIGNAL);
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            return -1;
-        }
-        p += r;
-        len -= (size_t)r;
-    }
-    return 0;
 }
 
 /* Rows of a resident layer (its two blocks; scale_bytes 0: the payload block alone) into packed rows at out. */

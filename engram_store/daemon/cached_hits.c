@@ -5,7 +5,7 @@
 
 #include "gather_api.h"   /* gather_job_t */
 #include "staging_gate.h" /* gate_claim, gate_done */
-#include "unixfast.h"     /* gather_api */
+#include "unixfast_io.h"  /* gather_api */
 
 void cache_release(cache_t *k) {
     for (Py_ssize_t i = 0; i < k->nlayers; i++) PyBuffer_Release(&k->layers[i].map);

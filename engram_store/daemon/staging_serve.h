@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #include "frame.h"
-#include "unixfast.h"
+#include "unixfast_io.h"
 
 /* A Flag.SPLIT lookup: 1 answered (*rows: the ids served), 0 left to the caller. */
 int serve_split(Conn *c, const frame_t *f, double *seconds, uint64_t *rows);

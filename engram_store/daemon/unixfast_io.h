@@ -1,8 +1,10 @@
 /* The parts of the daemon's native path (_unixfast.c) that its units share (cached_hits.c,
- * staging_serve.c): a connection (Conn), the gather pool's C API, the fair share of large lookups.
+ * staging_serve.c): a connection (Conn), the gather pool's C API, the fair share of large lookups, the
+ * clock, the socket send, a connection's staging given up. Defined in unixfast_io.c, a unit of _unixfast
+ * below the others: it calls none of them.
  */
-#ifndef ENGRAM_STORE_UNIXFAST_H
-#define ENGRAM_STORE_UNIXFAST_H
+#ifndef ENGRAM_STORE_UNIXFAST_IO_H
+#define ENGRAM_STORE_UNIXFAST_IO_H
 
 #include <Python.h>
 #include <stdatomic.h>
@@ -38,15 +40,18 @@ typedef struct {
     int64_t *pos; /* [ids capacity] staging row of each taken id */
 } Conn;
 
-extern const engram_gather_api *gather_api; /* engram_store.native._gather's, imported at module init */
+extern const engram_gather_api *gather_api; /* engram_store.native._gather's, set at module init (_unixfast.c) */
 
 /* The fair share of every Conn of this process: a small lookup counts itself in small_active while it
    gathers (then small_done()); a piece of a large one calls yield_to_small() first and counts itself
-   in pieces_served. */
+   in pieces_served, and in pieces_yielded when it waited. */
 extern _Atomic uint32_t small_active;
-extern _Atomic uint64_t pieces_served;
+extern _Atomic uint64_t pieces_served, pieces_yielded;
 void small_done(void);
 void yield_to_small(void);
+/* fork() copies only the calling thread: small lookups of threads that do not exist there are void
+   (pthread_atfork's child handler). */
+void reset_fair_share_in_child(void);
 
 /* CLOCK_MONOTONIC, ns. */
 int64_t now_ns(void);
