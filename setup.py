@@ -91,7 +91,7 @@ setup(
                   [DAEMON, GATHER, COMMON]),
         extension("engram_store.fetch._fetch",
                   [f"{FETCH}/{unit}.c" for unit in
-                   ("_fetch", "core", "direct_budget", "reader", "daemon", "writer", "board", "run")] +
+                   ("_fetch", "core", "lifecycle", "direct_budget", "reader", "daemon", "writer", "board", "run")] +
                   [f"{READERS}/aio.c", f"{READERS}/batch.c", f"{COMMON}/crc32c.c", f"{COMMON}/frame.c",
                    f"{COMMON}/staging_gate.c", f"{COMMON}/test_hooks.c", f"{GPU}/host_launch.c"],
                   [FETCH, READERS, COMMON, GPU], libraries=["dl"]),

@@ -55,8 +55,8 @@
  * tests test_hooks(hold_reads=..., without_pidfds=...) (native/common/test_hooks.h: a stuck device; no
  * pidfd of the daemon, writer.h's other way).
  *
- * The parts, one unit each (a header of prototypes beside each): core.c (the shared state and its
- * lifetime), direct_budget.c (the node's budget of direct pages), reader.c (the reader thread),
+ * The parts, one unit each (a header of prototypes beside each): core.c (the shared state: the bottom
+ * unit), lifecycle.c (the core's close and its last reference's frees), direct_budget.c (the node's budget of direct pages), reader.c (the reader thread),
  * daemon.c (the daemon exchange), writer.c (whether a daemon writing into the staging is gone),
  * board.c (the failure board), run.c (the run function); this file is the Python module: the Checksums
  * and Job types and their checks of every argument, long because Job has a score of methods and checks
@@ -88,6 +88,7 @@
 #include "test_hooks.h"     /* TEST_HOOKS_METHOD: the fault hooks tests turn on */
 #include "host_launch.h"    /* gpu_launcher_get: the host-function launch of the GPU runtime torch runs on */
 #include "core.h"           /* core_t, fetch_call, the lifetime rules */
+#include "lifecycle.h"      /* core_close, core_release: the Job's close and its reference */
 #include "direct_budget.h"  /* the node's budget of direct pages in flight */
 #include "reader.h"         /* the reader thread: direct reads, file checks */
 #include "daemon.h"         /* the daemon exchange, the hedge budget, the back-off */
@@ -299,7 +300,7 @@ static int job_init(Job *j, PyObject *args, PyObject *kw) {
     c->pos = malloc((size_t)max_rows * 8);
     c->call_nchunks = max_rows / CALL_CHUNK + 1;  /* row counts 0..max_rows */
     c->call_chunks = calloc((size_t)c->call_nchunks, sizeof *c->call_chunks);
-    if (!c->pos || !c->call_chunks || reader_init(c, qd < 1 ? 1 : qd > AIO_MAX_QD ? AIO_MAX_QD : qd) < 0) {
+    if (!c->pos || !c->call_chunks || reader_init(c, qd < 1 ? 1 : qd > AIO_MAX_QD ? AIO_MAX_QD : qd, core_release) < 0) {
         PyErr_NoMemory();
         return -1;
     }

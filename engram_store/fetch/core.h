@@ -1,11 +1,12 @@
 /* The fetch job's native state (fetch/_fetch.c), shared by its parts: the reader thread
- * (reader.h), the daemon exchange (daemon.h) and the run function (_fetch.c).
+ * (reader.h), the daemon exchange (daemon.h) and the run function (_fetch.c). The bottom unit: core.c
+ * (the clock, the messages) calls none of the others; the close and the frees are lifecycle.h's.
  *
  * Lifetime. A core lives on the heap, apart from the Python Job object: a captured CUDA graph
  * bakes a call record's address (fetch_call: core and row count) into its host node, and the
  * driver may run a queued host function after the engine dropped the job. So:
  *   - refs counts the Job object and the reader thread; the core's buffers and files go with the
- *     last of them (core_release);
+ *     last of them (core_release, lifecycle.h);
  *   - closed (under lock) says the Job object is closed: a run finding it set returns at once,
  *     touching nothing else (the staging may be gone);
  *   - the shell (lock, closed, call records) of a core whose call records were handed out
@@ -66,6 +67,7 @@ typedef struct {
     int efd;                /* eventfd: one count per request done (the run polls it with the socket) */
     int started, quit, state, stuck;
     pid_t pid;              /* the process the thread runs in (a forked child starts its own) */
+    void (*release)(core_t *c);  /* gives the thread's reference back at its end (reader_init's; lifecycle.h) */
     int cancel;             /* raised (__atomic) when the run gave up on the request: stop submitting */
     uint64_t gen;           /* request number */
     int64_t since;          /* when the current request was handed over (ns) */
@@ -144,12 +146,6 @@ extern _Atomic int64_t live_cores, late_calls;  /* cores not yet freed; runs tha
 
 /* CLOCK_MONOTONIC, ns. */
 int64_t now_ns(void);
-/* One reference fewer (the Job object's, or the reader thread's); the last frees the core's buffers and
-   files (its shell too, unless call records were handed out). */
-void core_release(core_t *c);
-/* The Job object is closing: a run in progress ends first (within its deadline); later ones return
-   at once. Call without the GIL. */
-void core_close(core_t *c);
 /* The core's messages (error, note), under msg_lock; the first error stands until reported. */
 void set_text(core_t *c, char *dst, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 /* An I/O-kind failure of this step (the first unreported one stands). */

@@ -6,13 +6,9 @@
 #include "frame.h"
 #include "staging_gate.h"
 #include "reader.h"
+#include "writer.h"
 
 
-
-int hung_up(int sock) {
-    struct pollfd p = {.fd = sock, .events = 0};
-    return poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLERR));
-}
 
 void daemon_drop(core_t *c, const char *why) {
     if (c->sock >= 0 && hung_up(c->sock)) c->peer_hup_ns = now_ns();  /* a writer's end (writer.h) */

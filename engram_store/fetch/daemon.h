@@ -36,8 +36,6 @@
 #define BACKOFF_MAX_NS 2000000000LL
 #define LATE_FRAME_NS 10000000LL  /* a late answer found readable between steps: the rest of its frame */
 
-/* Whether the daemon's end of a connection hung up (both directions shut, or reset). */
-int hung_up(int sock);
 /* Drop the connection (closed; `why` becomes the note); connected is false until attach(). */
 void daemon_drop(core_t *c, const char *why);
 /* An earlier step's request is unanswered: read its answer if it came (and drop it), else tell. */

@@ -141,7 +141,7 @@ static void *reader_main(void *arg) {
     }
     r->started = 0;
     pthread_mutex_unlock(&r->mu);
-    core_release(c);
+    r->release(c);
     return NULL;
 }
 
@@ -248,9 +248,10 @@ void reader_quit(core_t *c) {
     pthread_mutex_unlock(&r->mu);
 }
 
-int reader_init(core_t *c, int qd) {
+int reader_init(core_t *c, int qd, void (*release)(core_t *c)) {
     reader_t *r = &c->rd;
     const int64_t n = c->max_rows;
+    r->release = release;
     pthread_mutex_init(&r->mu, NULL);
     pthread_cond_init(&r->cv, NULL);
     r->qd = qd;

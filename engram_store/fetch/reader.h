@@ -40,8 +40,9 @@ int reader_idle(core_t *c);
 double reader_stuck_seconds(core_t *c);
 /* The Job is closing: an idle reader ends now, a busy one after its request (its result dropped). */
 void reader_quit(core_t *c);
-/* 0, or -1 (memory) */
-int reader_init(core_t *c, int qd);
+/* 0, or -1 (memory). release: how the thread gives its reference to the core back when it ends
+   (lifecycle.h's core_release, handed down: this unit calls nothing above it). */
+int reader_init(core_t *c, int qd, void (*release)(core_t *c));
 /* With the last reference: the files, buffers and checksums go (the thread has ended). */
 void reader_free(core_t *c);
 

@@ -17,9 +17,13 @@
 
 #include "staging_gate.h"
 #include "test_hooks.h"
-#include "daemon.h"
 
 
+
+int hung_up(int sock) {
+    struct pollfd p = {.fd = sock, .events = 0};
+    return poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLERR));
+}
 
 int peer_pidfd(int fd) {
     if (test_hook_on(TEST_HOOK_WITHOUT_PIDFDS)) return -1;

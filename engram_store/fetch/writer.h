@@ -21,6 +21,7 @@
  *   writer_wait(c, w, until)  until the gate leaves WRITING (1; a gone writer's gate is revoked here,
  *                             counted in dead_writers) or `until` (0)
  *   writer_release(w)
+ *   hung_up(sock)             whether the other end of a connection hung up (daemon.c notes it when it drops one)
  *
  * The job keeps the watch of a write still in progress at a deadline (gate_stuck, run.h) for as
  * long as it lasts; a connection it dropped meanwhile stays open through the watch's dup, so its
@@ -36,6 +37,8 @@
 
 #define WRITER_HANGUP_GRACE_NS 200000000LL /* 200 ms after the daemon's end of the connection hung up */
 
+/* Whether the daemon's end of a connection hung up (both directions shut, or reset). */
+int hung_up(int sock);
 /* A pidfd of the process at the other end of a Unix socket, or -1 (unknown). */
 int peer_pidfd(int fd);
 void writer_release(writer_t *w);
