@@ -45,7 +45,7 @@ def _cmd_synth(args) -> int:
     spec = get_spec(args.model, args.scale)
     bar = Progress(f"synth {spec.name}", output_bytes(spec), enabled=args.progress)
     manifest = write_synthetic(args.out, spec, args.seed, overwrite=args.force, progress=bar, group=args.group,
-                               stripe_dirs=args.stripe_dir, tokenizer=args.tokenizer)
+                               stripe_dirs=args.stripe_dir, tokenizer=args.tokenizer, table_scale=args.table_scale)
     bar.close()
     print(json.dumps({"out": str(args.out), "layers": {e.layer: e.rows for e in manifest.layers},
                       "bytes": bar.done, "seconds": round(bar.elapsed, 3), "mb_per_s": round(bar.rate_mb_s(), 1)}))
@@ -240,6 +240,9 @@ def register(sub) -> None:
                    help="tokenizer.json whose compressed token map is stored with the tables, as import does (it "
                         "must give the model's compressed vocabulary: DeepSeek-V4's for deepseek-v4.1-flash); "
                         "then hash --tables DIR takes --raw and --text")
+    p.add_argument("--table-scale", type=float, default=None,
+                   help="every layer's table scale, a float32 value > 0 (only for models whose rows share one scale "
+                        "per table, e.g. qwen3.8-flash-next; default 7/512 x (layer index + 1))")
     _add_writer_args(p)
     p.set_defaults(func=_cmd_synth)
 

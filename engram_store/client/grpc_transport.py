@@ -237,4 +237,5 @@ def _info_dict(reply: pb.InfoReply) -> dict[str, Any]:
             "protocol_version": reply.protocol_version, "version": reply.version,
             "bad_pages": json.loads(reply.bad_pages_json) if reply.bad_pages_json else {},
             "token_map": json.loads(reply.token_map_json) if reply.token_map_json else None,
-            "placement": json.loads(reply.placement_json) if reply.placement_json else {}}
+            "placement": json.loads(reply.placement_json) if reply.placement_json else {},
+            **({"table_scales": json.loads(reply.table_scales_json)} if reply.table_scales_json else {})}

@@ -128,6 +128,7 @@ class Daemon:
         self.store: RowStore | None = None
         self._token_map: Any = _UNREAD  # the manifest's token-map entry, read on first Info
         self.spec: dict[str, Any] = {}
+        self.table_scales: dict[str, float] = {}  # {layer: the table's one scale}, for specs whose rows have one
         self.pool = ThreadPoolExecutor(config.worker_count, thread_name_prefix="engram-lookup")
         self.clock = StopClock(config.drain_seconds)  # started by SIGTERM/SIGINT: the stop's one deadline
         self.unix = None
@@ -142,7 +143,7 @@ class Daemon:
         arena = store.arena()
         broken = self.unavailable_layers()
         layers = [layer for layer in store.layers if layer not in broken]
-        return {
+        reply = {
             "layers": layers, "rows": {str(layer): store.rows(layer) for layer in layers},
             "layers_unavailable": {str(layer): why for layer, why in broken.items()},
             "row_bytes": store.row_bytes, "mode": store.mode, "spec": self.spec,
@@ -159,6 +160,9 @@ class Daemon:
             # what a same-host engine's fetch job reads itself while the daemon is gone (paths of this host)
             "layer_files": {str(k): v for k, v in store.layer_files().items()} if isinstance(store, PlanningStore) else {},
         }
+        if self.table_scales:  # only for a spec whose rows share one scale per table
+            reply["table_scales"] = self.table_scales
+        return reply
 
     def bad_pages(self) -> dict[str, list[list[int]]]:
         """Pages of each layer whose crc32c failed: ``{layer: [[first_page, end_page), ...]}``.
@@ -220,7 +224,9 @@ class Daemon:
         return 0
 
     def _open(self) -> None:
-        self.spec = Manifest.load(self.config.tables).spec.to_dict() if self.config.tables else {}
+        manifest = Manifest.load(self.config.tables) if self.config.tables else None
+        self.spec = manifest.spec.to_dict() if manifest else {}
+        self.table_scales = {str(k): v for k, v in manifest.table_scales.items()} if manifest else {}
         with logged_fill(self.config, log):  # a log line every few seconds while the resident arena fills
             store = self.store_opener(self.config)
         self.store = store

@@ -19,6 +19,12 @@ the field and report the layer's data file missing.
 and fsynced, and the directory itself is published by rename, so an
 interrupted import or synth never leaves something that opens as a table set.
 
+A format whose rows share one scale per table (``spec.row_format.table_scale_dtype``:
+vLLM's per-tensor FP8 ``weight_scale``, NVFP4's ``weight_scale_2``) lists it in
+``table_scales`` (``{layer: float}``, a float32 value written as a JSON float); the
+layer's checksum file header repeats its float32 bits, so a manifest whose scale
+differs from the one written with the rows is refused like any other lie.
+
 Format version 2 (per-page crc32c) replaced version 1 (one crc32 per 64 MiB
 chunk, checked by a full pass before serving); a version 1 set is refused with
 a message saying to re-synth or re-import it.
@@ -50,8 +56,8 @@ CHECKSUM = "crc32c"  # of every page_bytes page of every data file
 class PageCrcHeader:
     """The 64-byte header of a ``layer_NNN.crc`` file; the checksums follow it."""
 
-    # magic, version, page_bytes, algorithm, layer, pages, then zero padding to 64 bytes
-    STRUCT = struct.Struct("<8sIIIiQ32x")
+    # magic, version, page_bytes, algorithm, layer, pages, table scale bits, then zero padding to 64 bytes
+    STRUCT = struct.Struct("<8sIIIiQI28x")
     MAGIC = b"ENGRMCRC"
     VERSION = 1
 
@@ -59,24 +65,30 @@ class PageCrcHeader:
     pages: int  # checksums that follow: one uint32 (little-endian) per page of the data file
     page_bytes: int = PAGE_BYTES  # bytes each checksum covers
     algorithm: int = 1  # 1 = crc32c (Castagnoli), standard init and final xor
+    table_scale_bits: int = 0  # float32 bits of the layer's table scale (Manifest.table_scales); 0: none
 
     @property
     def file_bytes(self) -> int:
         return self.STRUCT.size + 4 * self.pages
 
     def pack(self) -> bytes:
-        return self.STRUCT.pack(self.MAGIC, self.VERSION, self.page_bytes, self.algorithm, self.layer, self.pages)
+        return self.STRUCT.pack(self.MAGIC, self.VERSION, self.page_bytes, self.algorithm, self.layer, self.pages,
+                                self.table_scale_bits)
 
     @classmethod
     def unpack(cls, raw: bytes, where: str) -> "PageCrcHeader":
         if len(raw) < cls.STRUCT.size:
             raise TableFormatError(f"{where}: {len(raw)} bytes, shorter than its {cls.STRUCT.size}-byte header")
-        magic, version, page_bytes, algorithm, layer, pages = cls.STRUCT.unpack_from(raw)
+        magic, version, page_bytes, algorithm, layer, pages, scale_bits = cls.STRUCT.unpack_from(raw)
         if magic != cls.MAGIC:
             raise TableFormatError(f"{where}: not a page checksum file (magic {magic!r}, expected {cls.MAGIC!r})")
         if version != cls.VERSION:
             raise TableFormatError(f"{where}: checksum file version {version}, this build reads {cls.VERSION}")
-        return cls(layer, pages, page_bytes, algorithm)
+        return cls(layer, pages, page_bytes, algorithm, scale_bits)
+
+    @property
+    def table_scale(self) -> float | None:
+        return None if not self.table_scale_bits else float32_of_bits(self.table_scale_bits)
 
 
 @dataclass(frozen=True)
@@ -101,6 +113,7 @@ class LayerEntry:
     file_bytes: int  # exact size of the data file
     crc_file: str  # its page checksum file (PageCrcHeader + one crc32c per page), same directory
     stripes: tuple["StripeEntry", ...] = ()  # K >= 2 stripe files in order, or () for the one file ``file``
+    table_scale: float | None = None  # the layer's one table scale (serialized in Manifest's table_scales), or None
 
     @property
     def layout(self) -> PageLayout:
@@ -112,12 +125,14 @@ class LayerEntry:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        del d["table_scale"]  # listed in the manifest's table_scales
         if not self.stripes:
             del d["stripes"]  # an unstriped layer's entry is exactly as before striping
         return d
 
     def crc_header(self) -> PageCrcHeader:
-        return PageCrcHeader(self.layer, self.layout.pages)
+        bits = 0 if self.table_scale is None else float32_bits(self.table_scale)
+        return PageCrcHeader(self.layer, self.layout.pages, table_scale_bits=bits)
 
 
 @dataclass(frozen=True)
@@ -128,6 +143,11 @@ class Manifest:
     source: dict[str, Any] = field(default_factory=dict)  # how it was made (synth seed, checkpoint)
     token_map: dict[str, Any] | None = None  # the compressed token map's files and checksums (engram_store.models.tokens)
 
+    @property
+    def table_scales(self) -> dict[int, float]:
+        """``{layer: scale}`` of the layers that have a table scale (none unless the spec's rows need one)."""
+        return {e.layer: e.table_scale for e in self.layers if e.table_scale is not None}
+
     def layer(self, layer: int) -> LayerEntry:
         for entry in self.layers:
             if entry.layer == layer:
@@ -135,19 +155,19 @@ class Manifest:
         raise KeyError(layer)
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "format": FORMAT_NAME,
-                "version": FORMAT_VERSION,
-                "page_bytes": self.page_bytes,
-                "checksum": CHECKSUM,
-                "spec": self.spec.to_dict(),
-                "source": self.source,
-                "token_map": self.token_map,
-                "layers": [e.to_dict() for e in self.layers],
-            },
-            indent=1,
-        )
+        d = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "page_bytes": self.page_bytes,
+            "checksum": CHECKSUM,
+            "spec": self.spec.to_dict(),
+            "source": self.source,
+            "token_map": self.token_map,
+            "layers": [e.to_dict() for e in self.layers],
+        }
+        if self.table_scales:  # left out without table scales: such a manifest reads as before they existed
+            d["table_scales"] = {str(layer): scale for layer, scale in self.table_scales.items()}
+        return json.dumps(d, indent=1)
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "Manifest":
@@ -187,6 +207,9 @@ class Manifest:
                 if "/" in name or name.startswith("."):
                     raise TableFormatError(f"{path}: layer {e.layer} file name {name!r} must be a plain name")
         problems = spec_problems(manifest.spec, layers)
+        scales, scale_problems = _parse_table_scales(manifest.spec, raw.get("table_scales"))
+        problems += scale_problems
+        manifest = replace(manifest, layers=tuple(replace(e, table_scale=scales.get(e.layer)) for e in layers))
         if raw.get("token_map") is not None:
             problems += token_map_entry_problems(manifest.spec, raw["token_map"])
             if isinstance(raw["token_map"], dict):
@@ -228,6 +251,63 @@ def spec_problems(spec: ModelSpec, layers: tuple[LayerEntry, ...]) -> list[str]:
         else:
             problems += _stripe_problems(e)
     return problems
+
+
+def float32_bits(value: float) -> int:
+    """The IEEE float32 bits of ``value`` (already a float32 value)."""
+    return int(np.array(value, dtype=np.float32).view(np.uint32))
+
+
+def float32_of_bits(bits: int) -> float:
+    return float(np.array(bits, dtype=np.uint32).view(np.float32))
+
+
+def table_scale_problems(spec: ModelSpec, layer: int, value: Any) -> list[str]:
+    """Why ``value`` cannot be ``layer``'s table scale under ``spec``: one is required exactly when
+    ``spec.row_format.table_scale_dtype`` is set, and it is a finite float32 value > 0."""
+    dtype = spec.row_format.table_scale_dtype
+    if not dtype:
+        return [] if value is None else [
+            f"layer {layer}: field 'table_scales' gives {value!r}, the spec's rows ({spec.row_format.payload_dtype}) "
+            "have no table scale (table_scale_dtype is empty)"]
+    if value is None:
+        return [f"layer {layer}: field 'table_scales' has no scale for it, the spec's "
+                f"{spec.row_format.payload_dtype} rows need one ({dtype})"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return [f"layer {layer}: field 'table_scales' is {value!r}, expected a number"]
+    value = float(value)
+    if not np.isfinite(value) or value <= 0:
+        return [f"layer {layer}: field 'table_scales' is {value!r}, a table scale must be finite and > 0"]
+    with np.errstate(over="ignore"):
+        f32 = float(np.float32(value))
+    if f32 != value:
+        return [f"layer {layer}: field 'table_scales' is {value!r}, not a float32 value (nearest {f32!r})"]
+    return []
+
+
+def _parse_table_scales(spec: ModelSpec, raw: Any) -> tuple[dict[int, float], list[str]]:
+    """A manifest's ``table_scales`` object as ``{layer: scale}``, and what is wrong with it."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        return {}, [f"field 'table_scales' must be an object {{layer: scale}}, got {raw!r}"]
+    scales: dict[int, Any] = {}
+    problems = []
+    for key, value in raw.items():
+        try:
+            layer = int(key)
+        except ValueError:
+            problems.append(f"field 'table_scales' has key {key!r}, expected a layer id")
+            continue
+        if layer not in spec.layers:
+            problems.append(f"layer {layer}: field 'table_scales' names it, not an Engram layer of the spec "
+                            f"(layers {list(spec.layers)})")
+        scales[layer] = value
+    for layer in spec.layers:
+        problems += table_scale_problems(spec, layer, scales.get(layer))
+    if problems:
+        return {}, problems
+    return {layer: float(v) for layer, v in scales.items()}, []
 
 
 TOKEN_MAP_KEYS = {"file": str, "crc32": int, "raw_vocab": int, "classes": int, "sha256": str}
@@ -289,6 +369,12 @@ def crc_file_name(layer: int) -> str:
     return f"layer_{layer:03d}.crc"
 
 
+def scale_mismatch(path: Path, entry: LayerEntry, header: PageCrcHeader) -> str:
+    """The message for a manifest table scale that is not the one its layer's rows were written with."""
+    return (f"{path}: layer {entry.layer}: field 'table_scales' is {entry.table_scale!r}, its checksum file was "
+            f"written with {header.table_scale!r}; re-synth or re-import the table set")
+
+
 def load_page_crcs(directory: str | os.PathLike, entry: LayerEntry) -> np.ndarray:
     """The expected crc32c of every page of ``entry``'s data file: uint32 ``[pages]``, read
     whole into memory (4 bytes per 4 KiB page: 0.1% of the table). TableFormatError when the
@@ -298,6 +384,8 @@ def load_page_crcs(directory: str | os.PathLike, entry: LayerEntry) -> np.ndarra
     try:
         with open(path, "rb") as f:
             header = PageCrcHeader.unpack(f.read(PageCrcHeader.STRUCT.size), str(path))
+            if header != want and replace(header, table_scale_bits=want.table_scale_bits) == want:
+                raise TableFormatError(scale_mismatch(path, entry, header))
             if header != want:
                 raise TableFormatError(f"{path}: checksum file is for layer {header.layer}, {header.pages} pages of "
                                        f"{header.page_bytes} bytes (algorithm {header.algorithm}); layer {entry.layer} "

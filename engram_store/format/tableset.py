@@ -20,7 +20,7 @@ from ..errors import TableFormatError, UnknownLayer
 from . import requests
 from .checksums import page_crcs
 from .layout import PAGE_BYTES
-from .manifest import Manifest, PageCrcHeader, load_page_crcs
+from .manifest import Manifest, PageCrcHeader, load_page_crcs, scale_mismatch
 
 VERIFY_CHUNK_BYTES = 64 << 20  # bytes read and checked at a time by verify
 
@@ -52,7 +52,7 @@ class TableSet:
     def open(cls, directory: str | os.PathLike) -> "TableSet":
         """Open a table set, checking without reading table data that the manifest tells the truth:
         the manifest against its spec (:meth:`Manifest.load`), every data and stripe file's size,
-        every checksum file's length and header, and the token map (size, sha256, every value in
+        every checksum file's length and header (its table scale included), and the token map (size, sha256, every value in
         ``[0, compressed_vocab)``; a map whose bytes fail their crc32 is corruption, left to
         :meth:`verify`'s caller). TableFormatError naming layer, field and both values."""
         directory = Path(directory)
@@ -87,6 +87,11 @@ class TableSet:
 
     def rows(self, layer: int) -> int:
         return self._entry(layer).rows
+
+    def table_scale(self, layer: int) -> float | None:
+        """``layer``'s one table scale (a float32 value; rows dequantize as value x block scale x it),
+        or None when the spec's rows have none."""
+        return self._entry(layer).table_scale
 
     def path(self, layer: int) -> Path:
         """The layer's data file; a striped layer has none (its stripes: ``manifest.layer(l).stripe_paths``)."""
@@ -208,6 +213,8 @@ def _crc_file_problems(directory: Path, e) -> list[str]:
     if (got.layer, got.pages) != (e.layer, want.pages):
         return [f"{path}: checksum file header says layer {got.layer}, {got.pages} pages; layer {e.layer} has "
                 f"{want.pages}"]
+    if got.table_scale_bits != want.table_scale_bits:
+        return [scale_mismatch(path, e, got)]
     return []
 
 

@@ -62,8 +62,10 @@ from .manifest import (
     PageCrcHeader,
     StripeEntry,
     crc_file_name,
+    float32_bits,
     layer_file_name,
     stripe_pages,
+    table_scale_problems,
 )
 
 log = logging.getLogger(__name__)
@@ -205,11 +207,16 @@ class TableSetWriter:
         self._stripe_tmp.append((tmp, final))
         return tmp, final
 
-    def write_layer(self, layer: int, blocks: Iterable[np.ndarray | Sequence[np.ndarray]], progress: Progress | None = None) -> LayerEntry:
+    def write_layer(self, layer: int, blocks: Iterable[np.ndarray | Sequence[np.ndarray]], progress: Progress | None = None,
+                    *, table_scale: float | None = None) -> LayerEntry:
         """Write one layer from blocks of rows: uint8 ``[n, row_bytes]`` arrays, or tuples of
         column parts (see :meth:`PageLayout.pack`). Every block but the last must hold a
-        multiple of the layout's rows_per_page rows."""
+        multiple of the layout's rows_per_page rows. ``table_scale``: the layer's one scale, a
+        float32 value, given exactly when the spec's rows have one (checked before any row)."""
         assert self.tmp is not None, "use TableSetWriter as a context manager"
+        bad = table_scale_problems(self.spec, layer, table_scale)
+        if bad:
+            raise TableFormatError("; ".join(bad))
         layout = PageLayout(self.spec.rows(layer), self.spec.row_bytes)
         name, crc_name = layer_file_name(layer), crc_file_name(layer)
         k_total = len(self.stripe_dirs)
@@ -227,7 +234,8 @@ class TableSetWriter:
                 self._locks += [target.lock(p) for p in paths]
                 for (tmp, final), f in zip(stripe_files, data_files, strict=True):
                     self.mark.add_stripe(tmp, final, os.fstat(f.fileno()))
-            crc_f.write(PageCrcHeader(layer, layout.pages).pack())
+            scale_bits = 0 if table_scale is None else float32_bits(table_scale)
+            crc_f.write(PageCrcHeader(layer, layout.pages, table_scale_bits=scale_bits).pack())
             for block in blocks:
                 parts = [block] if isinstance(block, np.ndarray) else list(block)
                 n = parts[0].shape[0]
@@ -256,7 +264,8 @@ class TableSetWriter:
         log.debug("layer %d: %d rows in %.2fs", layer, written_rows, time.perf_counter() - t0)
         stripes = tuple(StripeEntry(str(final), stripe_pages(layout.pages, k_total, k) * PAGE_BYTES)
                         for k, (_, final) in enumerate(stripe_files)) if k_total else ()
-        entry = LayerEntry(layer, layout.rows, layout.row_bytes, name, layout.file_bytes, crc_name, stripes)
+        entry = LayerEntry(layer, layout.rows, layout.row_bytes, name, layout.file_bytes, crc_name, stripes,
+                           None if table_scale is None else float(table_scale))
         self.entries.append(entry)
         return entry
 

@@ -5,8 +5,10 @@ table without a stored copy. Payload bytes are finite values of the row format's
 payload dtype (FP8 e4m3 without the NaN codes 0x7F/0xFF; BF16 of magnitude below 2;
 any packed E2M1) and block-scale bytes are E8M0 exponents near 2^0 (E4M3 scales
 near 1 for NVFP4), so dequantized rows are finite and the tiny model's logits are
-meaningful. A format with one scale per table (``table_scale_dtype``) takes 1.0
-for it: the rows alone are synthetic.
+meaningful. A format with one scale per table (``table_scale_dtype``: Qwen4Exp's FP8
+and NVFP4 rows) gets :func:`synth_table_scale` for it unless one is given: ``7/512 x
+(k + 1)`` for the spec's k-th layer, a float32 (and bfloat16) value that is neither 1 nor
+a power of two, so a reader that drops or confuses it gets other numbers.
 
 With a ``tokenizer.json`` the set also stores the compressed token map, as ``import``
 does, so raw ids and text hash against it (``engram-store hash --tables DIR --text ...``).
@@ -32,6 +34,7 @@ _M2 = np.uint64(0x94D049BB133111EB)
 SCALE_MIN = 120  # E8M0 exponents 120..134 -> scales 2^-7 .. 2^7
 SCALE_SPAN = 15
 E4M3_SCALE_MIN = 0x30  # E4M3 block scales (NVFP4) 0x30..0x3F: 0.5 .. 1.875
+TABLE_SCALE_STEP = 7 / 512  # synthetic table scales: this times (layer index + 1)
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -65,6 +68,14 @@ def synth_rows(spec: ModelSpec, seed: int, layer: int, row_ids: np.ndarray) -> n
     return out
 
 
+def synth_table_scale(spec: ModelSpec, layer: int, table_scale: float | None = None) -> float | None:
+    """The table scale a synthetic set of ``spec`` stores for ``layer``: ``table_scale`` when given,
+    else ``TABLE_SCALE_STEP x (index of layer + 1)``; None when the spec's rows have no table scale."""
+    if not spec.row_format.table_scale_dtype:
+        return None
+    return table_scale if table_scale is not None else TABLE_SCALE_STEP * (spec.layers.index(layer) + 1)
+
+
 def synth_blocks(spec: ModelSpec, seed: int, layer: int, block_rows: int) -> Iterator[np.ndarray]:
     rpp = PageLayout(spec.rows(layer), spec.row_bytes).rows_per_page
     block_rows = max(rpp, block_rows // rpp * rpp)
@@ -89,11 +100,17 @@ def check_token_map(spec: ModelSpec, token_map: TokenMap, tokenizer: str | Path)
 
 def write_synthetic(out: str | Path, spec: ModelSpec, seed: int = 0, *, overwrite: bool = False,
                     progress: Progress | None = None, block_rows: int = 1 << 17, group: str | None = None,
-                    stripe_dirs: list | None = None, tokenizer: str | Path | None = None) -> Manifest:
+                    stripe_dirs: list | None = None, tokenizer: str | Path | None = None,
+                    table_scale: float | None = None) -> Manifest:
     """Write the synthetic table set of ``spec`` and ``seed`` to ``out`` (atomically), readable
     by ``group`` (default: the writer's group; see :mod:`engram_store.format.writer`), striped over
     ``stripe_dirs`` when given (two or more directories). With ``tokenizer`` (a ``tokenizer.json``
-    whose compressed map fits ``spec``) the map and a copy of the tokenizer are stored with the tables."""
+    whose compressed map fits ``spec``) the map and a copy of the tokenizer are stored with the tables.
+    ``table_scale``: every layer's table scale (a float32 value > 0; only for a spec whose rows have
+    one), instead of :func:`synth_table_scale`'s."""
+    if table_scale is not None and not spec.row_format.table_scale_dtype:
+        raise SpecError(f"--table-scale: model {spec.name!r} has no table scale (its {spec.row_format.payload_dtype} "
+                        "rows carry their own scales, or none)")
     token_map = None
     if tokenizer is not None:
         token_map = TokenMap.from_tokenizer(tokenizer)  # checked before a table byte is written
@@ -102,7 +119,8 @@ def write_synthetic(out: str | Path, spec: ModelSpec, seed: int = 0, *, overwrit
     with TableSetWriter(out, spec, source={"kind": "synthetic", "seed": seed}, overwrite=overwrite, group=group,
                         stripe_dirs=stripe_dirs, inputs=inputs) as w:
         for layer in spec.layers:
-            w.write_layer(layer, synth_blocks(spec, seed, layer, block_rows), progress)
+            w.write_layer(layer, synth_blocks(spec, seed, layer, block_rows), progress,
+                          table_scale=synth_table_scale(spec, layer, table_scale))
         if token_map is not None:
             w.token_map = write_token_map(token_map, tokenizer, write=w.add_file)
         return w.commit()

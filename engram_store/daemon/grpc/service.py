@@ -300,7 +300,8 @@ class EngramStoreService:
             max_request_rows=self.config.max_request_rows, chunk_bytes=self.config.grpc_chunk_bytes,
             protocol_version=wire.VERSION, version=__version__, bad_pages_json=json.dumps(got.get("bad_pages") or {}),
             token_map_json=json.dumps(got["token_map"]) if got.get("token_map") else "",
-            placement_json=json.dumps(got.get("placement") or {}))
+            placement_json=json.dumps(got.get("placement") or {}),
+            table_scales_json=json.dumps(got["table_scales"]) if got.get("table_scales") else "")
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
         got = self._answer("Stats", info.stats)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x65ngram_store.proto\x12\x0f\x65ngram_store.v1\"Z\n\rLookupRequest\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07row_ids\x18\x02 \x01(\x0c\x12)\n\x05\x64type\x18\x03 \x01(\x0e\x32\x1a.engram_store.v1.RowIdType\"h\n\x0bLookupReply\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12\x11\n\tfirst_row\x18\x02 \x01(\x04\x12\x11\n\trow_count\x18\x03 \x01(\x04\x12\x11\n\trow_bytes\x18\x04 \x01(\r\x12\x12\n\ntotal_rows\x18\x05 \x01(\x04\"\r\n\x0bInfoRequest\"(\n\tLayerInfo\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0c\n\x04rows\x18\x02 \x01(\x04\"\x8d\x02\n\tInfoReply\x12*\n\x06layers\x18\x01 \x03(\x0b\x32\x1a.engram_store.v1.LayerInfo\x12\x11\n\trow_bytes\x18\x02 \x01(\r\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x11\n\tspec_json\x18\x04 \x01(\t\x12\x18\n\x10max_request_rows\x18\x05 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\x04\x12\x18\n\x10protocol_version\x18\x07 \x01(\r\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x16\n\x0e\x62\x61\x64_pages_json\x18\t \x01(\t\x12\x16\n\x0etoken_map_json\x18\n \x01(\t\x12\x16\n\x0eplacement_json\x18\x0b \x01(\t\"e\n\x0bHintRequest\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07row_ids\x18\x02 \x01(\x0c\x12)\n\x05\x64type\x18\x03 \x01(\x0e\x32\x1a.engram_store.v1.RowIdType\x12\x0b\n\x03key\x18\x04 \x01(\x04\" \n\tHintReply\x12\x13\n\x0brows_queued\x18\x01 \x01(\x04\"\x1e\n\x0fWithdrawRequest\x12\x0b\n\x03key\x18\x01 \x01(\x04\"%\n\rWithdrawReply\x12\x14\n\x0crows_dropped\x18\x01 \x01(\x04\"\x0e\n\x0cStatsRequest\"t\n\nStatsReply\x12\x37\n\x06values\x18\x01 \x03(\x0b\x32\'.engram_store.v1.StatsReply.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*!\n\tRowIdType\x12\t\n\x05INT64\x10\x00\x12\t\n\x05INT32\x10\x01\x32\xbc\x03\n\x0b\x45ngramStore\x12\x46\n\x06Lookup\x12\x1e.engram_store.v1.LookupRequest\x1a\x1c.engram_store.v1.LookupReply\x12N\n\x0cLookupStream\x12\x1e.engram_store.v1.LookupRequest\x1a\x1c.engram_store.v1.LookupReply0\x01\x12@\n\x04Info\x12\x1c.engram_store.v1.InfoRequest\x1a\x1a.engram_store.v1.InfoReply\x12\x43\n\x05Stats\x12\x1d.engram_store.v1.StatsRequest\x1a\x1b.engram_store.v1.StatsReply\x12@\n\x04Hint\x12\x1c.engram_store.v1.HintRequest\x1a\x1a.engram_store.v1.HintReply\x12L\n\x08Withdraw\x12 .engram_store.v1.WithdrawRequest\x1a\x1e.engram_store.v1.WithdrawReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x65ngram_store.proto\x12\x0f\x65ngram_store.v1\"Z\n\rLookupRequest\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07row_ids\x18\x02 \x01(\x0c\x12)\n\x05\x64type\x18\x03 \x01(\x0e\x32\x1a.engram_store.v1.RowIdType\"h\n\x0bLookupReply\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12\x11\n\tfirst_row\x18\x02 \x01(\x04\x12\x11\n\trow_count\x18\x03 \x01(\x04\x12\x11\n\trow_bytes\x18\x04 \x01(\r\x12\x12\n\ntotal_rows\x18\x05 \x01(\x04\"\r\n\x0bInfoRequest\"(\n\tLayerInfo\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0c\n\x04rows\x18\x02 \x01(\x04\"\xa8\x02\n\tInfoReply\x12*\n\x06layers\x18\x01 \x03(\x0b\x32\x1a.engram_store.v1.LayerInfo\x12\x11\n\trow_bytes\x18\x02 \x01(\r\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x11\n\tspec_json\x18\x04 \x01(\t\x12\x18\n\x10max_request_rows\x18\x05 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\x04\x12\x18\n\x10protocol_version\x18\x07 \x01(\r\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x16\n\x0e\x62\x61\x64_pages_json\x18\t \x01(\t\x12\x16\n\x0etoken_map_json\x18\n \x01(\t\x12\x16\n\x0eplacement_json\x18\x0b \x01(\t\x12\x19\n\x11table_scales_json\x18\x0c \x01(\t\"e\n\x0bHintRequest\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07row_ids\x18\x02 \x01(\x0c\x12)\n\x05\x64type\x18\x03 \x01(\x0e\x32\x1a.engram_store.v1.RowIdType\x12\x0b\n\x03key\x18\x04 \x01(\x04\" \n\tHintReply\x12\x13\n\x0brows_queued\x18\x01 \x01(\x04\"\x1e\n\x0fWithdrawRequest\x12\x0b\n\x03key\x18\x01 \x01(\x04\"%\n\rWithdrawReply\x12\x14\n\x0crows_dropped\x18\x01 \x01(\x04\"\x0e\n\x0cStatsRequest\"t\n\nStatsReply\x12\x37\n\x06values\x18\x01 \x03(\x0b\x32\'.engram_store.v1.StatsReply.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*!\n\tRowIdType\x12\t\n\x05INT64\x10\x00\x12\t\n\x05INT32\x10\x01\x32\xbc\x03\n\x0b\x45ngramStore\x12\x46\n\x06Lookup\x12\x1e.engram_store.v1.LookupRequest\x1a\x1c.engram_store.v1.LookupReply\x12N\n\x0cLookupStream\x12\x1e.engram_store.v1.LookupRequest\x1a\x1c.engram_store.v1.LookupReply0\x01\x12@\n\x04Info\x12\x1c.engram_store.v1.InfoRequest\x1a\x1a.engram_store.v1.InfoReply\x12\x43\n\x05Stats\x12\x1d.engram_store.v1.StatsRequest\x1a\x1b.engram_store.v1.StatsReply\x12@\n\x04Hint\x12\x1c.engram_store.v1.HintRequest\x1a\x1a.engram_store.v1.HintReply\x12L\n\x08Withdraw\x12 .engram_store.v1.WithdrawRequest\x1a\x1e.engram_store.v1.WithdrawReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATSREPLY_VALUESENTRY']._loaded_options = None
   _globals['_STATSREPLY_VALUESENTRY']._serialized_options = b'8\001'
-  _globals['_ROWIDTYPE']._serialized_start=908
-  _globals['_ROWIDTYPE']._serialized_end=941
+  _globals['_ROWIDTYPE']._serialized_start=935
+  _globals['_ROWIDTYPE']._serialized_end=968
   _globals['_LOOKUPREQUEST']._serialized_start=39
   _globals['_LOOKUPREQUEST']._serialized_end=129
   _globals['_LOOKUPREPLY']._serialized_start=131
@@ -44,21 +44,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LAYERINFO']._serialized_start=252
   _globals['_LAYERINFO']._serialized_end=292
   _globals['_INFOREPLY']._serialized_start=295
-  _globals['_INFOREPLY']._serialized_end=564
-  _globals['_HINTREQUEST']._serialized_start=566
-  _globals['_HINTREQUEST']._serialized_end=667
-  _globals['_HINTREPLY']._serialized_start=669
-  _globals['_HINTREPLY']._serialized_end=701
-  _globals['_WITHDRAWREQUEST']._serialized_start=703
-  _globals['_WITHDRAWREQUEST']._serialized_end=733
-  _globals['_WITHDRAWREPLY']._serialized_start=735
-  _globals['_WITHDRAWREPLY']._serialized_end=772
-  _globals['_STATSREQUEST']._serialized_start=774
-  _globals['_STATSREQUEST']._serialized_end=788
-  _globals['_STATSREPLY']._serialized_start=790
-  _globals['_STATSREPLY']._serialized_end=906
-  _globals['_STATSREPLY_VALUESENTRY']._serialized_start=861
-  _globals['_STATSREPLY_VALUESENTRY']._serialized_end=906
-  _globals['_ENGRAMSTORE']._serialized_start=944
-  _globals['_ENGRAMSTORE']._serialized_end=1388
+  _globals['_INFOREPLY']._serialized_end=591
+  _globals['_HINTREQUEST']._serialized_start=593
+  _globals['_HINTREQUEST']._serialized_end=694
+  _globals['_HINTREPLY']._serialized_start=696
+  _globals['_HINTREPLY']._serialized_end=728
+  _globals['_WITHDRAWREQUEST']._serialized_start=730
+  _globals['_WITHDRAWREQUEST']._serialized_end=760
+  _globals['_WITHDRAWREPLY']._serialized_start=762
+  _globals['_WITHDRAWREPLY']._serialized_end=799
+  _globals['_STATSREQUEST']._serialized_start=801
+  _globals['_STATSREQUEST']._serialized_end=815
+  _globals['_STATSREPLY']._serialized_start=817
+  _globals['_STATSREPLY']._serialized_end=933
+  _globals['_STATSREPLY_VALUESENTRY']._serialized_start=888
+  _globals['_STATSREPLY_VALUESENTRY']._serialized_end=933
+  _globals['_ENGRAMSTORE']._serialized_start=971
+  _globals['_ENGRAMSTORE']._serialized_end=1415
 # @@protoc_insertion_point(module_scope)

@@ -51,7 +51,7 @@ class LayerInfo(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("layers", "row_bytes", "mode", "spec_json", "max_request_rows", "chunk_bytes", "protocol_version", "version", "bad_pages_json", "token_map_json", "placement_json")
+    __slots__ = ("layers", "row_bytes", "mode", "spec_json", "max_request_rows", "chunk_bytes", "protocol_version", "version", "bad_pages_json", "token_map_json", "placement_json", "table_scales_json")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class InfoReply(_message.Message):
     BAD_PAGES_JSON_FIELD_NUMBER: _ClassVar[int]
     TOKEN_MAP_JSON_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_JSON_FIELD_NUMBER: _ClassVar[int]
+    TABLE_SCALES_JSON_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedCompositeFieldContainer[LayerInfo]
     row_bytes: int
     mode: str
@@ -74,7 +75,8 @@ class InfoReply(_message.Message):
     bad_pages_json: str
     token_map_json: str
     placement_json: str
-    def __init__(self, layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., row_bytes: _Optional[int] = ..., mode: _Optional[str] = ..., spec_json: _Optional[str] = ..., max_request_rows: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., protocol_version: _Optional[int] = ..., version: _Optional[str] = ..., bad_pages_json: _Optional[str] = ..., token_map_json: _Optional[str] = ..., placement_json: _Optional[str] = ...) -> None: ...
+    table_scales_json: str
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., row_bytes: _Optional[int] = ..., mode: _Optional[str] = ..., spec_json: _Optional[str] = ..., max_request_rows: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., protocol_version: _Optional[int] = ..., version: _Optional[str] = ..., bad_pages_json: _Optional[str] = ..., token_map_json: _Optional[str] = ..., placement_json: _Optional[str] = ..., table_scales_json: _Optional[str] = ...) -> None: ...
 
 class HintRequest(_message.Message):
     __slots__ = ("layer", "row_ids", "dtype", "key")
