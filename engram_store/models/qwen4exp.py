@@ -23,12 +23,16 @@ index 1 (config ``ple_layer_ids = [2]``, one-indexed). vLLM 0.33 reads it in
   is EOS (``boundary = "eos"`` in :mod:`.hashing`).
 
 The specs are plain dicts in :meth:`~.spec.ModelSpec.to_dict` form; :mod:`.spec` registers them.
+:func:`ple_config`, :func:`config_mismatches` and :func:`spec_dict_from_config` read a checkpoint's
+``config.json`` (``engram_store.tools.import_qwen4exp``).
 Scaled variants (``get_spec(name, scale)``) keep the recipe with a smaller prime base.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from ..errors import SpecError
 
 MASK64 = (1 << 64) - 1
 SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
@@ -93,3 +97,122 @@ SPECS: dict[str, dict[str, Any]] = {
     "qwen3.8-flash-next-bf16": _spec("qwen3.8-flash-next-bf16", BF16),  # 95.4 GiB
     "qwen3.8-flash-next-nvfp4": _spec("qwen3.8-flash-next-nvfp4", NVFP4),  # 26.8 GiB
 }
+
+
+# --------------------------------------------------------------------------- config.json
+# The fields of a Qwen4Exp config.json (``text_config`` or the top level) that fix the table, as
+# vLLM 0.33's ``Qwen4ExpNGramEmbedding`` reads them; ``seed`` and ``split_ngram_parts`` take vLLM's
+# ``getattr`` defaults when absent. ``split_ngram_parts`` fixes the checkpoint's shards, not the spec.
+CONFIG_FIELDS = ("ple_layer_ids", "ngram_size", "heads_per_ngram", "ple_embed_dim", "ngram_vocab_size_base",
+                 "make_ngram_vocab_size_divisible_by", "seed", "vocab_size", "eos_token_id", "split_ngram_parts",
+                 "ple_embedding_dtype")
+VLLM_DEFAULTS = {"seed": SEED, "split_ngram_parts": 512}
+_REQUIRED = ("ple_layer_ids", "ngram_size", "heads_per_ngram", "ple_embed_dim", "ngram_vocab_size_base",
+             "make_ngram_vocab_size_divisible_by", "vocab_size", "eos_token_id")
+MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
+# ple_embedding_dtype -> the payload dtype it forces (vLLM's from_quant_config refuses other values)
+PLE_EMBEDDING_DTYPES = {"nvfp4": "float4_e2m1fn", "float8_e4m3fn": "float8_e4m3fn"}
+ROW_FORMATS = {"float8_e4m3fn": FP8, "bfloat16": BF16, "float4_e2m1fn": NVFP4}  # by payload dtype
+
+
+def is_qwen4exp_config(config: dict[str, Any]) -> bool:
+    """Whether a config.json describes a Qwen4Exp model: its ``model_type`` or ``architectures``
+    (top level or ``text_config``), or PLE layers."""
+    for level in (config, config.get("text_config")):
+        if not isinstance(level, dict):
+            continue
+        archs = level.get("architectures") or ()
+        if level.get("model_type") in MODEL_TYPES or level.get("ple_layer_ids") \
+                or any(isinstance(a, str) and a.startswith("Qwen4Exp") for a in archs):
+            return True
+    return False
+
+
+def is_qwen4exp_spec(spec: Any) -> bool:
+    """Whether ``spec`` (a ModelSpec) is of the Qwen4Exp family (splitmix64 multipliers)."""
+    return spec.multiplier_rule == "splitmix64"
+
+
+def eos_id(value: Any) -> int:
+    """``eos_token_id`` as the hash takes it: an int, or a list's first entry (HF's rule; vLLM 0.33's
+    ``int(config.eos_token_id)`` refuses a list)."""
+    if isinstance(value, list) and value:
+        value = value[0]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"config.json eos_token_id = {value!r}: expected an int or a list of ints")
+    return value
+
+
+def ple_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The PLE fields of a config.json (``text_config`` first, then the top level), vLLM's defaults
+    for ``seed`` and ``split_ngram_parts`` where both lack them."""
+    text = config.get("text_config")
+    text = text if isinstance(text, dict) else {}
+    out = dict(VLLM_DEFAULTS)
+    out.update({k: text[k] if k in text else config[k] for k in CONFIG_FIELDS if k in text or k in config})
+    return out
+
+
+def spec_values(spec: Any) -> dict[str, Any]:
+    """What ``spec`` (a Qwen4Exp ModelSpec) says each config field is (``split_ngram_parts`` excepted)."""
+    return {
+        "ple_layer_ids": [layer + 1 for layer in spec.layers],
+        "ngram_size": spec.max_ngram,
+        "heads_per_ngram": spec.heads,
+        "ple_embed_dim": spec.rows_per_token * spec.row_format.dim,
+        "ngram_vocab_size_base": spec.table_base,
+        "make_ngram_vocab_size_divisible_by": spec.row_pad_to,
+        "seed": spec.seed,
+        "vocab_size": spec.compressed_vocab,
+        "eos_token_id": spec.pad_id,
+    }
+
+
+def config_mismatches(fields: dict[str, Any], spec: Any) -> list[str]:
+    """``field = value (model X has Y)`` for every PLE field of ``fields`` (:func:`ple_config`) that
+    ``spec`` disagrees with; empty when they agree."""
+    want = spec_values(spec)
+    out = []
+    for key, have in want.items():
+        if key not in fields:
+            continue
+        value = fields[key]
+        try:
+            got = sorted(set(int(x) for x in value)) if key == "ple_layer_ids" else \
+                eos_id(value) if key == "eos_token_id" else int(value)
+        except (TypeError, ValueError, SpecError):
+            got = value
+        if got != have:
+            out.append(f"{key} = {value!r} (model {spec.name!r} has {have!r})")
+    forced = fields.get("ple_embedding_dtype")
+    if forced is not None and PLE_EMBEDDING_DTYPES.get(forced) != spec.row_format.payload_dtype:
+        out.append(f"ple_embedding_dtype = {forced!r} (model {spec.name!r} holds {spec.row_format.payload_dtype} rows; "
+                   f"vLLM takes {sorted(PLE_EMBEDDING_DTYPES)} or none)")
+    return out
+
+
+def spec_dict_from_config(fields: dict[str, Any], payload_dtype: str, name: str) -> dict[str, Any]:
+    """A spec in :meth:`~.spec.ModelSpec.to_dict` form from a config's PLE fields (:func:`ple_config`)
+    and the table's payload dtype (one of :data:`ROW_FORMATS`); multipliers by :func:`splitmix_multipliers`."""
+    missing = [k for k in _REQUIRED if k not in fields]
+    if missing:
+        raise SpecError(f"config.json has no {', '.join(missing)} (looked at text_config and the top level); "
+                        "pass --model to name the model instead")
+    try:
+        layers = sorted(set(int(x) - 1 for x in fields["ple_layer_ids"]))
+        n, heads, embed = int(fields["ngram_size"]), int(fields["heads_per_ngram"]), int(fields["ple_embed_dim"])
+        vocab, eos, seed = int(fields["vocab_size"]), eos_id(fields["eos_token_id"]), int(fields["seed"])
+    except (TypeError, ValueError) as exc:
+        raise SpecError(f"config.json PLE fields are malformed: {exc}") from exc
+    if n < 2 or heads < 1 or embed % ((n - 1) * heads) or not layers or layers[0] < 0:
+        raise SpecError(f"config.json: ple_embed_dim {embed} must split into (ngram_size - 1) x heads_per_ngram = "
+                        f"{max(n - 1, 0) * heads} rows, ngram_size >= 2, ple_layer_ids one-indexed and not empty")
+    return {
+        "name": name, "layers": layers, "orders": list(range(2, n + 1)), "heads": heads,
+        "table_base": int(fields["ngram_vocab_size_base"]), "compressed_vocab": vocab, "pad_id": eos,
+        "multipliers": {str(layer): list(splitmix_multipliers(d, vocab, n, seed)) for d, layer in enumerate(layers)},
+        "row_format": ROW_FORMATS[payload_dtype] | {"dim": embed // ((n - 1) * heads)},
+        "seed_factor": LAYER_PRIME, "expected_rows": None, "pad_token_id": eos,
+        "row_pad_to": int(fields["make_ngram_vocab_size_divisible_by"]), "boundary": "eos",
+        "multiplier_rule": "splitmix64", "seed": seed, "token_ids": "raw",
+    }

@@ -1,6 +1,7 @@
 """Import Engram tables from a safetensors checkpoint into a table set.
 
-Finds ``[model.]layers.{L}.engram.embed.weight`` (F8_E4M3 ``[rows, dim]``) and
+A Qwen4Exp checkpoint (by the spec's family, or config.json's ``model_type``/``architectures``)
+is imported by :mod:`.import_qwen4exp`; DeepSeek-V4.1-style Engram checkpoints here. Finds ``[model.]layers.{L}.engram.embed.weight`` (F8_E4M3 ``[rows, dim]``) and
 ``...engram.embed.scale`` (F8_E8M0 ``[rows, dim // scale_block]``) for every
 Engram layer of the spec, checks them against the spec (and ``config.json``'s
 engram fields when present) and streams them, a block of rows at a time, into
@@ -11,23 +12,22 @@ written. Any error leaves no output (see :mod:`engram_store.format.writer`).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
-
-import numpy as np
 
 from ..errors import CheckpointImportError, SpecError
 from ..format.layout import PageLayout
 from ..format.manifest import Manifest
 from ..format.writer import Progress, TableSetWriter
+from ..models.qwen4exp import is_qwen4exp_config, is_qwen4exp_spec
 from ..models.spec import ModelSpec, config_mismatches, engram_config, spec_from_config
 from ..models.tokens import TokenMap, write_token_map
-from .safetensors_io import TensorRef, read_header
+from . import import_qwen4exp
+from .checkpoint_rows import RowPiece, RowPieces, checkpoint_tensors, read_ahead, read_config
+from .safetensors_io import TensorRef
 
 log = logging.getLogger(__name__)
 
@@ -39,30 +39,12 @@ SCALE_DTYPES = {"F8_E8M0", "U8"}  # U8: raw exponent bytes, as some exporters wr
 
 def find_tensors(ckpt: Path) -> dict[int, dict[str, TensorRef]]:
     """``{layer: {"weight": ref, "scale": ref}}`` over every ``*.safetensors`` shard."""
-    shards = sorted(ckpt.glob("*.safetensors"))
-    if not shards:
-        raise CheckpointImportError(f"{ckpt}: no *.safetensors shards found")
     found: dict[int, dict[str, TensorRef]] = {}
-    for shard in shards:
-        for name, ref in read_header(shard).items():
-            m = _NAME.match(name)
-            if m:
-                found.setdefault(int(m.group(1)), {})[m.group(2)] = ref
+    for name, ref in checkpoint_tensors(ckpt):
+        m = _NAME.match(name)
+        if m:
+            found.setdefault(int(m.group(1)), {})[m.group(2)] = ref
     return found
-
-
-def read_config(ckpt: Path) -> dict | None:
-    """The checkpoint's config.json, or None when it has none."""
-    path = ckpt / "config.json"
-    if not path.exists():
-        return None
-    try:
-        config = json.loads(path.read_text())
-    except ValueError as exc:
-        raise CheckpointImportError(f"{path}: not valid JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise CheckpointImportError(f"{path}: expected a JSON object, got {type(config).__name__}")
-    return config
 
 
 def check_config(ckpt: Path, spec: ModelSpec, token_map: TokenMap | None = None) -> None:
@@ -88,6 +70,8 @@ def checkpoint_spec(ckpt: Path, token_map: TokenMap | None = None) -> ModelSpec:
     config = read_config(ckpt)
     if config is None:
         raise CheckpointImportError(f"{ckpt}: no config.json to take the model from; pass --model")
+    if is_qwen4exp_config(config):
+        return import_qwen4exp.checkpoint_spec(ckpt)
     fields = engram_config(config)
     pad = None
     if token_map is not None and "engram_pad_token_id" in fields:
@@ -130,31 +114,6 @@ def plan(ckpt: Path, spec: ModelSpec, token_map: TokenMap | None = None) -> dict
     return out
 
 
-def _layer_blocks(weight: TensorRef, scale: TensorRef, block_rows: int,
-                  pool: ThreadPoolExecutor) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Rows of one layer as ``(payload, scales)`` column parts, the next block read ahead."""
-    rows = weight.shape[0]
-    wfd = os.open(weight.file, os.O_RDONLY)
-    sfd = os.open(scale.file, os.O_RDONLY)
-    try:
-        for fd in (wfd, sfd):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-
-        def read(first: int) -> tuple[np.ndarray, np.ndarray]:
-            n = min(block_rows, rows - first)
-            return weight.read_rows(first, n, wfd), scale.read_rows(first, n, sfd)
-
-        starts = range(0, rows, block_rows)
-        pending = pool.submit(read, 0) if rows else None
-        for i, _ in enumerate(starts):
-            parts = pending.result()
-            pending = pool.submit(read, starts[i + 1]) if i + 1 < len(starts) else None
-            yield parts
-    finally:
-        os.close(wfd)
-        os.close(sfd)
-
-
 def import_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, spec: ModelSpec | None = None, *,
                       overwrite: bool = False, progress: Progress | None = None, block_rows: int = 1 << 18,
                       group: str | None = None, tokenizer: str | os.PathLike | None = None,
@@ -163,6 +122,10 @@ def import_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, spec: Mod
     a table set at ``out``, readable by ``group`` (default: the writer's group). The compressed token
     map of ``tokenizer`` (default: ``ckpt/tokenizer.json`` when present) is stored with the tables."""
     ckpt = Path(ckpt)
+    if spec is not None and is_qwen4exp_spec(spec) or spec is None and is_qwen4exp_config(read_config(ckpt) or {}):
+        return import_qwen4exp.import_checkpoint(ckpt, out, spec, overwrite=overwrite, progress=progress,
+                                                 block_rows=block_rows, group=group, tokenizer=tokenizer,
+                                                 stripe_dirs=stripe_dirs)
     if tokenizer is None and (ckpt / "tokenizer.json").exists():
         tokenizer = ckpt / "tokenizer.json"
     token_map = None if tokenizer is None else TokenMap.from_tokenizer(tokenizer)
@@ -176,7 +139,7 @@ def import_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, spec: Mod
             ThreadPoolExecutor(1, thread_name_prefix="import-read") as pool:
         for layer, (weight, scale) in layers.items():
             log.info("importing layer %d: %d rows from %s", layer, weight.shape[0], weight.file.name)
-            w.write_layer(layer, _layer_blocks(weight, scale, block_rows, pool), progress)
+            w.write_layer(layer, read_ahead(RowPieces([RowPiece(0, (weight, scale))]), block_rows, pool), progress)
         if token_map is not None:
             w.token_map = write_token_map(token_map, tokenizer, write=w.add_file)
             log.info("token map: %d raw ids -> %d classes", token_map.raw_vocab, token_map.classes)

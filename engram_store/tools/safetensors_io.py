@@ -39,16 +39,27 @@ class TensorRef:
         """Bytes per index of the first dimension."""
         return self.nbytes // self.shape[0] if self.shape and self.shape[0] else 0
 
-    def read_rows(self, first: int, count: int, fd: int) -> np.ndarray:
-        """uint8 ``[count, row_nbytes]`` of rows ``first .. first + count``."""
+    def read_rows(self, first: int, count: int, fd: int, out: np.ndarray | None = None) -> np.ndarray:
+        """uint8 ``[count, row_nbytes]`` of rows ``first .. first + count`` (into ``out``, C-contiguous, when given)."""
         rb = self.row_nbytes
-        out = np.empty((count, rb), dtype=np.uint8)
+        if out is None:
+            out = np.empty((count, rb), dtype=np.uint8)
         want = count * rb
         got = os.preadv(fd, [memoryview(out).cast("B")], self.start + first * rb)
         if got != want:
             raise CheckpointImportError(f"{self.file}: short read of tensor {self.name} rows {first}..{first + count} "
                                         f"({got} of {want} bytes): is the shard truncated?")
         return out
+
+    def read_all(self) -> np.ndarray:
+        """The whole tensor's bytes, uint8 (for small tensors: scalars, buffers)."""
+        with open(self.file, "rb") as f:
+            f.seek(self.start)
+            data = f.read(self.nbytes)
+        if len(data) != self.nbytes:
+            raise CheckpointImportError(f"{self.file}: short read of tensor {self.name} ({len(data)} of {self.nbytes} "
+                                        "bytes): is the shard truncated?")
+        return np.frombuffer(data, dtype=np.uint8)
 
 
 def read_header(path: Path) -> dict[str, TensorRef]:
