@@ -113,10 +113,9 @@ def scenario_blackwell_paths(tables_dir: str) -> None:
 
     def lookup_spy(self, indices, out, background=False):
         lookups.append((cached.is_cached(self), FakeStreams.current.name))
-        if cached.is_cached(self):
-            return inner_lookup(self, indices, out, background)
-        # a resident layer: vLLM's own stream and sort decisions are what is checked; its kernel over the arena
-        # (exact in test_plugin_patches_and_vllm_reads_the_arena) is not launched (120,000 rows interpreted)
+        # vLLM's stream and sort decisions and the fetch into the staging are what is checked; its kernel over
+        # the arena or the staging (exact in test_plugin_patches_and_vllm_reads_the_arena and
+        # test_cached_layer_is_fetched_a_layer_ahead_through_vllms_lookup) is not launched (120,000 rows interpreted)
         kernel, E._engram_lookup_kernel = E._engram_lookup_kernel, NoLaunch()
         try:
             return inner_lookup(self, indices, out, background)
@@ -144,13 +143,15 @@ def scenario_blackwell_paths(tables_dir: str) -> None:
         (is_cached, stream), = lookups
         side = f"engram-{layer}"
         if is_cached:
-            want = ts.read_rows(layer, ids[layer].reshape(-1)).reshape(rows.shape)
-            np.testing.assert_array_equal(rows.numpy(), want)
+            want = ts.read_rows(layer, ids[layer].reshape(-1))  # staging row i holds the step's i-th id
+            job, n, width = engram.embed_tokens._engram_store.job, want.shape[0], spec.row_format.payload_bytes
+            np.testing.assert_array_equal(job.weight[:n], want[:, :width])
+            np.testing.assert_array_equal(job.scales[:n], want[:, width:])
             assert stream == side and engram._prefetch_done.stream == side and RecordedIds.streams == [side], \
                 (stream, engram._prefetch_done.stream, RecordedIds.streams)
             assert engram._prefetch_stream.waited == ["main"] and not sorts, (engram._prefetch_stream.waited, sorts)
-            ok(f"cached layer {layer}: a {tokens}-token step fetched on the Engram side stream, ids unsorted, rows "
-               "equal TableSet.read_rows")
+            ok(f"cached layer {layer}: a {tokens}-token step fetched on the Engram side stream, ids unsorted, staged "
+               "rows equal TableSet.read_rows")
         else:
             assert stream == "main" and sorts and set(sorts) == {tokens * 24}, (stream, sorts)
             ok(f"resident layer {layer}: vLLM's own choice for {tokens} tokens on Blackwell (inline, sorted)")
