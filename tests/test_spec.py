@@ -27,7 +27,7 @@ def test_primes_are_distinct_rising_primes(name):
     assert len(set(allp.tolist())) == allp.size
     assert (np.diff(allp) > 0).all()
     assert allp[0] >= spec.table_base
-    assert all(_is_prime(int(p)) for p in allp[:8])  # trial division is slow for 16M; spot-check
+    assert spec.size_rule != "primes" or all(_is_prime(int(p)) for p in allp[:8])  # spot-check (LongCat: odd)
     offs = spec.offsets(spec.layers[0]).reshape(-1)
     assert offs[0] == 0 and (offs[1:] == np.cumsum(spec.primes(spec.layers[0]).reshape(-1))[:-1]).all()
 

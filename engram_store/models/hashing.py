@@ -31,6 +31,14 @@ A spec with ``boundary = "eos"`` (Qwen4Exp, raw ids, ``pad_id`` its EOS) hashes 
 the first EOS looking back, and positions before the request's start (history and lookback
 fill), hash as EOS. ``history`` is then vLLM's ``ngram_context`` row as it is.
 
+A spec with ``boundary = "eos_cut"`` and ``hash_rule = "poly_mod"`` (LongCat, raw ids, ``pad_id``
+its EOS) hashes as vLLM's ``ngram_compute_n_gram_ids`` over ``LongcatNgramModelState``'s token
+table: the gram of order n is the current token and up to n - 1 tokens back, cut (never padded)
+at the request's start and at the first EOS looking back; an EOS current token gives the table's
+offset (``eos_current = "offset"``, vLLM 0.33) or is hashed with its look-back (``"rehash"``,
+SGLang 0.5.23). A negative ``history`` entry is a cut too, so vLLM's ``token_context`` row (-1 for
+none, EOS negated) may be passed as it is.
+
 The result is int64 ``[T, len(orders) * heads]`` global row ids in
 (order, head) order.
 """
@@ -50,6 +58,7 @@ if TYPE_CHECKING:
     from .tokens import RawIds
 
 BLOCKED = -1
+CUT = -1  # boundary "eos_cut": the suffix token where the gram has ended
 
 
 def _check_batch(spec: ModelSpec, T: int, cu: np.ndarray, history_shape: tuple[int, ...] | None) -> None:
@@ -62,7 +71,11 @@ def _check_batch(spec: ModelSpec, T: int, cu: np.ndarray, history_shape: tuple[i
 
 
 def _check_ids(spec: ModelSpec, name: str, lo: int, hi: int) -> None:
-    if spec.boundary == "eos":
+    if spec.boundary == "eos_cut" and name == "history":  # negative: a cut (vLLM's token_context)
+        if lo < -spec.compressed_vocab or hi >= spec.compressed_vocab:
+            raise InvalidRequest(f"history must be token ids in [0, {spec.compressed_vocab}) or negative (a "
+                                 f"boundary, >= -{spec.compressed_vocab}), got values in [{lo}, {hi}]")
+    elif spec.boundary != "blocked":
         if lo < 0 or hi >= spec.compressed_vocab:
             raise InvalidRequest(f"{name} must be token ids in [0, {spec.compressed_vocab}), got values in [{lo}, {hi}]")
     elif lo < BLOCKED or hi >= spec.compressed_vocab:
@@ -102,6 +115,12 @@ def suffix_tokens_numpy(spec: ModelSpec, tokens, cu_seqlens=None, history=None) 
     tokens, cu, hist = _as_batch_numpy(spec, tokens, cu_seqlens, history)
     ext, pos = _segments_numpy(spec, tokens, cu, hist)
     tok = ext[pos[:, None] - np.arange(spec.max_ngram, dtype=np.int64)]
+    if spec.boundary == "eos_cut":  # CUT from the first boundary on
+        stop = (tok < 0) | (tok == spec.pad_id)
+        if spec.eos_current == "rehash":
+            stop[:, 0] = False
+        tok[np.logical_or.accumulate(stop, axis=1)] = CUT
+        return tok
     if spec.boundary == "eos":  # the current token is kept; EOS ends the look-back
         blocked = np.logical_or.accumulate(tok[:, 1:] == spec.pad_id, axis=1)
         tok[:, 1:][blocked] = spec.pad_id
@@ -110,8 +129,20 @@ def suffix_tokens_numpy(spec: ModelSpec, tokens, cu_seqlens=None, history=None) 
     return np.where(blocked, spec.pad_id, tok)
 
 
+def _gram_weights(spec: ModelSpec, layer: int) -> np.ndarray:
+    """poly_mod: ``spec.poly_weights(layer)`` with 0 for the tokens beyond each order's gram, so a
+    gram sums all ``max_ngram`` columns (a CUT column, clamped to 0, adds 0 as well)."""
+    within = np.arange(spec.max_ngram) < np.asarray(spec.orders)[:, None]  # [O, N]
+    return spec.poly_weights(layer) * within[:, None, :]
+
+
 def hash_suffix_numpy(spec: ModelSpec, layer: int, tok: np.ndarray) -> np.ndarray:
     """Row ids ``[T, rows_per_token]`` of suffix tokens ``tok`` ``[T, max_ngram]``."""
+    if spec.hash_rule == "poly_mod":  # tokens < 2**31, weights < size < 2**31: products never wrap
+        sizes = spec.sizes(layer)
+        terms = np.maximum(tok, 0)[:, None, None, :] * _gram_weights(spec, layer) % sizes[:, :, None]
+        rows = terms.sum(axis=3) % sizes + spec.offsets(layer)
+        return rows.reshape(tok.shape[0], spec.rows_per_token)
     mix = np.bitwise_xor.accumulate(tok * spec.multipliers_array(layer), axis=1)  # mix of order n: column n-1
     orders = np.asarray(spec.orders) - 1
     rows = mix[:, orders, None] % spec.primes(layer) + spec.offsets(layer)
@@ -126,7 +157,7 @@ def history_from_lookback_numpy(spec: ModelSpec, lookback, raw: "RawIds | None" 
     if raw is not None:
         comp = raw.compress_numpy(lb, none=spec.pad_id)
     else:
-        given = lb[lb != BLOCKED] if spec.boundary == "eos" else lb  # -1: before the start, under either rule
+        given = lb[lb != BLOCKED] if spec.boundary != "blocked" else lb  # -1: before the start, under any rule
         if given.size:
             _check_ids(spec, "lookback", int(given.min()), int(given.max()))
         comp = np.where(lb == BLOCKED, spec.pad_id, lb)
@@ -213,6 +244,11 @@ def suffix_tokens_torch(spec: ModelSpec, tokens, cu_seqlens=None, history=None, 
     tokens, cu, hist = _as_batch_torch(spec, tokens, cu_seqlens, history, validate)
     ext, pos = _segments_torch(spec, tokens, cu, hist)
     tok = ext[pos[:, None] - torch.arange(spec.max_ngram, device=tokens.device)]
+    if spec.boundary == "eos_cut":  # CUT from the first boundary on
+        stop = (tok < 0) | (tok == spec.pad_id)
+        if spec.eos_current == "rehash":
+            stop[:, 0] = False
+        return torch.where(torch.cummax(stop.to(torch.int8), dim=1).values.bool(), CUT, tok)
     if spec.boundary == "eos":  # the current token is kept; EOS ends the look-back
         blocked = torch.cummax((tok[:, 1:] == spec.pad_id).to(torch.int8), dim=1).values.bool()
         tok[:, 1:] = torch.where(blocked, torch.full_like(tok[:, 1:], spec.pad_id), tok[:, 1:])
@@ -221,19 +257,21 @@ def suffix_tokens_torch(spec: ModelSpec, tokens, cu_seqlens=None, history=None, 
     return torch.where(blocked, torch.full_like(tok, spec.pad_id), tok)
 
 
-_DEVICE_CONSTANTS: dict[tuple, tuple] = {}  # (spec geometry, layer, device) -> (multipliers, primes, offsets)
+_DEVICE_CONSTANTS: dict[tuple, tuple] = {}  # (spec geometry, layer, device) -> (multipliers or weights, sizes, offsets)
 
 
 def _layer_constants(spec: ModelSpec, layer: int, dev) -> tuple:
-    """A layer's multipliers, primes and offsets on ``dev``, made once per (spec, layer, device):
+    """A layer's multipliers (poly_mod: weights), sizes and offsets on ``dev``, made once per (spec, layer, device):
     building them per call is three host-to-device copies per layer per step, each waiting for
     the GPU queue, which would undo the layer-ahead overlap."""
-    key = (spec.name, spec.table_base, spec.orders, spec.heads, spec.multipliers[layer], layer, str(dev))
+    key = (spec.name, spec.table_base, spec.orders, spec.heads, spec.multipliers[layer], spec.size_rule,
+           spec.hash_rule, layer, str(dev))
     found = _DEVICE_CONSTANTS.get(key)
     if found is None:
         import torch
 
-        found = (torch.tensor(spec.multipliers_array(layer), device=dev), torch.tensor(spec.primes(layer), device=dev),
+        weights = _gram_weights(spec, layer) if spec.hash_rule == "poly_mod" else spec.multipliers_array(layer)
+        found = (torch.tensor(weights, device=dev), torch.tensor(spec.sizes(layer), device=dev),
                  torch.tensor(spec.offsets(layer), device=dev))
         _DEVICE_CONSTANTS[key] = found
     return found
@@ -243,6 +281,10 @@ def hash_suffix_torch(spec: ModelSpec, layer: int, tok: "torch.Tensor") -> "torc
     import torch
 
     multipliers, primes, offsets = _layer_constants(spec, layer, tok.device)
+    if spec.hash_rule == "poly_mod":  # multipliers: the gram weights [O, H, N]
+        terms = torch.remainder(tok.clamp(min=0)[:, None, None, :] * multipliers, primes[:, :, None])
+        rows = torch.remainder(terms.sum(dim=3), primes) + offsets
+        return rows.reshape(tok.shape[0], spec.rows_per_token)
     prod = tok * multipliers
     mix = [prod[:, 0]]
     for k in range(1, spec.max_ngram):  # over look-back positions (<= 3), not tokens

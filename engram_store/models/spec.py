@@ -5,7 +5,8 @@ Adding a model means adding an entry to :data:`MODELS`, never a code path.
 
 Table sizes follow the recipe of ``shared/ENGRAM.md``: for every layer in order
 and every n-gram order, take the next ``heads`` primes above ``table_base - 1``
-that no earlier (layer, order, head) used. Multipliers are pinned per layer
+that no earlier (layer, order, head) used (``size_rule = "primes"``; LongCat's
+odd moduli are ``size_rule = "odd"``, :mod:`.longcat`). Multipliers are pinned per layer
 because numpy does not promise a stable random stream across versions;
 :func:`derive_multipliers` recomputes them so a test can check the pins.
 """
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SpecError
+from .longcat import SPECS as LONGCAT_SPECS, odd_sizes, power_multipliers
 from .qwen4exp import SPECS as QWEN4EXP_SPECS, splitmix_multipliers
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -99,6 +101,9 @@ class ModelSpec:
     multiplier_rule: str = "numpy_rng"  # see MULTIPLIER_RULES
     seed: int = 0  # splitmix64 rule: the model's seed
     token_ids: str = "compressed"  # the hash reads "compressed" ids (through a token map) or "raw" ids
+    size_rule: str = "primes"  # see SIZE_RULES
+    hash_rule: str = "xor_mul"  # see HASH_RULES
+    eos_current: str = "offset"  # boundary "eos_cut": an EOS current token's id, see EOS_CURRENT
 
     def __post_init__(self) -> None:
         if not self.layers or sorted(set(self.layers)) != list(self.layers):
@@ -109,21 +114,28 @@ class ModelSpec:
             raise SpecError(f"spec {self.name!r}: heads, table_base and compressed_vocab must be positive")
         if not 0 <= self.pad_id < self.compressed_vocab:
             raise SpecError(f"spec {self.name!r}: pad_id {self.pad_id} outside the compressed vocab")
+        bound = INT64_MAX if self.hash_rule == "poly_mod" else INT64_MAX // self.compressed_vocab
         for layer in self.layers:
             mult = self.multipliers.get(layer)
             if mult is None or len(mult) != self.max_ngram:
                 raise SpecError(f"spec {self.name!r}: layer {layer} needs {self.max_ngram} multipliers")
-            if any(m <= 0 or m > INT64_MAX // self.compressed_vocab for m in mult):
-                raise SpecError(f"spec {self.name!r}: layer {layer} multipliers must be in (0, int64_max // vocab]")
+            if any(m <= 0 or m > bound for m in mult):
+                raise SpecError(f"spec {self.name!r}: layer {layer} multipliers must be in (0, {bound}]")
         for problem in self.row_format.problems():
             raise SpecError(f"spec {self.name!r}: {problem}")
         for field, value, allowed in (("boundary", self.boundary, BOUNDARIES),
                                       ("multiplier_rule", self.multiplier_rule, MULTIPLIER_RULES),
-                                      ("token_ids", self.token_ids, ("compressed", "raw"))):
+                                      ("token_ids", self.token_ids, ("compressed", "raw")),
+                                      ("size_rule", self.size_rule, SIZE_RULES), ("hash_rule", self.hash_rule, HASH_RULES),
+                                      ("eos_current", self.eos_current, EOS_CURRENT)):
             if value not in allowed:
                 raise SpecError(f"spec {self.name!r}: {field} {value!r} is not one of {list(allowed)}")
         if self.row_pad_to < 1:
             raise SpecError(f"spec {self.name!r}: row_pad_to must be >= 1, got {self.row_pad_to}")
+        if len({self.hash_rule == "poly_mod", self.multiplier_rule == "powers", self.boundary == "eos_cut"}) > 1:
+            raise SpecError(f"spec {self.name!r}: hash_rule 'poly_mod' goes with multiplier_rule 'powers' and "
+                            f"boundary 'eos_cut', and only with them; got {self.hash_rule!r}, "
+                            f"{self.multiplier_rule!r}, {self.boundary!r}")
 
     # --- derived geometry -------------------------------------------------
     @property
@@ -143,21 +155,37 @@ class ModelSpec:
     def row_bytes(self) -> int:
         return self.row_format.row_bytes
 
-    def primes(self, layer: int) -> np.ndarray:
-        """int64 ``[len(orders), heads]`` table sizes of ``layer``."""
-        return _primes(self.layers, self.orders, self.heads, self.table_base)[self._index(layer)]
+    def sizes(self, layer: int) -> np.ndarray:
+        """int64 ``[len(orders), heads]`` table sizes (the hash's moduli) of ``layer``: primes
+        (``size_rule = "primes"``) or LongCat's odd moduli (``"odd"``)."""
+        index = self._index(layer)
+        if self.size_rule == "odd":
+            return odd_sizes(self.table_base, len(self.orders), self.heads)
+        return _primes(self.layers, self.orders, self.heads, self.table_base)[index]
+
+    primes = sizes  # V4.1's name for the sizes
+
+    def poly_weights(self, layer: int) -> np.ndarray:
+        """int64 ``[len(orders), heads, max_ngram]``: ``multipliers[d] mod size`` per table, the
+        weight of the token ``d`` back (``hash_rule = "poly_mod"``; vLLM's ``ne_weights``)."""
+        sizes = [int(s) for s in self.sizes(layer).reshape(-1)]
+        weights = [[m % s for m in self.multipliers[layer]] for s in sizes]  # Python ints: powers may pass int64
+        return np.asarray(weights, dtype=np.int64).reshape(len(self.orders), self.heads, self.max_ngram)
 
     def offsets(self, layer: int) -> np.ndarray:
         """int64 ``[len(orders), heads]`` first global row of each (order, head) table."""
-        flat = self.primes(layer).reshape(-1)
+        flat = self.sizes(layer).reshape(-1)
         return (np.cumsum(flat) - flat).reshape(len(self.orders), self.heads)
 
     def rows(self, layer: int) -> int:
         """Rows of ``layer``'s table: its primes' sum, padded to ``row_pad_to`` (rows the hash never names)."""
-        return -(-int(self.primes(layer).sum()) // self.row_pad_to) * self.row_pad_to
+        return -(-int(self.sizes(layer).sum()) // self.row_pad_to) * self.row_pad_to
 
     def derived_multipliers(self, layer: int) -> tuple[int, ...]:
         """``layer``'s multipliers recomputed by the spec's rule (only to check the pinned values)."""
+        if self.multiplier_rule == "powers":
+            self._index(layer)
+            return power_multipliers(self.compressed_vocab, self.max_ngram)
         if self.multiplier_rule == "splitmix64":
             return splitmix_multipliers(self._index(layer), self.compressed_vocab, self.max_ngram, self.seed,
                                         self.seed_factor)
@@ -208,7 +236,8 @@ class ModelSpec:
         """Raise if the computed table sizes differ from the pinned checkpoint row counts."""
         for layer, want in (self.expected_rows or {}).items():
             if self.rows(layer) != want:
-                raise SpecError(f"spec {self.name!r} layer {layer}: primes sum to {self.rows(layer)}, checkpoint has {want}")
+                raise SpecError(f"spec {self.name!r} layer {layer}: table sizes sum to {self.rows(layer)}, "
+                                f"checkpoint has {want}")
 
 
 # boundary rules of the hash's look-back (engram_store.models.hashing):
@@ -216,10 +245,21 @@ class ModelSpec:
 #            request's start as pad_id.
 # "eos":     Qwen4Exp; look-back tokens at or beyond the first pad_id (EOS) looking back, and
 #            positions before the start, hash as pad_id; the current token is always kept.
-BOUNDARIES = ("blocked", "eos")
-# multiplier rules: "numpy_rng" (V4.1, derive_multipliers), "splitmix64" (Qwen4Exp, .qwen4exp)
-MULTIPLIER_RULES = ("numpy_rng", "splitmix64")
-_LATER = {"row_pad_to": 1, "boundary": "blocked", "multiplier_rule": "numpy_rng", "seed": 0, "token_ids": "compressed"}
+# "eos_cut": LongCat; the gram is cut (shorter, never padded) at the request's start and at the
+#            first EOS looking back; an EOS current token as eos_current says.
+BOUNDARIES = ("blocked", "eos", "eos_cut")
+# "offset": vLLM 0.33 (EOS negated in its token table): the gram is empty, the id is the table's offset.
+# "rehash": SGLang 0.5.23: the EOS is hashed with its look-back, as any other current token.
+EOS_CURRENT = ("offset", "rehash")
+# multiplier rules: "numpy_rng" (V4.1, derive_multipliers), "splitmix64" (Qwen4Exp, .qwen4exp),
+# "powers" (LongCat: compressed_vocab**d, .longcat)
+MULTIPLIER_RULES = ("numpy_rng", "splitmix64", "powers")
+SIZE_RULES = ("primes", "odd")  # "odd": table e of a layer has table_base + 2e + 1 rows (.longcat)
+# "xor_mul": V4.1 and Qwen4Exp, xor of token * multiplier, mod the size; "poly_mod": LongCat, sum of
+# (token * poly_weights) mod the size, mod the size (engram_store.models.hashing)
+HASH_RULES = ("xor_mul", "poly_mod")
+_LATER = {"row_pad_to": 1, "boundary": "blocked", "multiplier_rule": "numpy_rng", "seed": 0, "token_ids": "compressed",
+          "size_rule": "primes", "hash_rule": "xor_mul", "eos_current": "offset"}
 
 
 def _is_prime(n: int) -> bool:
@@ -309,7 +349,7 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
-MODELS.update({name: ModelSpec.from_dict(d) for name, d in QWEN4EXP_SPECS.items()})
+MODELS.update({name: ModelSpec.from_dict(d) for name, d in (QWEN4EXP_SPECS | LONGCAT_SPECS).items()})
 
 
 # --------------------------------------------------------------------------- from a checkpoint's config.json
