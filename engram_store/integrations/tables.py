@@ -213,6 +213,13 @@ class EngramStoreTables:
         """Rows of each (order, head) table of ``layer``, in row order (the engines' head order)."""
         return tuple(int(p) for p in self.spec.primes(layer).reshape(-1))
 
+    def table_scale(self, layer: int) -> float | None:
+        """The one scale of ``layer``'s whole table (vLLM's FP8 ``weight_scale``, NVFP4's ``weight_scale_2``),
+        as the daemon's Info gives it; None when the daemon gives none (a row format without one)."""
+        self.rows(layer)
+        value = (self.info.get("table_scales") or {}).get(str(layer))
+        return None if value is None else float(value)
+
     # --- tensors --------------------------------------------------------------------
     def _whole_tensor(self) -> "torch.Tensor":
         import torch

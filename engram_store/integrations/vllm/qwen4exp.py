@@ -1,0 +1,330 @@
+"""vLLM's Qwen4Exp (Qwen3.8-Flash-Next) PLE n-gram table from the engram-store daemon.
+
+vLLM 0.33 keeps each PLE layer's table in a storage object of ``Qwen4ExpNGramEmbedding``
+(``vllm/models/qwen4_exp``): ``Qwen4ExpPLEPinnedHostEmbedding`` (``engram_config.cpu_offload``, the
+default: pinned host memory read over UVA, a layer ahead, through ``start_prefetch`` /
+``finalize_prefetch``) or ``Qwen4ExpPLEDeviceEmbedding`` (looked up inline in ``forward``; vLLM's CPU
+platform). The plugin replaces both classes with subclasses whose table is the daemon's
+(:func:`targets`), and checks the model config against the daemon's tables when the embedding is built
+(:class:`~engram_store.integrations.models.qwen4exp.PLELayout`: PLE layers, rows, heads, row width and
+format, ETP size):
+
+* **resident** layer: ``weight`` (and NVFP4's block scales) are this ETP rank's contiguous rows
+  ``[r * P / E, (r + 1) * P / E)`` read in place from the arena (``tables.views``: zero copy, read-only);
+  vLLM's own lookup reads them: its UVA kernel on a GPU, its masked embedding on the CPU;
+* **cached** layer: ``weight`` is a fetch job's staging; each step the ids this rank owns are fetched
+  into it (the others as ``-1``: zero rows, which vLLM's ETP all-reduce expects) and vLLM's lookup reads
+  the staging with positional ids. On a GPU the ids go to the host on the prefetch side stream and the job
+  runs as a host function there (so under CUDA graphs too); on the CPU the job runs in ``start_prefetch``
+  (or inline in ``forward``).
+
+The results are reduced over ETP by vLLM's own ``_reduce_etp_embeddings``. The table's global scale
+(FP8 ``weight_scale``, NVFP4 ``weight_scale_2``) is set from ``tables.table_scale(layer)``; a checkpoint
+scale loaded over it must equal it. A failed fetch (a page failing its checksum) leaves zero rows and is
+raised at the step's host-visible points by the model runners' checks (:mod:`.runners`, as for V4.1's
+cached layers), never inside the forward, where a rank leaving early would strand its ETP peers.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib
+import logging
+import re
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable
+
+from ...errors import EngineUnsupported, ModelMismatch
+from ..install import Plugin
+from ..models.qwen4exp import QWEN4EXP, TABLE_TENSOR, PLELayout
+from ..tables import EngramStoreTables
+from . import ranks, runners
+
+log = logging.getLogger(__name__)
+
+NGRAM = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
+COMMON = "vllm.models.qwen4_exp.common.ngram_embedding"
+DEAD_ID = -1  # an id this rank does not own: its fetch job writes a zero row
+PINNED, DEVICE = "Qwen4ExpPLEPinnedHostEmbedding", "Qwen4ExpPLEDeviceEmbedding"
+
+
+@dataclass(frozen=True)
+class Building:
+    """What the storage object being built needs from its ``Qwen4ExpNGramEmbedding``."""
+
+    layer: int
+    max_tokens: int  # vLLM's max_total_tokens: the most tokens one step looks up
+    heads: int  # row ids per token
+
+
+_building: contextvars.ContextVar[Building | None] = contextvars.ContextVar("engram_store_ple", default=None)
+
+
+def targets(plugin: Plugin, attr: Callable[[Any, str], Any]) -> dict:
+    """Qwen4Exp's patches for ``patches._targets`` (key -> (owner, name, make)); none where vLLM's Qwen4Exp
+    code does not import (that model cannot be built there either). Raises ``EngineUnsupported`` naming a
+    name the patches need that this vLLM lacks."""
+    try:
+        ngram, common = importlib.import_module(NGRAM), importlib.import_module(COMMON)
+    except Exception as exc:  # noqa: BLE001 - any import failure: this vLLM cannot build Qwen4Exp at all
+        log.info("engram-store: vLLM's Qwen4Exp model does not import here (%s: %s); its PLE table is not patched",
+                 type(exc).__name__, exc)
+        return {}
+    module = attr(ngram, "Qwen4ExpNGramEmbedding")
+    for name in ("_make_vocab_layout", "compute_ngram_ids", "start_prefetch", "forward"):
+        attr(module, name)
+    for name in ("Qwen4ExpPLEEmbedding", "Qwen4ExpPLEEmbeddingMethod", "Qwen4ExpPLEFp8EmbeddingMethod",
+                 "Qwen4ExpPLENvFp4EmbeddingMethod", "get_etp_group", "get_tp_group"):
+        attr(common, name)
+    for name in ("_lookup", "_reduce_etp_embeddings", "start_prefetch", "_finalize_prefetch", "finalize_prefetch",
+                 "sync_lookup"):
+        attr(attr(common, PINNED), name)
+    return {"qwen4exp_ngram_init": (module, "__init__", partial(_ngram_init, plugin)),
+            "qwen4exp_pinned": (common, PINNED, partial(storage_class, plugin, common)),
+            "qwen4exp_device": (common, DEVICE, partial(storage_class, plugin, common))}
+
+
+def with_table_names(rule: re.Pattern) -> re.Pattern:
+    """``rule`` (the checkpoint's Engram tensor names, skipped before they are read) widened to Qwen4Exp's
+    PLE table tensors."""
+    return re.compile(f"(?:{rule.pattern})|(?:{TABLE_TENSOR.pattern})")
+
+
+# --- the model config, checked when an embedding is built ----------------------------------------
+def _ngram_init(plugin: Plugin, original):
+    def init(self, config, embedding_dim, ple_dense_layer_id, max_total_tokens, *args, **kwargs):
+        layout = describe(type(self), config, embedding_dim, kwargs.get("quant_config"), kwargs.get("prefix", ""))
+        QWEN4EXP.check_layout(plugin.tables(), layout, layout.scale_block,
+                              source="vLLM's Qwen4Exp config (ple_layer_ids and the PLE table's quant method)")
+        layer = layout.layer_ids[int(ple_dense_layer_id)]
+        heads = (int(config.ngram_size) - 1) * int(config.heads_per_ngram)
+        token = _building.set(Building(layer, int(max_total_tokens), heads))
+        try:
+            original(self, config, embedding_dim, ple_dense_layer_id, max_total_tokens, *args, **kwargs)
+        finally:
+            _building.reset(token)
+
+    return init
+
+
+def describe(cls: type, config: Any, embedding_dim: int, quant_config: Any, prefix: str) -> PLELayout:
+    """The :class:`PLELayout` vLLM builds from ``config``, with its own helpers (the prime layout,
+    the storage method the table's quant config picks) and the ETP group its storage classes read."""
+    import torch
+    from vllm.utils.math_utils import round_up
+
+    common = importlib.import_module(COMMON)
+    heads = (int(config.ngram_size) - 1) * int(config.heads_per_ngram)
+    dense = sorted({int(i) for i in config.ple_layer_ids})
+    head_sizes, rows = [], []
+    for d in range(len(dense)):
+        sizes, _, total = cls._make_vocab_layout(ngram_vocab_size_base=int(config.ngram_vocab_size_base),
+                                                 ngram_heads=heads, ple_dense_layer_id=d)
+        head_sizes.append(tuple(int(s) for s in sizes))
+        rows.append(int(round_up(total, int(config.make_ngram_vocab_size_divisible_by))))
+    method = common.Qwen4ExpPLEEmbeddingMethod.from_quant_config(quant_config, f"{prefix}.ngram_embedding",
+                                                                 getattr(config, "ple_embedding_dtype", None))
+    if isinstance(method, common.Qwen4ExpPLENvFp4EmbeddingMethod):
+        payload, block, scale = "float4_e2m1fn", 16, True
+    elif isinstance(method, common.Qwen4ExpPLEFp8EmbeddingMethod):
+        payload, block, scale = "float8_e4m3fn", 0, True
+    else:  # unquantized: the model's dtype
+        payload, block, scale = str(torch.get_default_dtype()).removeprefix("torch."), 0, False
+    return PLELayout(layer_ids=tuple(i - 1 for i in dense), rows=tuple(rows), head_sizes=tuple(head_sizes),
+                     dim=int(embedding_dim) // heads, payload_dtype=payload, scale_block=block, table_scale=scale,
+                     etp_size=int(common.get_etp_group().world_size))
+
+
+# --- the storage classes ------------------------------------------------------------------------
+@dataclass
+class Served:
+    """What one storage object serves: its layer, this rank's rows, and for a cached layer its fetch job."""
+
+    layer: int
+    tables: EngramStoreTables
+    start: int  # this ETP rank's rows [start, end) of the table
+    end: int
+    job: Any = None  # a cached layer's FetchJob
+    ids: Any = None  # torch int64 [max_rows] over the job's ids
+    positions: dict = field(default_factory=dict)  # device -> int64 [max_rows]: start + i, the staging's ids
+
+    def owned(self, ids):
+        """``ids`` where this rank owns them, else the dead id."""
+        import torch
+
+        return torch.where((ids >= self.start) & (ids < self.end), ids, DEAD_ID)
+
+    def fetch(self, ids) -> Any:
+        """A cached layer's rows of ``ids`` into the staging (this rank's; dead ids give zero rows): on the
+        ids' stream on a GPU (device-to-host copy, then the job as a host function), at once on the CPU.
+        Returns the positional ids vLLM's lookup reads the staging with."""
+        import torch
+
+        n = ids.numel()
+        if n > self.job.max_rows:
+            raise EngineUnsupported(f"PLE layer {self.layer}: a step of {n} row ids, the staging holds "
+                                    f"{self.job.max_rows} (max_num_batched_tokens x heads)")
+        self.ids[:n].copy_(self.owned(ids.reshape(-1)), non_blocking=ids.is_cuda)
+        if ids.is_cuda:
+            self.job.launch_host(torch.cuda.current_stream(ids.device).cuda_stream, n)
+        else:
+            self.job.run(n)
+        positions = self.positions.get(str(ids.device))
+        if positions is None:
+            positions = self.positions[str(ids.device)] = (self.start + torch.arange(self.job.max_rows)).to(ids.device)
+        return positions[:n].view(ids.shape)
+
+
+def storage_class(plugin: Plugin, common: Any, original: type) -> type:
+    """The subclass of vLLM's storage class ``original`` (pinned-host or device) whose table is the daemon's."""
+    base, pinned = common.Qwen4ExpPLEEmbedding, original.__name__ == PINNED
+    reduce_etp = getattr(common, PINNED)._reduce_etp_embeddings  # vLLM's own ETP reduce (FP8 as int8 bytes)
+
+    class EngramStorePLEEmbedding(original):
+        def __init__(self, *args, **kwargs):
+            if pinned and _gpu():
+                original.__init__(self, *args, **kwargs)  # vLLM's: UVA views of the arena / staging, side stream
+            else:
+                if not pinned and _gpu():
+                    raise EngineUnsupported("engram-store serves the PLE table from host memory: keep vLLM's "
+                                            "engram_config.cpu_offload = true (the default) on a GPU")
+                base.__init__(self, *args, **kwargs)
+            self.__dict__["_cpu_rows"] = None
+            self._engram_store_scale()
+
+        # -- where the rows are
+        def allocate_embedding_weight(self, num_embeddings, embedding_dim, dtype):
+            import torch
+
+            if torch.get_default_device().type == "meta":
+                return original.allocate_embedding_weight(self, num_embeddings, embedding_dim, dtype)
+            served = self.__dict__.get("_engram_store") or _serve(self, plugin.tables())
+            width = embedding_dim * torch.empty((), dtype=dtype).element_size()
+            if served.job is not None:
+                _, weight, scales = served.tables.job_tensors(served.job)
+            else:
+                weight, scales = served.tables.views(served.layer, served.start, served.end)
+            block = weight if width == weight.shape[1] else scales if width == scales.shape[1] else None
+            if block is None or (served.job is None and block.shape[0] != num_embeddings):
+                raise EngineUnsupported(f"PLE layer {served.layer}: vLLM wants {num_embeddings} rows of {embedding_dim}"
+                                        f" {dtype} on this rank; the daemon's rows are {tuple(weight.shape)} bytes")
+            return block.view(torch.uint8).view(dtype)
+
+        def weight_loader(self, param, loaded_weight, checkpoint_start=None):
+            served = self.__dict__.get("_engram_store")
+            if served is None:  # shapes only (meta): nothing of the daemon's
+                return original.weight_loader(self, param, loaded_weight, checkpoint_start)
+            if served.tables.owns(param.data_ptr()):
+                return  # the daemon's rows: never loaded (the checkpoint's are skipped before they are read)
+            if param.numel() == 1:  # the table's global scale: the checkpoint's must be the daemon's
+                want = served.tables.table_scale(served.layer)
+                got = float(loaded_weight.float().reshape(-1)[0])
+                if want is not None and got != want:
+                    raise ModelMismatch(f"PLE layer {served.layer}'s table scale: the checkpoint says {got!r}, the "
+                                        f"engram-store daemon at {served.tables.address} serves {want!r}: its tables "
+                                        "were imported from another checkpoint")
+            return original.weight_loader(self, param, loaded_weight, checkpoint_start)
+
+        def _engram_store_scale(self):
+            served = self.__dict__.get("_engram_store")
+            for name in ("weight_scale_2", "weight_scale"):
+                param = self._parameters.get(name)
+                if served is not None and param is not None and param.numel() == 1:
+                    value = served.tables.table_scale(served.layer)
+                    if value is None:
+                        raise EngineUnsupported(f"PLE layer {served.layer}: vLLM reads one {name} for the table; the "
+                                                f"engram-store daemon at {served.tables.address} gives none (an older "
+                                                "daemon or table set: upgrade it and re-import the table)")
+                    param.data.fill_(value)
+                    return
+
+        # -- lookups
+        def _rows(self, ids, output=None):
+            """This rank's rows of ``ids`` (zeros for ids it does not own), in vLLM's lookup dtype."""
+            import torch
+
+            served = self.__dict__["_engram_store"]
+            positions = served.fetch(ids) if served.job is not None else None
+            if ids.is_cuda:  # vLLM's UVA kernel over the arena or the staging
+                return original._lookup(self, ids if positions is None else positions, output)
+            local = served.owned(ids if positions is None else positions) - served.start
+            rows = self.embedding_method.embedding(self, local.clamp_min(0))
+            dead = (local < 0).unsqueeze(-1)
+            rows = rows.view(torch.uint8).masked_fill(dead, 0).view(rows.dtype) if rows.element_size() == 1 \
+                else rows.masked_fill(dead, 0)
+            return rows if output is None else output.copy_(rows)
+
+        def _lookup(self, input_ids, output=None):
+            return self._rows(input_ids.long(), output)
+
+        def _reduced(self, ids):
+            slot_size, slot_offset = self._get_dp_gather_slot(ids.shape[0])
+            rows = self._rows(self._gather_dp_ids(ids, slot_size).long())
+            if self.reduce_results:
+                rows = reduce_etp(self, rows)
+            return self._select_embeddings(rows, ids.shape[0], slot_offset)
+
+        def forward(self, ngram_ids):
+            return self._reduced(ngram_ids)
+
+        def sync_lookup(self, ngram_ids):
+            return self._reduced(ngram_ids)
+
+        def start_prefetch(self, ngram_ids):
+            if ngram_ids.is_cuda:
+                return original.start_prefetch(self, ngram_ids)
+            self.__dict__["_cpu_rows"] = self._reduced(ngram_ids)  # no side stream on the CPU: looked up (fetched) now
+
+        def finalize_prefetch(self, total_tokens):
+            if "_uva_weight" in self.__dict__:  # vLLM's join of its side stream, ETP reduce and output copy
+                return original.finalize_prefetch(self, total_tokens)
+            rows, self.__dict__["_cpu_rows"] = self._cpu_rows, None
+            if rows is None:
+                raise EngineUnsupported("PLE finalize_prefetch without a start_prefetch of the step")
+            if rows.shape[0] != total_tokens:
+                raise EngineUnsupported(f"PLE prefetch of {rows.shape[0]} tokens finalized for {total_tokens}")
+            return rows.flatten(-2)
+
+    EngramStorePLEEmbedding.supports_prefetch = pinned
+    EngramStorePLEEmbedding.__name__ = EngramStorePLEEmbedding.__qualname__ = \
+        f"EngramStore{original.__name__.removeprefix('Qwen4Exp')}"
+    return EngramStorePLEEmbedding
+
+
+def _serve(embedding: Any, tables: EngramStoreTables) -> Served:
+    """The :class:`Served` of a storage object being built (called from its first weight allocation)."""
+    import torch
+
+    building = _building.get()
+    if building is None:
+        raise EngineUnsupported("a Qwen4Exp PLE storage was built outside Qwen4ExpNGramEmbedding: engram-store "
+                                "cannot tell which PLE layer it serves")
+    layer, index = building.layer, embedding.shard_indices
+    served = Served(layer, tables, int(index.org_vocab_start_index), int(index.org_vocab_end_index))
+    if not tables.is_resident(layer):
+        runners.require_checked_runner(layer)
+        common = importlib.import_module(COMMON)
+        dp = max(1, embedding.tp_size // common.get_tp_group().world_size)  # ETP spanning DP gathers DP's ids
+        rows = building.max_tokens * dp * building.heads
+        if rows > served.end - served.start:
+            raise EngineUnsupported(f"PLE layer {layer}: a step may fetch {rows} rows, more than the "
+                                    f"{served.end - served.start} rows of this rank, which the staging's positional "
+                                    "ids must stay within; lower max_num_batched_tokens")
+        served.job = tables.fetch_job(layer, rows)
+        served.ids, _, _ = tables.job_tensors(served.job)
+        ranks.serve_cached(layer)
+    if torch.cuda.is_available() and not (registration := tables.register_cuda(layer)):
+        raise EngineUnsupported(f"PLE layer {layer}: {registration.message}")
+    embedding.__dict__["_engram_store"] = served
+    log.info("engram-store: PLE layer %d rows [%d, %d) %s", layer, served.start, served.end,
+             "mapped from the daemon's arena (zero copy)" if served.job is None else
+             f"fetched per step by a fetch job (up to {served.job.max_rows} rows)")
+    return served
+
+
+def _gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
