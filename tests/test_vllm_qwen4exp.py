@@ -1,6 +1,6 @@
 """The vLLM plugin serving Qwen4Exp's (Qwen3.8-Flash-Next) PLE n-gram table: vLLM 0.33's own
 ``Qwen4ExpNGramEmbedding`` on CPU (``--no-deps`` in ``.venv``) with its storage the daemon's, resident and
-cached, FP8 and BF16, against a real daemon. Each scenario runs in a fresh process of
+cached, FP8, BF16 and NVFP4, against a real daemon. Each scenario runs in a fresh process of
 ``tests/support/vllm_qwen4exp_plugin.py``, which compares the lookups with vLLM's own storage class loaded
 from ``TableSet.read_rows`` and with ``read_rows`` itself."""
 
@@ -72,7 +72,9 @@ def table_sets(tmp_path_factory):
 
 @pytest.mark.parametrize("name, mode", [(NAME, "resident"), pytest.param(NAME, "cached", marks=ENGINE),
                                         pytest.param(f"{NAME}-bf16", "resident", marks=ENGINE),
-                                        pytest.param(f"{NAME}-bf16", "cached", marks=ENGINE)])
+                                        pytest.param(f"{NAME}-bf16", "cached", marks=ENGINE),
+                                        pytest.param(f"{NAME}-nvfp4", "resident", marks=ENGINE),
+                                        pytest.param(f"{NAME}-nvfp4", "cached", marks=ENGINE)])
 def test_vllms_ngram_embedding_reads_the_daemons_table(table_sets, name, mode, tmp_path):
     tables = table_sets(name)
     with DaemonProcess(tables, tmp_path, dram_bytes="1GiB" if mode == "resident" else "256KiB") as d:
