@@ -1,7 +1,8 @@
 """Import Engram tables from a safetensors checkpoint into a table set.
 
 A Qwen4Exp checkpoint (by the spec's family, or config.json's ``model_type``/``architectures``)
-is imported by :mod:`.import_qwen4exp`; DeepSeek-V4.1-style Engram checkpoints here. Finds ``[model.]layers.{L}.engram.embed.weight`` (F8_E4M3 ``[rows, dim]``) and
+is imported by :mod:`.import_qwen4exp`, a LongCat-Flash one (n-gram embeddings) by :mod:`.import_longcat`;
+DeepSeek-V4.1-style Engram checkpoints here. Finds ``[model.]layers.{L}.engram.embed.weight`` (F8_E4M3 ``[rows, dim]``) and
 ``...engram.embed.scale`` (F8_E8M0 ``[rows, dim // scale_block]``) for every
 Engram layer of the spec, checks them against the spec (and ``config.json``'s
 engram fields when present) and streams them, a block of rows at a time, into
@@ -25,7 +26,7 @@ from ..format.writer import Progress, TableSetWriter
 from ..models.qwen4exp import is_qwen4exp_config, is_qwen4exp_spec
 from ..models.spec import ModelSpec, config_mismatches, engram_config, spec_from_config
 from ..models.tokens import TokenMap, write_token_map
-from . import import_qwen4exp
+from . import import_longcat, import_qwen4exp
 from .checkpoint_rows import RowPiece, RowPieces, checkpoint_tensors, read_ahead, read_config
 from .safetensors_io import TensorRef
 
@@ -72,6 +73,8 @@ def checkpoint_spec(ckpt: Path, token_map: TokenMap | None = None) -> ModelSpec:
         raise CheckpointImportError(f"{ckpt}: no config.json to take the model from; pass --model")
     if is_qwen4exp_config(config):
         return import_qwen4exp.checkpoint_spec(ckpt)
+    if import_longcat.is_longcat_config(config):
+        return import_longcat.checkpoint_spec(ckpt)
     fields = engram_config(config)
     pad = None
     if token_map is not None and "engram_pad_token_id" in fields:
@@ -122,6 +125,11 @@ def import_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, spec: Mod
     a table set at ``out``, readable by ``group`` (default: the writer's group). The compressed token
     map of ``tokenizer`` (default: ``ckpt/tokenizer.json`` when present) is stored with the tables."""
     ckpt = Path(ckpt)
+    if spec is not None and import_longcat.is_longcat_spec(spec) or \
+            spec is None and import_longcat.is_longcat_config(read_config(ckpt) or {}):
+        return import_longcat.import_checkpoint(ckpt, out, spec, overwrite=overwrite, progress=progress,
+                                                block_rows=block_rows, group=group, tokenizer=tokenizer,
+                                                stripe_dirs=stripe_dirs)
     if spec is not None and is_qwen4exp_spec(spec) or spec is None and is_qwen4exp_config(read_config(ckpt) or {}):
         return import_qwen4exp.import_checkpoint(ckpt, out, spec, overwrite=overwrite, progress=progress,
                                                  block_rows=block_rows, group=group, tokenizer=tokenizer,
