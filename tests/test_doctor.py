@@ -63,6 +63,21 @@ def test_a_good_config_deploys(tables, tmp_path):
     assert doc["deploy"] is True and all(c["status"] in ("PASS", "WARN", "SKIP") for c in doc["checks"])
 
 
+def test_the_tables_check_names_the_model(tables, tmp_path):
+    from engram_store.tools.synth import write_synthetic
+
+    qwen = tmp_path / "qwen"
+    write_synthetic(qwen, get_spec("qwen3.8-flash-next-nvfp4", 0.0002), seed=1)
+    for path, words in ((tables, f"tiny (DeepSeek-V4.1 Engram): FP8 E4M3 + E8M0 scale per 32 values, "
+                                 f"{64 + 64 // 32} B a row, {3 * 4} rows a token"),
+                        (qwen, "qwen3.8-flash-next-nvfp4 (Qwen4Exp PLE n-gram): NVFP4 (E2M1) + E4M3 scale per 16 "
+                               "values + one FP32 table scale, 90 B a row, 16 rows a token")):
+        cfg = config_file(tmp_path, tables=str(path), dram_bytes="64MiB", socket=str(tmp_path / "run" / "s.sock"))
+        doc = json.loads(run_cli("--config", str(cfg), "--json").stdout)
+        check = next(c for c in doc["checks"] if c["check"] == "tables")
+        assert check["status"] == "PASS" and words in check["found"], check
+
+
 def test_a_table_set_that_does_not_fit_fails(tables, tmp_path):
     cfg = config_file(tmp_path, tables=str(tables), dram_bytes="128KiB", store_mode="resident",
                       socket=str(tmp_path / "s.sock"))

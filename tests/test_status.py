@@ -68,6 +68,11 @@ def test_status_of_a_mixed_daemon_over_unix_grpc_and_metrics(tables, tmp_path):
         fit = doc["engines"]
         assert fit["usable"] and fit["in_place"] == [first] and fit["fetched"] == [second], name
     assert docs["unix"]["pid"] == d.ready["pid"]
+    for name in ("unix", "grpc"):  # the model, from Info's spec; the metrics page does not carry it
+        assert docs[name]["model"] == {"name": "tiny", "family": "DeepSeek-V4.1 Engram",
+                                       "row_format": "FP8 E4M3 + E8M0 scale per 32 values",
+                                       "row_bytes": SPEC.row_bytes, "rows_per_token": SPEC.rows_per_token}, name
+    assert docs["http"]["model"] is None and "model       tiny (DeepSeek-V4.1 Engram)" in human
     from engram_store.native.pagesizes import format_page, read_page_sizes
 
     page, sizes = docs["unix"]["huge_page_bytes"], read_page_sizes()  # the arena's page: the kernel's, or a huge one
@@ -75,6 +80,26 @@ def test_status_of_a_mixed_daemon_over_unix_grpc_and_metrics(tables, tmp_path):
     assert f"{docs['unix']['huge_pages']} ({format_page(page)} pages)" in human
     assert f"{first}  resident" in human and f"{second}  cached" in human and "engines" in human
     assert "through the daemon's fetch path" in human
+
+
+@pytest.mark.parametrize("model, words", [
+    ("qwen3.8-flash-next", "FP8 E4M3 + one FP32 table scale"), ("qwen3.8-flash-next-bf16", "BF16"),
+    ("qwen3.8-flash-next-nvfp4", "NVFP4 (E2M1) + E4M3 scale per 16 values + one FP32 table scale")])
+def test_status_names_a_qwen_table_set(model, words, tmp_path):
+    from engram_store.tools.synth import write_synthetic
+
+    spec = get_spec(model, 0.0002)
+    write_synthetic(tmp_path / "t", spec, seed=1)
+    with DaemonProcess(tmp_path / "t", tmp_path) as d:
+        doc = json.loads(cli("status", d.unix, "--json").stdout)
+        human = cli("status", d.unix).stdout
+    fmt = spec.row_format
+    assert doc["model"] == {"name": model, "family": "Qwen4Exp PLE n-gram", "row_format": words,
+                            "row_bytes": fmt.payload_bytes + fmt.scale_count, "rows_per_token": 16}
+    assert doc["model"]["row_bytes"] == {"qwen3.8-flash-next": 160, "qwen3.8-flash-next-bf16": 320,
+                                         "qwen3.8-flash-next-nvfp4": 90}[model]
+    assert f"{model} (Qwen4Exp PLE n-gram): {words}, {doc['model']['row_bytes']} B a row, 16 rows a token" in human
+    assert [e["layer"] for e in doc["layers"]] == [1]
 
 
 def test_status_names_bad_pages_and_exits_1(tmp_path):

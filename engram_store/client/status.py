@@ -2,7 +2,8 @@
 
 Reads the daemon's Info and Stats over ``unix://`` or ``grpc[s]://``, or its metrics page over
 ``http://HOST:PORT`` (the Prometheus names throughout: :mod:`engram_store.wire.metric_names`),
-and says: version, uptime, mode, each layer's placement, rows and bytes, huge pages, how rows are read
+and says: version, uptime, the model its tables are (spec name, family, row format: :func:`describe_model`),
+mode, each layer's placement, rows and bytes, huge pages, how rows are read
 (the arena's fill; cached layers into the engines' pinned staging, O_DIRECT where the daemon is away: no
 GPUDirect Storage on that path, so the same on CUDA and ROCm), bad pages, unavailable layers, clients,
 hit rate, and whether vLLM / SGLang can use the daemon as it stands
@@ -27,6 +28,44 @@ BULK_READERS = {"posix": "O_DIRECT reads (no GPUDirect Storage)", "kvikio-cufile
                 "Storage)", "kvikio-compat": "kvikio in compatibility mode (POSIX reads, no GPUDirect Storage)"}
 CACHED_PATH = ("the engines' fetch jobs, into pinned staging: daemon lookups, or their own O_DIRECT page reads while "
                "the daemon is away (no GPUDirect Storage on this path: the same on CUDA and ROCm)")
+
+
+# a spec's multiplier_rule -> the model family whose hash it is (engram_store.models)
+FAMILIES = {"numpy_rng": "DeepSeek-V4.1 Engram", "splitmix64": "Qwen4Exp PLE n-gram",
+            "powers": "LongCat-Flash n-gram"}
+PAYLOADS = {"float8_e4m3fn": "FP8 E4M3", "bfloat16": "BF16", "float4_e2m1fn": "NVFP4 (E2M1)"}
+SCALES = {"float8_e8m0fnu": "E8M0", "float8_e4m3fn": "E4M3"}
+
+
+def describe_model(spec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What model a table set is, from its spec (``ModelSpec.to_dict()``, as Info carries it): ``name``,
+    ``family`` (DeepSeek-V4.1 Engram, Qwen4Exp PLE n-gram, LongCat-Flash n-gram), ``row_format`` in words
+    (``FP8 E4M3 + E8M0 scale per 32 values``, ``FP8 E4M3 + one FP32 table scale``, ``BF16``, ``NVFP4 (E2M1) + E4M3
+    scale per 16 values + one FP32 table scale``), ``row_bytes`` and ``rows_per_token``; None without a spec."""
+    if not spec:
+        return None
+    from ..models.spec import ModelSpec
+
+    try:
+        model = ModelSpec.from_dict(spec)
+    except errors.EngramStoreError:
+        return {"name": spec.get("name", "?"), "family": "?", "row_format": "?", "row_bytes": None,
+                "rows_per_token": None}
+    fmt = model.row_format
+    parts = [PAYLOADS.get(fmt.payload_dtype, fmt.payload_dtype)]
+    if fmt.scale_block:
+        parts.append(f"{SCALES.get(fmt.scale_dtype, fmt.scale_dtype)} scale per {fmt.scale_block} values")
+    if fmt.table_scale_dtype:
+        parts.append(f"one {fmt.table_scale_dtype.replace('float', 'FP')} table scale")
+    return {"name": model.name, "family": FAMILIES.get(model.multiplier_rule, model.multiplier_rule),
+            "row_format": " + ".join(parts), "row_bytes": fmt.row_bytes, "rows_per_token": model.rows_per_token}
+
+
+def model_words(model: dict[str, Any]) -> str:
+    """``qwen3.8-flash-next (Qwen4Exp PLE n-gram): FP8 E4M3 + one FP32 table scale, 160 B a row, 16 rows a
+    token``"""
+    return (f"{model['name']} ({model['family']}): {model['row_format']}, {model['row_bytes']} B a row, "
+            f"{model['rows_per_token']} rows a token")
 
 
 def metrics_url(address: str) -> str:
@@ -118,6 +157,7 @@ def collect(address: str, connect: Callable[[], Any], timeout: float = METRICS_T
     slots = samples.get(PREFIX + "cache_slots", 0.0)
     return {
         "address": address, "transport": transport, "version": info.get("version", ""), "pid": info.get("pid"),
+        "model": describe_model(info.get("spec")),  # not on the metrics page
         "uptime_seconds": info.get("uptime_seconds"), "mode": info.get("mode", ""), "layers": layers,
         "arena_bytes": int(arena_bytes), "huge_pages": huge,
         "huge_page_bytes": (info.get("arena") or {}).get("huge_page_bytes") if huge else None,
@@ -179,6 +219,7 @@ def render(doc: dict[str, Any]) -> str:
     """The human table of a :func:`collect` document."""
     pid = f"pid {doc['pid']}, " if doc.get("pid") else ""
     lines = [f"engram-store {doc['version'] or '?'} at {doc['address']} ({pid}up {_duration(doc['uptime_seconds'])})",
+             f"{'model':<12}{model_words(doc['model']) if doc.get('model') else '- (not on the metrics page)'}",
              f"{'mode':<12}{doc['mode']}",
              f"{'layers':<12}{'layer':>6}  {'placement':<10}{'rows':>15}  {'bytes':>10}  bad pages"]
     for e in doc["layers"]:

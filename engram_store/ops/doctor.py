@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..client.engine_fit import engine_fit
-from ..client.status import format_bytes
+from ..client.status import describe_model, format_bytes, model_words
 from ..daemon.config import DaemonConfig, load_config
 from ..daemon.host import memory_limits, probe_socket
 from ..errors import EngramStoreError
@@ -354,7 +354,8 @@ def run(config_file: str | None = None, engine_user: str | None = None,
             checks.append(Check("tables", FAIL, f"{config.tables}: {exc}", "point tables at a table set "
                                 "(engram-store synth or import writes one)"))
         else:
-            checks.append(Check("tables", PASS, f"{config.tables}: {manifest.spec.name}, layers "
+            model = model_words(describe_model(manifest.spec.to_dict()))
+            checks.append(Check("tables", PASS, f"{config.tables}: {model}; layers "
                                 f"{[e.layer for e in manifest.layers]}, "
                                 f"{gib(sum(e.file_bytes for e in manifest.layers))}"))
             try:
