@@ -84,7 +84,8 @@ class EngramPrefetcher(RowLanding):
     ``client``: an ``EngramClient`` or ``LocalClient`` (``info()``, ``lookup_into``,
     optionally ``arena()``). ``prefetch=False`` fetches a layer only when it is waited
     for (the no-prefetch baseline). ``resident=None`` uses the arena when offered.
-    ``raw_ids=True``: steps hold raw token ids; the map comes from ``token_map`` (a
+    ``raw_ids=True``: steps hold raw token ids (a model that hashes raw ids, Qwen4Exp, takes them as they are);
+    the map comes from ``token_map`` (a
     :class:`~engram_store.models.tokens.TokenMap`, a table-set directory, a ``tokenizer.json``)
     or else from the daemon's Info (same host: the map file of its table set), and must
     match the one Info names. ``block_images``: the image placeholder (and SGLang's
@@ -128,7 +129,8 @@ class EngramPrefetcher(RowLanding):
         self._owner = PrefetchOwner(self.layers, self.device, timing, self._layer_index, self._fetch,
                                     self._timing.record, self.buffer)  # what this prefetcher's futures call
         self._device_timed: collections.deque[PrefetchFuture] = collections.deque(maxlen=64)
-        self.raw = raw_ids_for(self.spec, info, token_map, block_images) if raw_ids else None
+        compressed = self.spec.token_ids != "raw"  # a model hashing raw ids (Qwen4Exp) needs no map
+        self.raw = raw_ids_for(self.spec, info, token_map, block_images) if raw_ids and compressed else None
         self._raw_table = None if self.raw is None else self.raw.device_table(self.device)
         self._arena = ArenaGather.for_client(client, self.spec, self.device) if resident in (None, True) else None
         if resident and self._arena is None:
@@ -357,7 +359,7 @@ class EngramPrefetcher(RowLanding):
             self.raw.check("tokens", tokens)
         elif tokens.size:
             lo, hi = int(tokens.min()), int(tokens.max())
-            if lo < -1 or hi >= self.spec.compressed_vocab:
+            if lo < (0 if self.spec.token_ids == "raw" else -1) or hi >= self.spec.compressed_vocab:
                 raise InvalidRequest(f"tokens must be compressed ids in [0, {self.spec.compressed_vocab}) or -1, "
                                      f"got values in [{lo}, {hi}]; raw ids need raw_ids=True")
         if lookback is not None:
