@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from support.safetensors_files import write_shards
+from support.storage_helpers import flip
 
 from engram_store import errors
 from engram_store.cli import main
@@ -58,11 +59,7 @@ def make_checkpoint(path: Path, spec, *, files: int = 3, seed: int = 0, config=N
     tensors["model.mtp.ngram_embeddings.embedders.0.weight"] = torch.ones(4, spec.row_format.dim, dtype=torch.bfloat16)
     if edit:
         edit(tensors)
-    path.mkdir(parents=True, exist_ok=True)
-    names = sorted(tensors)
-    for i in range(files):
-        save_file({n: tensors[n].contiguous() for n in names[i::files]},
-                  str(path / f"model-{i + 1:05d}-of-{files:05d}.safetensors"))
+    write_shards(path, tensors, files)
     if config is not False:
         (path / "config.json").write_text(json.dumps(_config(spec) if config is None else config))
     return expected
@@ -90,11 +87,8 @@ def test_cli_import_takes_the_spec_from_config_and_verify_finds_a_flipped_byte(t
                   "boundary", "hash_rule", "size_rule", "eos_current", "token_ids"):
         assert getattr(spec, field) == getattr(SPEC, field), field
     np.testing.assert_array_equal(ts.read_rows(0, np.arange(ts.rows(0))), expected)
-    data = tmp_path / "out" / ts.manifest.layer(0).file
-    raw = bytearray(data.read_bytes())
-    raw[7 * 4096 + 300] ^= 0x04
-    data.chmod(0o640)
-    data.write_bytes(bytes(raw))
+    (tmp_path / "out" / ts.manifest.layer(0).file).chmod(0o640)
+    flip(tmp_path / "out", 0, 7, at=300)
     capsys.readouterr()
     assert main(["verify", str(tmp_path / "out")]) == 1
     assert re.search(r"CORRUPT layer 0: page 7 \(bytes 28672\.\.32767", capsys.readouterr().err)

@@ -3,8 +3,9 @@
 The engine adapters (:mod:`..vllm.patches`, :mod:`..sglang.hooks`) patch an engine; a model adapter
 says which of the model's tensors are the tables the daemon serves, how the engine's config describes
 them, and the row layout the engine's kernels read. One adapter per family, one module each
-(:mod:`.deepseek_v41`: DeepSeek-V4.1's Engram; :mod:`.qwen4exp`: Qwen4Exp's PLE n-gram table); a new
-family adds a module here and names its adapter where the engine adapters are installed.
+(:mod:`.deepseek_v41`: DeepSeek-V4.1's Engram; :mod:`.qwen4exp`: Qwen4Exp's PLE n-gram table;
+:mod:`.longcat`: LongCat-Flash's n-gram tables); a new family adds a module here and names its
+adapter where the engine adapters are installed.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ from ...errors import EngineUnsupported
 from ..install import Plugin, install as install_plugin, installed, installed_tables
 from ..models.deepseek_v41 import DEEPSEEK_V41
 from ..tables import EngramStoreTables
-from . import cached, checkpoint, qwen4exp, runners
+from . import cached, checkpoint, longcat, qwen4exp, runners
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def _targets(plugin: Plugin) -> Targets:
         "can_share": (engram, "can_share_engram_tables", _can_share),
         "should_skip_weight": (weight_utils, "should_skip_weight",
                                partial(checkpoint.make_should_skip_weight,
-                                       qwen4exp.with_table_names(engram_name_rule()))),
+                                       longcat.with_table_names(qwen4exp.with_table_names(engram_name_rule())))),
         "safetensors_iterator": (weight_utils, "safetensors_weights_iterator", checkpoint.make_lazy_safetensors),
         "track_weights_loading": (loader_cls, "track_weights_loading",
                                   partial(checkpoint.make_track_weights_loading, plugin)),
@@ -164,6 +164,7 @@ def _targets(plugin: Plugin) -> Targets:
     # ...and their failures raised where each step's tokens become host-visible, in both model runners (runners.py)
     targets |= runners.targets(_module, _attr, tables)
     targets |= qwen4exp.targets(plugin, _attr)  # Qwen4Exp's PLE table, where vLLM's Qwen4Exp code imports
+    targets |= longcat.targets(plugin, _attr)  # LongCat-Flash's n-gram tables, where vLLM's LongCat code imports
     for name in ("multi_thread_safetensors_weights_iterator", "fastsafetensors_weights_iterator",
                  "instanttensor_weights_iterator"):
         targets[name] = (weight_utils, name, checkpoint.make_refuse_whole_file_loader(name))
