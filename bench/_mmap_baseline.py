@@ -37,7 +37,7 @@ from _engine_step_report import spread
 PAGE = 4096
 V2_ROOTS = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
 V1_ROOT = Path("/sys/fs/cgroup/memory")
-# per kind: (root, limit file, usage file, peak file, stat keys: page cache, mapped file)
+# per kind: (limit file, usage file, peak file, memory.stat keys of the page cache and of mapped file pages)
 KINDS = {"cgroup-v2": ("memory.max", "memory.current", "memory.peak", ("file", "file_mapped")),
          "cgroup-v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.max_usage_in_bytes",
                        ("total_cache", "total_mapped_file"))}
@@ -135,9 +135,12 @@ def run_mmap(args, spec, tables: Path, steps: np.ndarray, warm: int, measured: n
         if group is not None and group.exists():
             group.rmdir()
     ts = TableSet.open(tables)
-    got["rows_not_equal_read_rows_steps"] = sum(
-        not np.array_equal(np.load(workdir / f"mmap-rows-{s}.npy"), ts.read_rows(args.layer, steps[s].astype(np.int64)))
-        for s in samples.tolist())
+    try:
+        got["rows_not_equal_read_rows_steps"] = sum(
+            not np.array_equal(np.load(workdir / f"mmap-rows-{s}.npy"),
+                               ts.read_rows(args.layer, steps[s].astype(np.int64))) for s in samples.tolist())
+    finally:
+        ts.close()
     got["rows_checked"] = int(sum(steps[s].size for s in samples.tolist()))
     for s in samples.tolist():
         (workdir / f"mmap-rows-{s}.npy").unlink()
