@@ -47,6 +47,24 @@ def test_the_checkpoints_table_tensors_are_skipped():
         assert not rule.search(name) and not LONGCAT.is_table_tensor(name), name
 
 
+def test_the_daemons_rows_count_as_loaded_and_are_never_written():
+    import types
+
+    from engram_store.integrations.vllm.longcat import WEIGHT, _load_weight, _load_weights
+
+    served, stock = types.SimpleNamespace(), types.SimpleNamespace()
+    served.__dict__["_engram_store"] = object()
+    load_weights = _load_weights(lambda self, weights: {"layers.0.mlp.weight"})
+    assert load_weights(types.SimpleNamespace(ngram_embeddings=served), []) == {"layers.0.mlp.weight", WEIGHT}
+    assert load_weights(types.SimpleNamespace(ngram_embeddings=stock), []) == {"layers.0.mlp.weight"}
+    assert load_weights(types.SimpleNamespace(ngram_embeddings=None), []) == {"layers.0.mlp.weight"}
+    written = []
+    load_weight = _load_weight(lambda self, name, w: written.append(name) or "copied")
+    assert load_weight(served, "model.ngram_embeddings.embedders.3.weight", None) == WEIGHT and not written
+    assert load_weight(served, "model.ngram_embeddings.post_projs.3.weight", None) == "copied"
+    assert load_weight(stock, "model.ngram_embeddings.embedders.3.weight", None) == "copied"
+
+
 @pytest.fixture(scope="module")
 def tables(tmp_path_factory):
     directory = tmp_path_factory.mktemp("longcat-plugin") / "tables"

@@ -66,6 +66,13 @@ def targets(plugin: Plugin, attr: Callable[[Any, str], Any]) -> dict:
     ngram, model = attr(module, "NgramEmbedding"), attr(module, "FlashNgramModel")
     attr(module, "VocabParallelEmbedding")
     attr(attr(module, "LongcatNgramModelState"), "prepare_inputs")  # the caller of embed_batched
+    for method, names in (("__init__", ("m", "k", "n", "_dtype", "config")),  # what describe reads
+                          ("_init_ngram_embeddings", ("VocabParallelEmbedding", "oe_embedder", "num_embedders"))):
+        code = getattr(getattr(ngram, method), "__code__", None)
+        missing = [name for name in names if code is not None and name not in code.co_names]
+        if missing:
+            raise EngineUnsupported(f"vLLM's NgramEmbedding.{method} no longer uses {missing[0]}: engram-store's "
+                                    "LongCat patches were written against vLLM 0.33's")
     return {"longcat_init": (ngram, "_init_ngram_embeddings", partial(_init_tables, plugin, module)),
             "longcat_load_weight": (ngram, "load_weight", _load_weight),
             "longcat_embed_batched": (ngram, "embed_batched", partial(_embed_batched, plugin)),
