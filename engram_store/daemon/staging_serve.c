@@ -79,7 +79,8 @@ int serve_split(Conn *c, const frame_t *f, double *seconds, uint64_t *rows) {
 }
 
 /* set_staging(weights, scales, gate): the client's staging blocks (uint8 [rows, weight_bytes] and
-   [rows, row_bytes - weight_bytes], writable, C-contiguous) and its gate word (4 writable bytes, aligned),
+   [rows, row_bytes - weight_bytes], writable, C-contiguous; the second empty for rows without block
+   scales) and its gate word (4 writable bytes, aligned),
    as daemon/requests/staging.py checked and mapped them. */
 PyObject *Conn_set_staging(Conn *c, PyObject *args) {
     PyObject *o_w, *o_s, *o_g;
@@ -102,7 +103,7 @@ PyObject *Conn_set_staging(Conn *c, PyObject *args) {
     const size_t wb = c->weight_bytes, sb = c->row_bytes - c->weight_bytes;
     const int64_t rows = (int64_t)((size_t)w.len / wb);
     int64_t *pos = PyMem_Malloc((size_t)(c->ids.len / 8 + 1) * sizeof(int64_t));
-    if (sb == 0 || rows < 1 || (size_t)s.len < (size_t)rows * sb || g.len < 4 || (uintptr_t)g.buf % 4 || pos == NULL) {
+    if (rows < 1 || (size_t)s.len < (size_t)rows * sb || g.len < 4 || (uintptr_t)g.buf % 4 || pos == NULL) {
         PyBuffer_Release(&w);
         PyBuffer_Release(&s);
         PyBuffer_Release(&g);

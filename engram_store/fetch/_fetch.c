@@ -8,7 +8,8 @@
  *     deadline_seconds, hedge_seconds=0, gate=None, budget=-1)
  *     `staging` is a writable buffer the job uses for its life (the caller registers it with the GPU):
  *     int64 ids [max_rows], then the payload block uint8 [max_rows, dim], then the scale block
- *     uint8 [max_rows, row_bytes - dim], each starting on a 4 KiB boundary (max_rows is derived
+ *     uint8 [max_rows, row_bytes - dim] (empty for rows without block scales: FP8 with one table
+ *     scale, BF16), each starting on a 4 KiB boundary (max_rows is derived
  *     from the buffer's size). Row i of the blocks is the row of ids[i]: the engines' kernels read
  *     the blocks as `weight` / `weight_scale_inv` with positional ids. `files` is a tuple of
  *     (fd, path, st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns): the layer's data file (or its
@@ -253,9 +254,9 @@ static int job_init(Job *j, PyObject *args, PyObject *kw) {
     }
     atomic_fetch_add(&sums->blob->refs, 1);
     c->rd.crcs = sums->blob;
-    if (layer_rows <= 0 || dim <= 0 || row_bytes <= dim || rpp <= 0 || rpp * row_bytes > PAGE || !(deadline > 0) ||
+    if (layer_rows <= 0 || dim <= 0 || row_bytes < dim || rpp <= 0 || rpp * row_bytes > PAGE || !(deadline > 0) ||
         hedge < 0) {
-        PyErr_SetString(PyExc_ValueError, "Job: layer_rows, dim > 0; row_bytes > dim; rows_per_page * row_bytes "
+        PyErr_SetString(PyExc_ValueError, "Job: layer_rows, dim > 0; row_bytes >= dim; rows_per_page * row_bytes "
                                           "<= 4096; deadline_seconds > 0; hedge_seconds >= 0");
         return -1;
     }

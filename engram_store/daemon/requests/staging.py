@@ -59,6 +59,9 @@ class ClientStaging:
         views = []
         try:
             for _, start, end in geometry.extents():
+                if end == start:  # the scale block of rows without block scales
+                    views.append(np.empty(0, dtype=np.uint8))
+                    continue
                 at = start - start % mmap.PAGESIZE
                 mapping = mmap.mmap(fd, syscalls.round_up(end - at, mmap.PAGESIZE), mmap.MAP_SHARED,
                                     mmap.PROT_READ | mmap.PROT_WRITE, offset=at)
@@ -86,7 +89,7 @@ class ClientStaging:
 def mapped_bytes(g: wst.StagingGeometry) -> int:
     """Bytes the daemon maps for a staging of geometry ``g``: the pages of each block and of the gate."""
     page = mmap.PAGESIZE
-    return sum(syscalls.round_up(end - (start - start % page), page) for _, start, end in g.extents())
+    return sum(syscalls.round_up(end - (start - start % page), page) for _, start, end in g.extents() if end > start)
 
 
 def usable(store: Any) -> bool:
@@ -127,7 +130,7 @@ def map_staging(fds: list[int], payload: bytes, *, row_bytes: int, dim: int, max
         raise errors.InvalidRequest(f"STAGING: the blocks must be {BLOCK_ALIGN}-byte aligned and the gate "
                                     f"{wst.GATE_ALIGN}-byte aligned (offsets {g.weight_offset}, {g.scale_offset}, "
                                     f"{g.gate_offset})")
-    spans = sorted((start, end, what) for what, start, end in g.extents())
+    spans = sorted((start, end, what) for what, start, end in g.extents() if end > start)
     for (_, end, what), (start, _, other) in zip(spans, spans[1:]):
         if start < end:
             raise errors.InvalidRequest(f"STAGING: the {what} and the {other} overlap")

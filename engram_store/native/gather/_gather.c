@@ -84,11 +84,12 @@ static int get_split_outs(PyObject *o_idx, PyObject *o_pos, PyObject *o_wout, Py
         PyErr_SetString(PyExc_TypeError, "gather to split: index and positions must be int64 buffers of one length");
         return -1;
     }
-    if (wb <= 0 || sb <= 0) {
-        PyErr_SetString(PyExc_ValueError, "gather to split: weight_bytes and scale_bytes must be positive");
+    if (wb <= 0 || sb < 0) {
+        PyErr_SetString(PyExc_ValueError, "gather to split: weight_bytes must be positive, scale_bytes >= 0");
         return -1;
     }
-    const int64_t out_rows = wout->len / wb < sout->len / sb ? wout->len / wb : sout->len / sb;
+    /* rows without block scales (FP8 with one table scale, BF16): the scale block is empty */
+    const int64_t out_rows = sb == 0 || wout->len / wb < sout->len / sb ? wout->len / wb : sout->len / sb;
     const int64_t *p = pos->buf, n = pos->len / 8;
     for (int64_t i = 0; i < n; i++) {
         if (p[i] < 0 || p[i] >= out_rows) {
