@@ -113,7 +113,7 @@ class CachedPath:
                 self._gather.take(block, source, out2)
             st.rows_nvme = n - n_hit
             st.nvme_rows_distinct = len(distinct) - shared
-            st.nvme_rows_shared = shared
+            st.nvme_rows_shared = shared - rs.rows_from_hints  # those are the hint reader's reads
             st.nvme_pages_read, st.nvme_reads, st.nvme_bytes_read = rs.pages, rs.reads, rs.bytes
             st.nvme_read_seconds = rs.seconds
             if admit_later is None:
@@ -186,6 +186,7 @@ class CachedPath:
             except BaseException:
                 self._inflight.done(read, None)
                 raise
+            rs.rows_from_hints = from_cache
             self._inflight.done(read, part, rs.bad_pages, keep=True)
             if waits:
                 data[mine] = part
@@ -237,6 +238,7 @@ class CachedPath:
             data[left] = part
             rs.pages, rs.reads, rs.bytes = rs.pages + got.pages, rs.reads + got.reads, rs.bytes + got.bytes
             rs.seconds += got.seconds
+            rs.rows_from_hints += got.rows_from_hints
             rs.bad_pages = np.union1d(rs.bad_pages, got.bad_pages).astype(np.int64)
         return shared
 
