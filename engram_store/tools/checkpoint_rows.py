@@ -19,6 +19,10 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import CheckpointImportError
+from ..format.layout import PageLayout
+from ..format.manifest import Manifest
+from ..format.writer import Progress, TableSetWriter
+from ..models.spec import MODELS, ModelSpec
 from .safetensors_io import TensorRef, read_header
 
 
@@ -117,3 +121,36 @@ def read_config(ckpt: Path) -> dict | None:
     if not isinstance(config, dict):
         raise CheckpointImportError(f"{path}: expected a JSON object, got {type(config).__name__}")
     return config
+
+
+def built_in(spec: ModelSpec) -> ModelSpec:
+    """The built-in model ``spec`` describes (same geometry, rows and hash; its name aside), else ``spec``."""
+    def same(d: dict) -> dict:
+        return {k: v for k, v in d.items() if k not in ("name", "expected_rows", "scale")}
+
+    mine = same(spec.to_dict())
+    return next((known for known in MODELS.values() if same(known.to_dict()) == mine), spec)
+
+
+def raw_ids_only(tokenizer: str | os.PathLike | None, family: str) -> None:
+    """Refuse ``--tokenizer`` for a family that hashes raw token ids (its table set stores no token map)."""
+    if tokenizer is not None:
+        raise CheckpointImportError(f"--tokenizer {tokenizer}: {family} hashes raw token ids, its table set stores no "
+                                    "token map; import without --tokenizer")
+
+
+def write_tables(ckpt: Path, out: str | os.PathLike, spec: ModelSpec, tables: dict[int, tuple[RowPieces, float | None]],
+                 *, overwrite: bool, progress: Progress | None, block_rows: int, group: str | None,
+                 stripe_dirs: list | None, log_line) -> Manifest:
+    """Write ``tables`` (``{layer: (rows, table scale)}``) of checkpoint ``ckpt`` as a table set at ``out``,
+    in blocks of whole pages of about ``block_rows`` rows, the next block read while one is written;
+    ``log_line(layer, rows, scale)`` says what each layer is."""
+    rpp = PageLayout(0, spec.row_bytes).rows_per_page
+    block_rows = max(rpp, block_rows // rpp * rpp)
+    with TableSetWriter(out, spec, source={"kind": "checkpoint", "path": str(ckpt.resolve())}, overwrite=overwrite,
+                        group=group, stripe_dirs=stripe_dirs, inputs=[ckpt]) as w, \
+            ThreadPoolExecutor(1, thread_name_prefix="import-read") as pool:
+        for layer, (table, scale) in tables.items():
+            log_line(layer, table, scale)
+            w.write_layer(layer, read_ahead(table, block_rows, pool), progress, table_scale=scale)
+        return w.commit()

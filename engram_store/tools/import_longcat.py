@@ -21,17 +21,15 @@ from __future__ import annotations
 import logging
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointImportError, SpecError
-from ..format.layout import PageLayout
 from ..format.manifest import Manifest
-from ..format.writer import Progress, TableSetWriter
+from ..format.writer import Progress
 from ..models.longcat import power_multipliers
 from ..models.spec import MODELS, ModelSpec
-from .checkpoint_rows import RowPiece, RowPieces, checkpoint_tensors, read_ahead, read_config
+from .checkpoint_rows import RowPiece, RowPieces, built_in, checkpoint_tensors, raw_ids_only, read_config, write_tables
 from .safetensors_io import TensorRef
 
 log = logging.getLogger(__name__)
@@ -185,12 +183,7 @@ def checkpoint_spec(ckpt: Path) -> ModelSpec:
     except SpecError as exc:
         raise CheckpointImportError(f"{ckpt / 'config.json'}: {exc}") from exc
     check_config(ckpt, spec)  # the table dtype, and aliases disagreeing with vLLM's names
-    known = MODELS[TEMPLATE]
-    same = ("name", "expected_rows", "scale")
-    if {a: b for a, b in spec.to_dict().items() if a not in same} == \
-            {a: b for a, b in known.to_dict().items() if a not in same}:
-        return known
-    return spec
+    return built_in(spec)
 
 
 def import_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, spec: ModelSpec | None = None, *,
@@ -201,18 +194,11 @@ def import_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, spec: Mod
     a table set at ``out`` (see :func:`engram_store.tools.importer.import_checkpoint`). LongCat hashes
     raw token ids: no token map is stored, and ``tokenizer`` is refused."""
     ckpt = Path(ckpt)
-    if tokenizer is not None:
-        raise CheckpointImportError(f"--tokenizer {tokenizer}: LongCat hashes raw token ids, its table set stores no "
-                                    "token map; import without --tokenizer")
+    raw_ids_only(tokenizer, "LongCat")
     spec = checkpoint_spec(ckpt) if spec is None else spec
     if not is_longcat_spec(spec):
         raise CheckpointImportError(f"model {spec.name!r} is not of the LongCat family (hash_rule {spec.hash_rule!r})")
-    table = plan(ckpt, spec)
-    rpp = PageLayout(0, spec.row_bytes).rows_per_page  # blocks of whole pages
-    block_rows = max(rpp, block_rows // rpp * rpp)
-    with TableSetWriter(out, spec, source={"kind": "checkpoint", "path": str(ckpt.resolve())}, overwrite=overwrite,
-                        group=group, stripe_dirs=stripe_dirs, inputs=[ckpt]) as w, \
-            ThreadPoolExecutor(1, thread_name_prefix="import-read") as pool:
-        log.info("importing LongCat n-gram tables: %d rows in %d tables", table.rows, len(table.pieces))
-        w.write_layer(spec.layers[0], read_ahead(table, block_rows, pool), progress)
-        return w.commit()
+    return write_tables(ckpt, out, spec, {spec.layers[0]: (plan(ckpt, spec), None)}, overwrite=overwrite,
+                        progress=progress, block_rows=block_rows, group=group, stripe_dirs=stripe_dirs,
+                        log_line=lambda layer, table, scale: log.info(
+                            "importing LongCat n-gram tables: %d rows in %d tables", table.rows, len(table.pieces)))

@@ -26,19 +26,18 @@ from __future__ import annotations
 import logging
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import CheckpointImportError, SpecError
-from ..format.layout import PageLayout
 from ..format.manifest import Manifest, table_scale_problems
-from ..format.writer import Progress, TableSetWriter
+from ..format.writer import Progress
 from ..models import qwen4exp
-from ..models.spec import MODELS, ModelSpec
-from .checkpoint_rows import RowPiece, RowPieces, checkpoint_tensors, read_ahead, read_config
+from ..models.spec import ModelSpec
+from .checkpoint_rows import (RowPiece, RowPieces, built_in, checkpoint_tensors, raw_ids_only, read_config,
+                              write_tables)
 from .safetensors_io import TensorRef
 
 log = logging.getLogger(__name__)
@@ -283,11 +282,7 @@ def checkpoint_spec(ckpt: Path) -> ModelSpec:
         spec = ModelSpec.from_dict(d)
     except SpecError as exc:
         raise CheckpointImportError(f"{ckpt / 'config.json'}: {exc}") from exc
-    same = {k: v for k, v in spec.to_dict().items() if k not in ("name", "expected_rows", "scale")}
-    for known in MODELS.values():
-        if {k: v for k, v in known.to_dict().items() if k not in ("name", "expected_rows", "scale")} == same:
-            return known
-    return spec
+    return built_in(spec)
 
 
 def import_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, spec: ModelSpec | None = None, *,
@@ -298,18 +293,10 @@ def import_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, spec: Mod
     table set at ``out`` (see :func:`engram_store.tools.importer.import_checkpoint`). Qwen4Exp hashes
     raw token ids: no token map is stored, and ``tokenizer`` is refused."""
     ckpt = Path(ckpt)
-    if tokenizer is not None:
-        raise CheckpointImportError(f"--tokenizer {tokenizer}: Qwen4Exp hashes raw token ids, its table set stores no "
-                                    "token map; import without --tokenizer")
+    raw_ids_only(tokenizer, "Qwen4Exp")
     spec = checkpoint_spec(ckpt) if spec is None else spec
-    layers = plan(ckpt, spec)
-    rpp = PageLayout(0, spec.row_bytes).rows_per_page  # blocks of whole pages
-    block_rows = max(rpp, block_rows // rpp * rpp)
-    with TableSetWriter(out, spec, source={"kind": "checkpoint", "path": str(ckpt.resolve())}, overwrite=overwrite,
-                        group=group, stripe_dirs=stripe_dirs, inputs=[ckpt]) as w, \
-            ThreadPoolExecutor(1, thread_name_prefix="import-read") as pool:
-        for layer, (table, scale) in layers.items():
-            log.info("importing PLE layer %d: %d rows in %d piece(s), table scale %s", layer, table.rows,
-                     len(table.pieces), scale)
-            w.write_layer(layer, read_ahead(table, block_rows, pool), progress, table_scale=scale)
-        return w.commit()
+    return write_tables(ckpt, out, spec, plan(ckpt, spec), overwrite=overwrite, progress=progress,
+                        block_rows=block_rows, group=group, stripe_dirs=stripe_dirs,
+                        log_line=lambda layer, table, scale: log.info(
+                            "importing PLE layer %d: %d rows in %d piece(s), table scale %s", layer, table.rows,
+                            len(table.pieces), scale))
