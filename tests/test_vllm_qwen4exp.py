@@ -31,7 +31,7 @@ def scenario(name: str, *args: str, address: str) -> str:
     result = subprocess.run([sys.executable, str(SCRIPT), name, *map(str, args)], cwd=REPO, env=env,
                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return result.stdout
+    return result.stdout + result.stderr
 
 
 def test_the_checkpoints_table_tensors_are_skipped_and_its_scales_read():
@@ -81,6 +81,7 @@ def test_vllms_ngram_embedding_reads_the_daemons_table(table_sets, name, mode, t
         assert d.ready["mode"] == mode
         out = scenario("lookups", tables, address=d.unix)
     assert out.count(f"OK {mode} ") == 3, out  # the prefetch seam, inline, two ETP ranks
+    assert "engram-store plugin ACTIVE: vLLM 0.33.0 reads Qwen4Exp PLE n-gram Engram tables" in out, out
     assert "mismatch named: rows of Engram layer 1" in out and "mismatch named: PLE row format" in out, out
 
 

@@ -30,9 +30,6 @@ CACHED_PATH = ("the engines' fetch jobs, into pinned staging: daemon lookups, or
                "the daemon is away (no GPUDirect Storage on this path: the same on CUDA and ROCm)")
 
 
-# a spec's multiplier_rule -> the model family whose hash it is (engram_store.models)
-FAMILIES = {"numpy_rng": "DeepSeek-V4.1 Engram", "splitmix64": "Qwen4Exp PLE n-gram",
-            "powers": "LongCat-Flash n-gram"}
 PAYLOADS = {"float8_e4m3fn": "FP8 E4M3", "bfloat16": "BF16", "float4_e2m1fn": "NVFP4 (E2M1)"}
 SCALES = {"float8_e8m0fnu": "E8M0", "float8_e4m3fn": "E4M3"}
 
@@ -57,7 +54,7 @@ def describe_model(spec: dict[str, Any] | None) -> dict[str, Any] | None:
         parts.append(f"{SCALES.get(fmt.scale_dtype, fmt.scale_dtype)} scale per {fmt.scale_block} values")
     if fmt.table_scale_dtype:
         parts.append(f"one {fmt.table_scale_dtype.replace('float', 'FP')} table scale")
-    return {"name": model.name, "family": FAMILIES.get(model.multiplier_rule, model.multiplier_rule),
+    return {"name": model.name, "family": model.family,
             "row_format": " + ".join(parts), "row_bytes": fmt.row_bytes, "rows_per_token": model.rows_per_token}
 
 

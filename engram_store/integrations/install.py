@@ -20,7 +20,8 @@ import logging
 import threading
 from typing import Any, Protocol
 
-from ..errors import EngineUnsupported
+from ..errors import EngineUnsupported, EngramStoreError
+from ..models.spec import ModelSpec
 from . import failures
 from .models import ModelAdapter
 from .tables import EngramStoreTables, describe_placement
@@ -106,9 +107,17 @@ def install(engine: EngineAdapter, model: ModelAdapter, address: str) -> Plugin:
         plugin.originals = engine.apply(plugin, prepared)
         _installed[engine.name] = plugin
     log.warning("engram-store plugin ACTIVE: %s %s reads %s %s from the engram-store daemon at %s (%s; checkpoint "
-                "Engram tensors are not read)", engine.name, version, model.name, engine.tables_phrase, address,
-                describe_placement(info))
+                "Engram tensors are not read)", engine.name, version, served_family(info, model), engine.tables_phrase,
+                address, describe_placement(info))
     return plugin
+
+
+def served_family(info: dict, model: ModelAdapter) -> str:
+    """The model family of the tables the daemon serves (its Info's spec), else the adapter's."""
+    try:
+        return ModelSpec.from_dict(info["spec"]).family
+    except (KeyError, TypeError, EngramStoreError):
+        return model.name
 
 
 def installed(engine: str) -> Plugin | None:

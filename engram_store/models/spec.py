@@ -148,6 +148,12 @@ class ModelSpec:
         return self.max_ngram - 1
 
     @property
+    def family(self) -> str:
+        """The model family whose tables these are, in words (its hash names it): ``DeepSeek-V4.1 Engram``,
+        ``Qwen4Exp PLE n-gram``, ``LongCat-Flash n-gram``."""
+        return FAMILIES.get(self.multiplier_rule, self.multiplier_rule)
+
+    @property
     def rows_per_token(self) -> int:
         return len(self.orders) * self.heads
 
@@ -254,6 +260,8 @@ EOS_CURRENT = ("offset", "rehash")
 # multiplier rules: "numpy_rng" (V4.1, derive_multipliers), "splitmix64" (Qwen4Exp, .qwen4exp),
 # "powers" (LongCat: compressed_vocab**d, .longcat)
 MULTIPLIER_RULES = ("numpy_rng", "splitmix64", "powers")
+# a spec's multiplier_rule -> the model family whose hash it is
+FAMILIES = {"numpy_rng": "DeepSeek-V4.1 Engram", "splitmix64": "Qwen4Exp PLE n-gram", "powers": "LongCat-Flash n-gram"}
 SIZE_RULES = ("primes", "odd")  # "odd": table e of a layer has table_base + 2e + 1 rows (.longcat)
 # "xor_mul": V4.1 and Qwen4Exp, xor of token * multiplier, mod the size; "poly_mod": LongCat, sum of
 # (token * poly_weights) mod the size, mod the size (engram_store.models.hashing)
