@@ -75,7 +75,7 @@ def targets(plugin: Plugin, attr: Callable[[Any, str], Any]) -> dict:
     for name in ("_make_vocab_layout", "compute_ngram_ids", "start_prefetch", "forward"):
         attr(module, name)
     for name in ("Qwen4ExpPLEEmbedding", "Qwen4ExpPLEEmbeddingMethod", "Qwen4ExpPLEFp8EmbeddingMethod",
-                 "Qwen4ExpPLENvFp4EmbeddingMethod", "get_etp_group", "get_tp_group"):
+                 "get_etp_group", "get_tp_group"):  # NVFP4's method is 0.33's alone (0.32: BF16 and FP8)
         attr(common, name)
     for name in ("_lookup", "_reduce_etp_embeddings", "start_prefetch", "_finalize_prefetch", "finalize_prefetch",
                  "sync_lookup"):
@@ -125,7 +125,8 @@ def describe(cls: type, config: Any, embedding_dim: int, quant_config: Any, pref
         rows.append(int(round_up(total, int(config.make_ngram_vocab_size_divisible_by))))
     method = common.Qwen4ExpPLEEmbeddingMethod.from_quant_config(quant_config, f"{prefix}.ngram_embedding",
                                                                  getattr(config, "ple_embedding_dtype", None))
-    if isinstance(method, common.Qwen4ExpPLENvFp4EmbeddingMethod):
+    nvfp4 = getattr(common, "Qwen4ExpPLENvFp4EmbeddingMethod", None)  # vLLM 0.33 and later
+    if nvfp4 is not None and isinstance(method, nvfp4):
         payload, block, scale = "float4_e2m1fn", 16, True
     elif isinstance(method, common.Qwen4ExpPLEFp8EmbeddingMethod):
         payload, block, scale = "float8_e4m3fn", 0, True
