@@ -93,6 +93,7 @@ class Engine:
     rounds: int = 1
     runner: str = "default"
     stream: bool = False
+    script: str = "vllm_cpu_engine.py"  # the engine script in tests/engines (its command line as this one's)
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("ENGRAM_STORE_", "VLLM_"))}
@@ -114,7 +115,7 @@ class Engine:
     def start(self) -> subprocess.Popen:
         """The engine process; a thread keeps its output (stdout and stderr) in ``lines``."""
         self.report.mkdir(parents=True)
-        cmd = [str(VLLM_CPU_PYTHON), str(REPO / "tests" / "engines" / "vllm_cpu_engine.py"), str(self.ckpt), str(self.out),
+        cmd = [str(VLLM_CPU_PYTHON), str(REPO / "tests" / "engines" / self.script), str(self.ckpt), str(self.out),
                "--rounds", str(self.rounds)] + (["--stream"] if self.stream else [])
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)

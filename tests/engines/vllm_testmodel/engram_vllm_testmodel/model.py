@@ -44,6 +44,7 @@ import multiprocessing
 import os
 import types
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -111,15 +112,21 @@ class _SlotHistory:
         return self._attn.kv_cache
 
 
+def build_transformer(model: nn.Module, vllm_config: VllmConfig, prefix: str) -> Any:
+    """``model``'s config, ``embed_tokens``, Llama ``layers`` and ``norm`` (this module's and qwen_model's
+    decoders); returns the config."""
+    config = model.config = vllm_config.model_config.hf_config
+    model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens")
+    model.layers = nn.ModuleList(LlamaDecoderLayer(vllm_config=vllm_config, prefix=f"{prefix}.layers.{i}")
+                                 for i in range(config.num_hidden_layers))
+    model.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    return config
+
+
 class EngramTinyModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
-        config = vllm_config.model_config.hf_config
-        self.config = config
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens")
-        self.layers = nn.ModuleList(LlamaDecoderLayer(vllm_config=vllm_config, prefix=f"{prefix}.layers.{i}")
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        config = build_transformer(self, vllm_config, prefix)
         self.layout = EngramLayout(config)
         self.engrams: list[Engram] = []
         with _cpu_device_queries():
@@ -186,11 +193,13 @@ class EngramTinyModel(nn.Module):
 
 
 class EngramTinyForCausalLM(nn.Module):
+    model_cls = EngramTinyModel  # the decoder (qwen_model's subclass puts its own)
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
-        self.model = EngramTinyModel(vllm_config=vllm_config, prefix=f"{prefix}.model" if prefix else "model")
+        self.model = self.model_cls(vllm_config=vllm_config, prefix=f"{prefix}.model" if prefix else "model")
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
