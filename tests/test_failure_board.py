@@ -169,3 +169,19 @@ def test_files_of_dead_makers_are_removed(tmp_path):
         for path in (stale, live):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_a_fetch_job_is_attached_only_to_a_board_of_the_layout_its_native_module_writes(board, monkeypatch):
+    """attach_job checks the built ``engram_store.fetch._fetch`` against the layout this Python reads."""
+    from engram_store.errors import StorageError
+    from engram_store.fetch import _fetch
+
+    attached = []
+    job = type("Job", (), {"set_board": lambda self, m: attached.append(m)})()
+    assert _fetch.BOARD_OFFSETS == failures.OFFSETS
+    board.attach_job(job)
+    assert attached == [board.map]
+    monkeypatch.setattr(failures, "OFFSETS", dict(failures.OFFSETS, claim=failures.OFFSETS["claim"] + 4))
+    with pytest.raises(StorageError, match="native modules out of date"):
+        board.attach_job(job)
+    assert len(attached) == 1

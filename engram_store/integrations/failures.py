@@ -183,7 +183,7 @@ class Board:
         that the native module writes this layout."""
         from ..native import load
 
-        native = load("_fetch", "cached Engram layers cannot be served to engines")
+        native = load("_fetch", "cached Engram layers cannot be served to engines", package="engram_store.fetch")
         if native is not None and getattr(native, "BOARD_OFFSETS", None) != OFFSETS:
             raise StorageError(f"engram_store.fetch._fetch writes a failure board at {native.BOARD_OFFSETS}, "
                                f"this Python reads {OFFSETS}: reinstall engram-store (native modules out of date)")
