@@ -122,11 +122,16 @@ $(VLLM_CPU_STAMP): pyproject.toml tests/engines/vllm_testmodel/pyproject.toml
 	$(VLLM_CPU_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
+# Two test files run at a time (pytest-xdist, a file's tests in one worker, so its module fixtures are made
+# once): a scenario is mostly one process importing an engine and interpreting its kernels, so two keep both
+# cores busy (52 tests: 16 minutes on 2 cores, about 24 one at a time). ENGINE_TEST_WORKERS=0: one at a time.
+ENGINE_TEST_WORKERS ?= 2
+
 .PHONY: engine-test clean-engine-test
 engine-test: $(STAMP) $(NATIVE_STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP)) $(if $(filter 1,$(SGLANG)),$(SGLANG_STAMP)) \
 		$(VLLM_CPU_STAMP)
 	ENGRAM_STORE_ENGINE_TEST=1 ENGRAM_STORE_VLLM_CPU_PYTHON=$(abspath $(VLLM_CPU_VENV))/bin/python \
-		$(BIN)/python -m pytest -q -m engine $(PYTEST_ARGS)
+		$(BIN)/python -m pytest -q -m engine -n $(ENGINE_TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean-engine-test:
 	rm -rf $(VLLM_CPU_VENV)

@@ -4,21 +4,19 @@ across request boundaries and EOS, and a synthetic table set that verify accepts
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support.qwen4exp_reference import vllm_reference
 
 from engram_store.errors import InvalidRequest
 from engram_store.format.tableset import TableSet
 from engram_store.models.hashing import row_ids, row_ids_numpy, row_ids_torch
 from engram_store.models.spec import ModelSpec, get_spec
-from engram_store.tools.synth import write_synthetic
 
 NAME = "qwen3.8-flash-next"
 SPEC = get_spec(NAME)
@@ -85,20 +83,9 @@ def cases():
 
 @pytest.fixture(scope="module")
 def vllm_ids(cases, tmp_path_factory):
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed")
-    tmp = tmp_path_factory.mktemp("qwen-ref")
-    inp, out = tmp / "in.npz", tmp / "out.npz"
     arrays = {f"c{i}_{k}": v for i, case in enumerate(cases) for k, v in case.items()}
-    small = get_spec(NAME, 0.001)
-    np.savez(inp, bases=np.asarray([SPEC.table_base, small.table_base]), vocab=SPEC.compressed_vocab, seed=SPEC.seed,
-             eos=EOS, ngram_size=SPEC.max_ngram, heads=SPEC.heads, dense_ids=np.asarray([0, 1]), **arrays)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ENGRAM_STORE_", "VLLM_"))}
-    env |= {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "vllm_qwen4exp_ref.py"), str(inp),
-                             str(out)], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return dict(np.load(out))
+    return vllm_reference(tmp_path_factory.mktemp("qwen-ref"), SPEC, [SPEC.table_base, get_spec(NAME, 0.001).table_base],
+                          [0, 1], EOS, **arrays)
 
 
 def test_layout_and_multipliers_equal_vllms(vllm_ids):

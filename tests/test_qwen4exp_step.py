@@ -5,14 +5,9 @@ request and a restart with lookback, read with ``TableSet.read_rows``."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from support.qwen4exp_reference import vllm_reference
 
 from engram_store.errors import InvalidRequest
 from engram_store.format.tableset import TableSet
@@ -20,7 +15,6 @@ from engram_store.models.qwen4exp import EOS
 from engram_store.models.spec import get_spec
 from engram_store.tools.synth import write_synthetic
 
-REPO = Path(__file__).resolve().parents[1]
 SPEC = get_spec("qwen3.8-flash-next", 0.0002)
 LAYER = 1
 
@@ -76,19 +70,7 @@ def script():
 
 @pytest.fixture(scope="module")
 def vllm_ids(script, tmp_path_factory):
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed")
-    tmp = tmp_path_factory.mktemp("qwen-step-ref")
-    inp, out = tmp / "in.npz", tmp / "out.npz"
-    np.savez(inp, bases=np.asarray([SPEC.table_base]), vocab=SPEC.compressed_vocab, seed=SPEC.seed, eos=EOS,
-             ngram_size=SPEC.max_ngram, heads=SPEC.heads, dense_ids=np.asarray([0]), **script[1])
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ENGRAM_STORE_", "VLLM_"))}
-    env |= {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "vllm_qwen4exp_ref.py"), str(inp),
-                             str(out)], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    got = dict(np.load(out))
-    assert got["b0_d0_padded"] == SPEC.rows(LAYER)  # vLLM's table at this scale is ours
+    got = vllm_reference(tmp_path_factory.mktemp("qwen-step-ref"), SPEC, [SPEC.table_base], [0], EOS, **script[1])
     return [got[f"c{i}_triton"] for i in range(len(script[0]))]
 
 

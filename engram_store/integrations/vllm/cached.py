@@ -97,19 +97,28 @@ def max_tokens(embedding: Any) -> int:
     return int(tokens) * max(1, int(getattr(embedding, "dp_size", 1)))
 
 
+def staging_job(tables: EngramStoreTables, layer: int, rows: int, rank_rows: int, what: str, step: str = "") -> FetchJob:
+    """A cached table's fetch job for steps of up to ``rows`` rows (``step``: how they come about, for the
+    refusal) of a rank holding ``rank_rows`` rows, which the staging's positional ids must stay within;
+    the model runner checked first. ``what`` names the table in the refusal."""
+    runners.require_checked_runner(layer)
+    if rows > rank_rows:
+        raise EngineUnsupported(f"{what}: a step may fetch {rows} rows{step}, more than the {rank_rows} rows of this "
+                                "rank, which the positional ids of the staging must stay within; lower "
+                                "max_num_batched_tokens")
+    job = tables.fetch_job(layer, rows)
+    ranks.serve_cached(layer)
+    return job
+
+
 def allocate(embedding: Any, tables: EngramStoreTables, layer: int) -> tuple[Any, Any]:
     """A cached layer's ``(weight, weight_scale_inv)``: its fetch job's staging blocks."""
     import torch
 
-    runners.require_checked_runner(layer)
     local = min(embedding.part_n_hash_cols, embedding.n_hash_cols - embedding.head_start)
     tokens = max_tokens(embedding)
-    rows = tokens * local
-    if rows > embedding.part_num_embeddings:
-        raise EngineUnsupported(f"Engram layer {layer}: a step may fetch {rows} rows ({tokens} tokens x {local} heads), "
-                                f"more than the {embedding.part_num_embeddings} rows of this rank's heads, which the "
-                                "positional ids of the staging must stay within; lower max_num_batched_tokens")
-    job = tables.fetch_job(layer, rows)
+    job = staging_job(tables, layer, tokens * local, embedding.part_num_embeddings, f"Engram layer {layer}",
+                      f" ({tokens} tokens x {local} heads)")
     ids, weight, scales = tables.job_tensors(job)
     if torch.cuda.is_available() and not (registration := tables.register_cuda(layer)):
         raise EngineUnsupported(f"Engram layer {layer}: {registration.message}")
@@ -118,7 +127,6 @@ def allocate(embedding: Any, tables: EngramStoreTables, layer: int) -> tuple[Any
     # vLLM's "rows already page-friendly" storage: it never sorts the (positional, in-order) ids of this layer
     embedding._packed = torch.frombuffer(job.staging, dtype=torch.uint8)
     prompt_hints.register(layer, slice(embedding.head_start, embedding.head_start + local))
-    ranks.serve_cached(layer)
     log.info("engram-store: Engram layer %d is cached: this rank's rows of each step (heads [%d, %d), up to %d rows) "
              "are fetched a layer ahead by a fetch job (deadline %.1f s, then direct page reads)", layer,
              embedding.head_start, embedding.head_start + local, job.max_rows, job.deadline)

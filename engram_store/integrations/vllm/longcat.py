@@ -41,6 +41,7 @@ from ..install import Plugin
 from ..models.longcat import LAYER, LONGCAT, TABLE_TENSOR, NgramLayout
 from ..tables import EngramStoreTables
 from . import ranks, runners
+from .cached import staging_job
 
 log = logging.getLogger(__name__)
 
@@ -175,16 +176,10 @@ def _serve(ngram: Any, tables: EngramStoreTables) -> Served:
     if tables.is_resident(LAYER):
         block, _ = tables.views(LAYER, served.start, served.end)
     else:
-        runners.require_checked_runner(LAYER)
-        rows = _max_tokens() * ngram.num_embedders
-        if rows > served.end - served.start:
-            raise EngineUnsupported(f"LongCat n-gram table: a step may fetch {rows} rows, more than the "
-                                    f"{served.end - served.start} rows of this rank, which the staging's positional "
-                                    "ids must stay within; lower max_num_batched_tokens")
-        served.job = tables.fetch_job(LAYER, rows)
+        served.job = staging_job(tables, LAYER, _max_tokens() * ngram.num_embedders, served.end - served.start,
+                                 "LongCat n-gram table")
         served.ids, block, _ = tables.job_tensors(served.job)
         block = block[: served.job.max_rows]
-        ranks.serve_cached(LAYER)
     weight = block.view(torch.uint8).view(embedder.params_dtype)
     if weight.shape[1] != embedder.embedding_dim:
         raise EngineUnsupported(f"LongCat n-gram table: vLLM wants rows of {embedder.embedding_dim} "

@@ -39,7 +39,7 @@ from ...errors import EngineUnsupported, ModelMismatch
 from ..install import Plugin
 from ..models.qwen4exp import QWEN4EXP, TABLE_TENSOR, PLELayout
 from ..tables import EngramStoreTables
-from . import ranks, runners
+from .cached import staging_job
 
 log = logging.getLogger(__name__)
 
@@ -304,17 +304,11 @@ def _serve(embedding: Any, tables: EngramStoreTables) -> Served:
     layer, index = building.layer, embedding.shard_indices
     served = Served(layer, tables, int(index.org_vocab_start_index), int(index.org_vocab_end_index))
     if not tables.is_resident(layer):
-        runners.require_checked_runner(layer)
         common = importlib.import_module(COMMON)
         dp = max(1, embedding.tp_size // common.get_tp_group().world_size)  # ETP spanning DP gathers DP's ids
-        rows = building.max_tokens * dp * building.heads
-        if rows > served.end - served.start:
-            raise EngineUnsupported(f"PLE layer {layer}: a step may fetch {rows} rows, more than the "
-                                    f"{served.end - served.start} rows of this rank, which the staging's positional "
-                                    "ids must stay within; lower max_num_batched_tokens")
-        served.job = tables.fetch_job(layer, rows)
+        served.job = staging_job(tables, layer, building.max_tokens * dp * building.heads, served.end - served.start,
+                                 f"PLE layer {layer}")
         served.ids, _, _ = tables.job_tensors(served.job)
-        ranks.serve_cached(layer)
     if torch.cuda.is_available() and not (registration := tables.register_cuda(layer)):
         raise EngineUnsupported(f"PLE layer {layer}: {registration.message}")
     embedding.__dict__["_engram_store"] = served
