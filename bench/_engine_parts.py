@@ -84,10 +84,10 @@ def fio_replay(path: Path, pages: np.ndarray, qd: int, engine: str, workdir: Pat
 class LookupJob:
     """The fetch job's interface (``ids``, ``run``, ``weight``/``scales``, ``stats``) over the client's packed
     lookup into a buffer it holds (``EngramClient.lookup_into`` over the Unix socket's shared memory): how a step
-    is fetched for row formats without block scales (Qwen3.8-Flash-Next's FP8 and BF16 rows), which the job's
-    split staging does not take."""
+    is fetched for row formats without block scales (Qwen3.8-Flash-Next's FP8 and BF16 rows): the daemon's cache
+    and NVMe reads as for the engines' fetch job, over the packed lookup instead of the job's split staging."""
 
-    PATH = "client lookup_into (packed rows): the fetch job's split staging needs block scales"
+    PATH = "client lookup_into (packed rows)"
 
     def __init__(self, address: str, spec, layer: int, max_rows: int, deadline: float) -> None:
         from engram_store.client.client import EngramClient

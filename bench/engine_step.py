@@ -30,7 +30,7 @@ of ``--chunk-tokens`` tokens at a time. Last, a sizing table: NVMe IOPS a node n
 ``--model qwen3.8-flash-next`` (``-bf16``, ``-nvfp4``): its one PLE table (layer 1, 16 rows a token), raw token ids
 of the Qwen3.5/3.6 tokenizer (``bench/_engine_tokens.py``) hashed with the EOS boundary. Rows without block scales
 (FP8 with one table scale, BF16) are fetched with the client's packed lookup into a buffer of the bench's
-(``_engine_parts.LookupJob``): the fetch job's split staging needs block scales.
+(``_engine_parts.LookupJob``): the daemon's cache and reads as for the engines' fetch job, another transport.
 
 In the same run, per case, the file-mapped page-cache approach users run today (``bench/_mmap_baseline.py``,
 ``--no-mmap`` skips it): the same layer file mapped in a child process, the same steps gathered with a numpy index
