@@ -247,3 +247,28 @@ def test_hinted_rows_never_evict_rows_lookups_hit(policy):
         assert settled == (0, 300) and cache.hinted_count == 0 and (cache.maps[0][hot] > 0).all()
     finally:
         cache.close()
+
+
+def test_rows_a_lookup_takes_from_the_hint_readers_read_count_as_that_read_not_as_shared(tables):
+    """A lookup missing rows the hint reader is reading waits for that read and takes its rows: they are
+    the hint reader's read (hint_rows_read counts them), not the lookup's NVMe reads and not shared rows."""
+    from engram_store.format.tableset import TableSet
+
+    layer = FLASH.layers[-1]
+    with TieredStore.open(tables, dram_bytes=cache_budget(FLASH, 0.5), mode="cached") as store:
+        ids = np.random.default_rng(9).choice(FLASH.rows(layer), 3000, replace=False)
+        hinted = np.sort(ids[:500])
+        ts = TableSet.open(tables)
+        rows = ts.read_rows(layer, hinted)
+        ts.close()
+        inflight = store.parts.inflight
+        read, _, _ = inflight.claim(layer, hinted, hint=True)  # the hint reader's read, in flight
+        out = np.empty((3000, FLASH.row_bytes), np.uint8)
+        t = threading.Thread(target=store.lookup_into, args=(layer, ids, out))
+        t.start()
+        threading.Event().wait(0.3)  # the lookup reads its other rows and waits for the hint read's
+        inflight.done(read, rows)
+        t.join()
+        check_rows(store, tables, FLASH, layer, ids, out)
+        st = store.stats()
+        assert st["nvme_rows_shared"] == 0 and st["nvme_rows_distinct"] == 3000 - 500, st

@@ -222,6 +222,8 @@ class CachedPath:
             took = wait.take(data)
             if took.any():
                 shared += int(np.count_nonzero(took))
+                if wait.read.hint:  # the hint reader's read: its rows count as its (hint_rows_read)
+                    rs.rows_from_hints += int(np.count_nonzero(took))
                 rpp = self._files[layer].layout.rows_per_page
                 met = np.intersect1d(wait.read.bad_pages, distinct[wait.at[took]] // rpp)
                 rs.bad_pages = np.union1d(rs.bad_pages, met).astype(np.int64)

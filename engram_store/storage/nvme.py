@@ -63,7 +63,7 @@ class ReadStats:
     seconds: float = 0.0
     bad_pages: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, dtype=np.int64))  # failed crc32c
     rows_read: int | None = None  # with a stop flag raised: the rows read, from the first (None: all of them)
-    rows_from_hints: int = 0  # rows a hint read put into the cache meanwhile, copied from there (not read here)
+    rows_from_hints: int = 0  # rows a hint read brought (its read in flight, or the cache it filled): not read here
 
 
 class BufferPool:
