@@ -94,8 +94,12 @@ run: $(STAMP) $(NATIVE_STAMP) tables
 		--socket $(RUN_DIR)/engram-store.sock --grpc 127.0.0.1:0 --grpc-token-file $(RUN_DIR)/grpc.token \
 		--metrics 127.0.0.1:0 --ready-file $(RUN_DIR)/ready.json
 
+# Two test files at a time (pytest-xdist; a file's tests in one worker): most tests wait on daemons, disks and
+# engine imports, so two keep both cores busy. TEST_WORKERS=0 runs them one at a time.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) $(NATIVE_STAMP) $(if $(filter 1,$(VLLM)),$(VLLM_STAMP))
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # --- the engine tests ---------------------------------------------------------------------------------------
 # make engine-test runs the tests marked `engine` (make test skips them): the vLLM and SGLang plugins against

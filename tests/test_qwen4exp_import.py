@@ -135,9 +135,9 @@ def test_serve_refuses_a_changed_table_scale(synth_sets, tmp_path):
 
 
 def test_info_carries_the_table_scales_over_unix_and_grpc(synth_sets, tmp_path):
-    for name, want in ((FP8, {"1": TABLE_SCALE_STEP}), (BF16, None)):
-        (tmp_path / name).mkdir()
-        with DaemonProcess(synth_sets[name], tmp_path / name, dram_bytes="1MiB") as d:
+    for i, (name, want) in enumerate(((FP8, {"1": TABLE_SCALE_STEP}), (BF16, None))):
+        (tmp_path / f"d{i}").mkdir()  # short: the socket path must fit a sockaddr_un (107 bytes)
+        with DaemonProcess(synth_sets[name], tmp_path / f"d{i}", dram_bytes="1MiB") as d:
             clients = [EngramClient.connect(d.unix), EngramClient.connect(d.grpc, token_file=d.token_file)]
             try:
                 for client in clients:
