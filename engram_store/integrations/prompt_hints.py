@@ -6,9 +6,10 @@ about 196,608 rows. Yet all of a prompt's row ids are known when it is scheduled
 token ids alone). :class:`PromptHints` turns the engine's view of a newly scheduled request (its raw
 prompt token ids, how many are computed already, e.g. by a prefix-cache hit, and the chunk scheduled
 now) into one hint per cached layer: the rows of the tokens after the scheduled chunk, hashed exactly
-as the engine's own kernels hash them (:func:`pending_rows`: :mod:`engram_store.models.hashing` with the
-table set's compressed token map, by position, the 3 tokens before as lookback), this rank's hash
-columns only, each row once. When the request finishes or is aborted, it withdraws what the daemon
+as the engine's own kernels hash them (:func:`pending_rows`: :mod:`engram_store.models.hashing` by
+position, the tokens before as lookback, with the family's boundary rule: V4.1 through the table set's
+compressed token map; Qwen4Exp and LongCat over raw ids, the prompt's start and its EOS tokens cutting
+the grams as vLLM's id kernels cut them), this rank's hash columns only, each row once. When the request finishes or is aborted, it withdraws what the daemon
 still had queued.
 
 Nothing here blocks the engine: :meth:`PromptHints.scheduled` copies the token ids and returns; a
@@ -59,7 +60,9 @@ def pending_rows(spec: ModelSpec, layer: int, tokens: Any, start: int, *, raw: R
                  columns: slice | None = None) -> np.ndarray:
     """Row ids of ``layer`` for the tokens ``tokens[start:]`` of a prompt, in token order, each once.
 
-    ``tokens``: the prompt's token ids (raw engine ids with ``raw``, else compressed ids); each
+    ``tokens``: the prompt's token ids (raw engine ids with ``raw``, else the ids the spec hashes: compressed
+    ids, or a ``token_ids = "raw"`` spec's raw ids; positions before the prompt hash as the spec's boundary
+    says: a pad, Qwen4Exp's EOS, LongCat's cut); each
     position hashes with the up to ``max_ngram - 1`` tokens before it, as the engine hashes a chunk
     from its tokens and their lookback, so the rows equal those of the whole prompt from ``start`` on.
     ``columns``: the hash columns (of ``rows_per_token``, in (order, head) order) this rank fetches;
@@ -243,12 +246,16 @@ def sglang_finished(hints: PromptHints, reqs: Iterable[Any], is_finished: Callab
 
 class RankHints:
     """A plugin's prompt hints in one engine process: the cached layers built there with the hash columns
-    this rank fetches (:meth:`register`, at model build), and the :class:`PromptHints` made at first use
-    (none, with one INFO line, when the table set carries no token map: engines hold raw token ids).
+    this rank fetches (:meth:`register`, at model build), and the :class:`PromptHints` made at first use.
+    A family whose hash reads compressed ids (DeepSeek-V4.1) needs the table set's token map, as engines
+    hold raw token ids (none: no hints, one INFO line); one whose hash reads raw ids (``token_ids = "raw"``:
+    Qwen4Exp, LongCat) hashes the prompt as it is. ``engine_spec``: the engine's hashing rule over the
+    table set's spec where the two differ (SGLang's LongCat: ``eos_current = "rehash"``); None: the spec's.
     :meth:`call` runs an adapter above and never raises into the engine (a failure is logged once)."""
 
-    def __init__(self, block_images: bool) -> None:
+    def __init__(self, block_images: bool, engine_spec: Callable[[ModelSpec], ModelSpec] | None = None) -> None:
         self.block_images = block_images
+        self.engine_spec = engine_spec
         self._lock = threading.Lock()
         self._columns: dict[int, slice] = {}
         self._hints: list[PromptHints | None] = []  # [] until first use
@@ -272,15 +279,17 @@ class RankHints:
             from ..models.tokens import raw_ids_for
 
             t = tables()
-            try:
-                raw = raw_ids_for(t.spec, t.info, None, block_images=self.block_images)
+            spec = t.spec if self.engine_spec is None else self.engine_spec(t.spec)
+            try:  # raw ids: hashed as they are; compressed ids: through the table set's token map
+                raw = None if spec.token_ids == "raw" else raw_ids_for(spec, t.info, None,
+                                                                       block_images=self.block_images)
             except EngramStoreError as exc:
                 log.info("engram-store: no prompt hints (%s); each prefill chunk of a cached layer reads its misses",
                          exc)
                 self._hints.append(None)
                 return None
             address = t.address
-            self._hints.append(PromptHints(lambda: EngramClient.connect(address), t.spec, dict(self._columns), raw))
+            self._hints.append(PromptHints(lambda: EngramClient.connect(address), spec, dict(self._columns), raw))
             log.info("engram-store: prompt hints on for cached layers %s: the rows of a prompt's later chunks are "
                      "read ahead by the daemon", sorted(self._columns))
             return self._hints[0]

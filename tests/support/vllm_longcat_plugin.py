@@ -240,5 +240,69 @@ def scenario_lookups(tables_dir: str, page: str | None = None) -> None:
         raise AssertionError("a step reading a page that fails its checksum was not raised")
 
 
+def scenario_hints(tables_dir: str) -> None:
+    """A cached table's prompt hints equal the rows vLLM's later chunks fetch: each chunk's ids from vLLM's own
+    ``LongcatNgramModelState`` (``add_request``, then ``_compute_oe_ids`` rolling the EOS-negated token table
+    chunk after chunk; its id op the CPU stand-in of longcat_ref.py), looked up through the plugin's
+    ``embed_batched``. The model state's runner-side base is a stand-in setting the sizes it reads."""
+    import importlib
+
+    from longcat_ref import register_standin
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+    from vllm_ngram_hints import hinted_then_fetched
+
+    from engram_store.format.tableset import TableSet
+
+    patches, plugin = setup()
+    L = importlib.import_module(NGRAM)
+    spec = TableSet.open(tables_dir).spec
+    assert not patches.tables().is_resident(0)
+    tp_rank(0, 1)
+    register_standin()
+    ne = build(L, spec)
+    served = ne.__dict__["_engram_store"]
+
+    def runner_part(self, vllm_config, model, encoder_cache, device):
+        self.model, self.device, self.dtype, self.max_num_reqs, self.max_num_tokens = model, device, torch.bfloat16, \
+            4, MAX_TOKENS
+        self.rope_state = self.prompt_embeds_state = None
+
+    model = types.SimpleNamespace(config=ne.config, model=types.SimpleNamespace(ngram_embeddings=ne))
+    real, DefaultModelState.__init__ = DefaultModelState.__init__, runner_part
+    try:
+        state = L.LongcatNgramModelState(None, model, None, torch.device("cpu"))
+    finally:
+        DefaultModelState.__init__ = real
+    rng = np.random.default_rng(6)
+    prompt = rng.integers(0, spec.compressed_vocab, 300)
+    prompt[rng.random(prompt.size) < 0.08] = spec.pad_id
+    prompt[[63, 64, 127, 129]] = spec.pad_id  # EOS at the chunks' edges: grams cut across them, EOS rows at offsets
+    request = list(map(int, prompt))
+    state.add_request(0, types.SimpleNamespace(num_computed_tokens=0, prefill_token_ids=request,
+                                               prompt_token_ids=request))
+    done, steps = [0], []
+
+    def ids(start: int, end: int):
+        batch = types.SimpleNamespace(num_reqs=1, num_tokens=end - start, idx_mapping=torch.zeros(1, dtype=torch.int32),
+                                      query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
+                                      input_ids=torch.from_numpy(prompt[start:end].astype(np.int32)))
+        done[0] = end
+        return batch.input_ids, state._compute_oe_ids(batch)
+
+    def chunk(start: int, end: int) -> None:
+        if done[0] < start:
+            ids(done[0], start)  # the first chunk: its context rolls as vLLM's does (its rows are not checked)
+        input_ids, oe_ids = ids(start, end)
+        steps.append(oe_ids.reshape(-1))
+        ne.embed_batched(input_ids, oe_ids)  # what prepare_inputs hands it
+
+    def fetched():
+        got = served.ids[: steps[-1].numel()].clone()
+        assert torch.equal(got, steps[-1]), "the fetch job asked for other rows than vLLM's ids"
+        return got.numpy()
+
+    hinted_then_fetched(prompt, 64, chunk, fetched)
+
+
 if __name__ == "__main__":
     globals()[f"scenario_{sys.argv[1]}"](*sys.argv[2:])

@@ -19,6 +19,7 @@ Prints ``OK <what>`` lines and exits 0, or raises.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import types
@@ -35,7 +36,9 @@ from vllm_qwen4exp_ref import _StandIns  # noqa: E402
 
 NGRAM = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 COMMON = "vllm.models.qwen4_exp.common.ngram_embedding"
+AMD = "vllm.models.qwen4_exp.amd.ple_layer"
 PREFIX = "model.layers.1.ple.ple_embedding"
+AMD_LAYER = "model.layers.1.ple"  # the AMD PLE layer's name, by which its custom ops find it
 MAX_TOKENS = 96
 
 
@@ -43,16 +46,27 @@ def ok(what: str) -> None:
     print(f"OK {what}", flush=True)
 
 
-def setup():
+def setup(rocm: bool = False):
     """The plugin installed over vLLM (stand-ins first, so that its Qwen4Exp code imports), vLLM's gloo
-    groups of one process; returns (patches, plugin)."""
+    groups of one process; returns (patches, plugin). ``rocm``: vLLM's platform says ROCm while the plugin
+    installs (``current_platform.is_rocm()``, which is how vLLM picks ``amd/model.py``), so it patches the
+    AMD copy of ``Qwen4ExpNGramEmbedding`` too; the rest of the scenario runs on vLLM's CPU paths."""
     sys.meta_path.append(_StandIns())
     torch.set_default_dtype(torch.bfloat16)  # the model's dtype, as vLLM sets it while it builds the model
+    from vllm.platforms import current_platform
     from vllm_engine import init_distributed
 
     from engram_store.integrations.vllm import patches
 
-    plugin = patches.install(os.environ["ENGRAM_STORE_ADDR"])
+    if rocm:  # the modules the plugin imports besides Qwen4Exp's, imported first as this (CPU) platform has them
+        for name in (patches.ENGRAM, patches.WEIGHT_UTILS, patches.DEFAULT_LOADER, "vllm.v1.worker.gpu_model_runner",
+                     "vllm.v1.worker.gpu.model_runner", NGRAM, COMMON):
+            importlib.import_module(name)
+        current_platform.is_rocm = lambda: True
+    try:
+        plugin = patches.install(os.environ["ENGRAM_STORE_ADDR"])
+    finally:
+        current_platform.__dict__.pop("is_rocm", None)
     init_distributed()
     return patches, plugin
 
@@ -68,8 +82,10 @@ def config(spec, **override):
     return types.SimpleNamespace(**(fields | override))
 
 
-def build(spec, cpu_offload: bool, **override):
-    """vLLM's Qwen4ExpNGramEmbedding of the first PLE layer, built inside a model runner's load_model."""
+def build(spec, cpu_offload: bool, amd: bool = False, **override):
+    """vLLM's Qwen4ExpNGramEmbedding of the first PLE layer, built inside a model runner's load_model:
+    NVIDIA's (``nvidia/ngram_embedding.py``) or, with ``amd``, ROCm's copy (``amd/ple_layer.py``), each called
+    as its PLE layer calls it."""
     import importlib
 
     from vllm.config import EngramConfig
@@ -77,13 +93,16 @@ def build(spec, cpu_offload: bool, **override):
 
     from engram_store.integrations.vllm import runners
 
-    N = importlib.import_module(NGRAM)
+    N = importlib.import_module(AMD if amd else NGRAM)
     cfg = types.SimpleNamespace(engram_config=EngramConfig(cpu_offload=cpu_offload))
     N.get_current_vllm_config = lambda: cfg
     c = config(spec, **override)
+    dim = spec.rows_per_token * spec.row_format.dim
     with runners.model_runner(object.__new__(GPUModelRunner)):
-        return N.Qwen4ExpNGramEmbedding(c, spec.rows_per_token * spec.row_format.dim, 0, MAX_TOKENS,
-                                        data_parallel_rank=0, prefix=PREFIX, quant_config=None)
+        if amd:
+            return N.Qwen4ExpNGramEmbedding(c, dim, 0, MAX_TOKENS, PREFIX, AMD_LAYER, data_parallel_rank=0,
+                                            quant_config=None, params_dtype=torch.bfloat16)
+        return N.Qwen4ExpNGramEmbedding(c, dim, 0, MAX_TOKENS, data_parallel_rank=0, prefix=PREFIX, quant_config=None)
 
 
 def reference(plugin, module, ts, layer):
@@ -133,13 +152,66 @@ class OneOfTwo:
         return x
 
 
+def amd_forward(module, tokens, qsl, ctx):
+    """ROCm's ``Qwen4ExpNGramEmbedding.forward`` as vLLM runs it: its custom ops (ids, then the pinned
+    storage's ``sync_lookup``) find their PLE layer in the forward context by name."""
+    import importlib
+
+    A = importlib.import_module(AMD)
+    owner = object.__new__(A.Qwen4ExpPLELayer)  # the PLE layer its ops look up: only its ple_embedding is read
+    torch.nn.Module.__init__(owner)
+    owner.ple_embedding = module
+    real = A.get_forward_context
+    A.get_forward_context = lambda: types.SimpleNamespace(no_compile_layers={AMD_LAYER: owner})
+    try:
+        return module.forward(tokens, qsl, ctx)
+    finally:
+        A.get_forward_context = real
+
+
+def amd_lookups(plugin, ts, tokens, qsl, ctx, ids, where: str) -> None:
+    """ROCm's copy of Qwen4ExpNGramEmbedding (amd/ple_layer.py) with the plugin: its storage is the daemon's,
+    its forward (inline, no prefetch) equals vLLM's own storage loaded from read_rows; its config is checked.
+    NVFP4 is refused by vLLM's AMD code itself."""
+    from engram_store.errors import ModelMismatch
+
+    spec, layer = ts.spec, ts.spec.layers[0]
+    tables = plugin.tables()
+    if spec.row_format.payload_dtype == "float4_e2m1fn":
+        try:
+            build(spec, True, amd=True)
+        except NotImplementedError as exc:
+            assert "ROCm" in str(exc), exc
+            ok(f"amd {where} float4_e2m1fn: vLLM's AMD PLE refuses NVFP4 tables itself ({exc})")
+            return
+        raise AssertionError("an NVFP4 PLE table was built on the AMD path")
+    module = build(spec, True, amd=True)
+    emb = module.ngram_embedding
+    assert type(emb).__name__.startswith("EngramStore") and emb.supports_prefetch, type(emb)
+    assert tables.owns(emb.weight.data_ptr()), "the AMD path's table is not the daemon's"
+    got = amd_forward(module, tokens, qsl, ctx)
+    ref = reference(plugin, module, ts, layer)
+    want = ref(ids).flatten(-2)
+    assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), \
+        "the AMD path's rows differ from vLLM's own storage"
+    try:
+        build(spec, True, amd=True, ngram_vocab_size_base=spec.table_base + 1000)
+    except ModelMismatch as exc:
+        assert "rows of Engram layer" in str(exc), exc
+    else:
+        raise AssertionError("the AMD path accepted a config whose table differs from the daemon's")
+    ok(f"amd {where} {spec.row_format.payload_dtype}: ROCm's Qwen4ExpNGramEmbedding.forward (its custom ops, "
+       f"sync_lookup) over the daemon's table equals vLLM's own storage for {tokens.numel()} tokens; its config "
+       "is checked")
+
+
 def scenario_lookups(tables_dir: str) -> None:
     import importlib
 
     from engram_store.errors import ModelMismatch
     from engram_store.format.tableset import TableSet
 
-    patches, plugin = setup()
+    patches, plugin = setup(rocm=True)
     ts = TableSet.open(tables_dir)
     spec, layer = ts.spec, ts.spec.layers[0]
     tables = patches.tables()
@@ -173,6 +245,7 @@ def scenario_lookups(tables_dir: str) -> None:
         seam = "start_prefetch/finalize_prefetch" if cpu_offload else "inline forward"
         ok(f"{where} {spec.row_format.payload_dtype}: {tokens.numel()} tokens through the {seam} equal vLLM's "
            "own storage and TableSet.read_rows row for row, dequantized alike")
+    amd_lookups(plugin, ts, tokens, qsl, ctx, module.compute_ngram_ids(tokens, qsl, ctx), where)
 
     C = importlib.import_module(COMMON)
     real_etp, real_tp = C.get_etp_group, C.get_tp_group
@@ -233,6 +306,51 @@ def scenario_corrupt(tables_dir: str, page: str) -> None:
         ok(f"CorruptRows at the step's check: {exc}")
     else:
         raise AssertionError("a step reading a page that fails its checksum was not raised")
+
+
+def scenario_hints(tables_dir: str) -> None:
+    """A cached PLE table's prompt hints equal the rows vLLM's later chunks fetch: ``ngram_context`` from
+    vLLM's own ``Qwen4ExpModelState._prepare_ngram_context`` (over the request's tokens and computed count),
+    ids from its ``compute_ngram_ids``, through ``start_prefetch``/``forward``. The prompt has EOS tokens,
+    some at the chunks' edges."""
+    from vllm.models.qwen4_exp.nvidia.model_state import Qwen4ExpModelState
+
+    from engram_store.format.tableset import TableSet
+
+    patches, plugin = setup()
+    ts = TableSet.open(tables_dir)
+    spec, layer = ts.spec, ts.spec.layers[0]
+    assert not patches.tables().is_resident(layer)
+    module = build(spec, True)
+    served = module.ngram_embedding.__dict__["_engram_store"]
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, spec.compressed_vocab, 300)
+    prompt[rng.random(prompt.size) < 0.08] = spec.pad_id
+    prompt[[63, 64, 127, 129]] = spec.pad_id  # EOS at the chunks' edges: the look-back cut across them
+    eos = spec.pad_id
+    state = types.SimpleNamespace(ngram_context=torch.full((1, spec.history_len), eos, dtype=torch.int32),
+                                  ngram_eos_token_id=eos, ngram_context_offsets=torch.arange(-spec.history_len, 0))
+    all_tokens = types.SimpleNamespace(gpu=torch.from_numpy(prompt.astype(np.int32))[None])
+    steps = []
+
+    def chunk(start: int, end: int) -> None:
+        batch = types.SimpleNamespace(num_reqs=1, idx_mapping=torch.zeros(1, dtype=torch.int32))
+        computed = types.SimpleNamespace(gpu=torch.tensor([start], dtype=torch.int32))
+        ctx = Qwen4ExpModelState._prepare_ngram_context(
+            state, batch, types.SimpleNamespace(num_computed_tokens=computed, all_token_ids=all_tokens)).clone()
+        tokens = torch.from_numpy(prompt[start:end].astype(np.int32))
+        qsl = torch.tensor([0, end - start], dtype=torch.int32)
+        steps.append(module.compute_ngram_ids(tokens, qsl, ctx).reshape(-1))  # vLLM's ids of the chunk
+        step(module, tokens, qsl, ctx)
+
+    def fetched():
+        ids = served.ids[: steps[-1].numel()].clone()
+        assert torch.equal(ids, steps[-1]), "the fetch job asked for other rows than vLLM's ids"
+        return ids.numpy()
+
+    from vllm_ngram_hints import hinted_then_fetched
+
+    hinted_then_fetched(prompt, 64, chunk, fetched)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ before the forward, outside any CUDA graph: the rows are needed before decoder l
   failed fetch (``CorruptRows`` naming layer and pages) right there, before the rows are used; ranks
   that do share it leave it to the model runners' agreed checks before the step's tokens (:mod:`.runners`),
   as a rank leaving alone would strand its peers in the all-reduce;
+* a cached table's rows of a prompt's later chunks are hinted to the daemon when the prompt is scheduled
+  (:mod:`.prompt_hints`: the raw prompt hashed by the spec, each gram cut at the prompt's start and at an
+  EOS looking back, an EOS position at its table's offset, as ``LongcatNgramModelState``'s token table and
+  vLLM 0.33's id op have them), so chunks after the first find them in the daemon's DRAM;
 * ``NgramEmbedding.load_weight`` copies nothing into the daemon's rows, and ``FlashNgramModel.load_weights``
   counts them loaded (the checkpoint's ``embedders`` tensors are skipped before they are read:
   :func:`with_table_names`).
@@ -40,7 +44,7 @@ from ...errors import EngineUnsupported
 from ..install import Plugin
 from ..models.longcat import LAYER, LONGCAT, TABLE_TENSOR, NgramLayout
 from ..tables import EngramStoreTables
-from . import ranks, runners
+from . import prompt_hints, ranks, runners
 from .cached import staging_job
 
 log = logging.getLogger(__name__)
@@ -180,6 +184,9 @@ def _serve(ngram: Any, tables: EngramStoreTables) -> Served:
                                  "LongCat n-gram table")
         served.ids, block, _ = tables.job_tensors(served.job)
         block = block[: served.job.max_rows]
+        # the prompt's later chunks, hinted to the daemon: every table's column (TP shards rows, not tables;
+        # the ranks' hints of one request are the same and the daemon reads them once)
+        prompt_hints.register(LAYER, slice(0, ngram.num_embedders))
     weight = block.view(torch.uint8).view(embedder.params_dtype)
     if weight.shape[1] != embedder.embedding_dim:
         raise EngineUnsupported(f"LongCat n-gram table: vLLM wants rows of {embedder.embedding_dim} "

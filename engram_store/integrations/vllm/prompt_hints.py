@@ -6,8 +6,13 @@ Both model runners hand every step's ``SchedulerOutput`` to ``execute_model``; t
 (:mod:`.runners`) calls :func:`on_step` with it before the forward. Its new requests carry their raw
 prompt token ids and the tokens already computed (a prefix-cache hit hints fewer rows); its finished
 requests withdraw what the daemon still had queued. Nothing here blocks the step: the hashing and the
-sending run on a thread of their own, and a hint that cannot be sent is dropped (logged once). vLLM
-blocks the image token like a dead id. Without the table set's token map there are no hints.
+sending run on a thread of their own, and a hint that cannot be sent is dropped (logged once).
+
+The cached layers register here when they are built: DeepSeek-V4.1's Engram layers with this rank's heads
+(:mod:`.cached`; hashed through the table set's token map, vLLM blocking the image token like a dead id:
+without the map there are no hints), Qwen4Exp's PLE layers (:mod:`.qwen4exp`) and LongCat's n-gram table
+(:mod:`.longcat`) with all their columns, hashed over the raw prompt with the family's EOS and
+request-start rules.
 """
 
 from __future__ import annotations

@@ -18,6 +18,15 @@ format, ETP size):
   runs as a host function there (so under CUDA graphs too); on the CPU the job runs in ``start_prefetch``
   (or inline in ``forward``).
 
+A cached layer's rows of a prompt's later chunks are hinted to the daemon when the prompt is scheduled
+(:mod:`.prompt_hints`: the raw prompt hashed by the spec, positions before it and look-back past an EOS as
+EOS, as ``Qwen4ExpModelState``'s ``ngram_context`` and vLLM's id kernel have them).
+
+On ROCm vLLM builds ``amd/ple_layer.py``'s copy of ``Qwen4ExpNGramEmbedding`` over the same storage classes
+(imported by name, so replaced too) and looks rows up inline through the pinned storage's ``sync_lookup``
+(no prefetch seam): the plugin checks that copy's config as well (:func:`_amd_targets`) and serves it the
+same way, a cached layer's fetch then running on the stream just before vLLM's lookup.
+
 The results are reduced over ETP by vLLM's own ``_reduce_etp_embeddings``. The table's global scale
 (FP8 ``weight_scale``, NVFP4 ``weight_scale_2``) is set from ``tables.table_scale(layer)``; a checkpoint
 scale loaded over it must equal it. A failed fetch (a page failing its checksum) leaves zero rows and is
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import contextvars
 import importlib
+import inspect
 import logging
 import re
 from dataclasses import dataclass, field
@@ -39,12 +49,14 @@ from ...errors import EngineUnsupported, ModelMismatch
 from ..install import Plugin
 from ..models.qwen4exp import QWEN4EXP, TABLE_TENSOR, PLELayout
 from ..tables import EngramStoreTables
+from . import prompt_hints
 from .cached import staging_job
 
 log = logging.getLogger(__name__)
 
 NGRAM = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 COMMON = "vllm.models.qwen4_exp.common.ngram_embedding"
+AMD = "vllm.models.qwen4_exp.amd.ple_layer"  # ROCm's copy of Qwen4ExpNGramEmbedding (vllm.models.qwen4_exp picks it)
 DEAD_ID = -1  # an id this rank does not own: its fetch job writes a zero row
 PINNED, DEVICE = "Qwen4ExpPLEPinnedHostEmbedding", "Qwen4ExpPLEDeviceEmbedding"
 
@@ -82,7 +94,36 @@ def targets(plugin: Plugin, attr: Callable[[Any, str], Any]) -> dict:
         attr(attr(common, PINNED), name)
     return {"qwen4exp_ngram_init": (module, "__init__", partial(_ngram_init, plugin)),
             "qwen4exp_pinned": (common, PINNED, partial(storage_class, plugin, common)),
-            "qwen4exp_device": (common, DEVICE, partial(storage_class, plugin, common))}
+            "qwen4exp_device": (common, DEVICE, partial(storage_class, plugin, common))} | _amd_targets(plugin, attr)
+
+
+def _amd_targets(plugin: Plugin, attr: Callable[[Any, str], Any]) -> dict:
+    """On ROCm (``current_platform.is_rocm()``, vLLM's own choice of ``amd/model.py``), the AMD copy of
+    ``Qwen4ExpNGramEmbedding`` (``amd/ple_layer.py``) gets the same config check. Its storage objects are the
+    common classes replaced above (it imports them by name); its ``forward`` has no prefetch seam: the custom
+    op ``qwen4_exp_amd_ple_ngram_embedding_pinned`` calls the pinned storage's ``sync_lookup`` inline, which
+    the replacement serves (arena views, or the fetch job on the stream before vLLM's UVA lookup)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_rocm():
+        return {}
+    try:
+        amd = importlib.import_module(AMD)
+    except Exception as exc:  # noqa: BLE001 - vLLM's ROCm Qwen4Exp code does not import: nor can the model build
+        log.info("engram-store: vLLM's AMD Qwen4Exp PLE layer does not import here (%s: %s); it is not patched",
+                 type(exc).__name__, exc)
+        return {}
+    module = attr(amd, "Qwen4ExpNGramEmbedding")
+    for name in ("_make_vocab_layout", "forward"):
+        attr(module, name)
+    for name in (PINNED, DEVICE):  # bound by name at import: the patches rebind them to the replacements
+        attr(amd, name)
+    lookup = attr(amd, "qwen4_exp_amd_ple_ngram_embedding_pinned")
+    if "sync_lookup" not in (lookup.__code__.co_names if hasattr(lookup, "__code__") else ()):
+        raise EngineUnsupported(f"vLLM's {AMD}.qwen4_exp_amd_ple_ngram_embedding_pinned no longer reads the pinned "
+                                "PLE storage's sync_lookup: engram-store's Qwen4Exp patches were written against "
+                                "vLLM 0.33's")
+    return {"qwen4exp_amd_ngram_init": (module, "__init__", partial(_ngram_init, plugin))}
 
 
 def with_table_names(rule: re.Pattern) -> re.Pattern:
@@ -93,22 +134,27 @@ def with_table_names(rule: re.Pattern) -> re.Pattern:
 
 # --- the model config, checked when an embedding is built ----------------------------------------
 def _ngram_init(plugin: Plugin, original):
-    def init(self, config, embedding_dim, ple_dense_layer_id, max_total_tokens, *args, **kwargs):
-        layout = describe(type(self), config, embedding_dim, kwargs.get("quant_config"), kwargs.get("prefix", ""))
+    signature = inspect.signature(original)  # NVIDIA's and AMD's differ (AMD: prefix positional, a layer name)
+
+    def init(self, *args, **kwargs):
+        given = signature.bind(self, *args, **kwargs).arguments
+        config, dense = given["config"], int(given["ple_dense_layer_id"])
+        layout = describe(type(self), config, given["embedding_dim"], given.get("quant_config"),
+                          given.get("prefix", ""), given.get("params_dtype"))
         QWEN4EXP.check_layout(plugin.tables(), layout, layout.scale_block,
                               source="vLLM's Qwen4Exp config (ple_layer_ids and the PLE table's quant method)")
-        layer = layout.layer_ids[int(ple_dense_layer_id)]
         heads = (int(config.ngram_size) - 1) * int(config.heads_per_ngram)
-        token = _building.set(Building(layer, int(max_total_tokens), heads))
+        token = _building.set(Building(layout.layer_ids[dense], int(given["max_total_tokens"]), heads))
         try:
-            original(self, config, embedding_dim, ple_dense_layer_id, max_total_tokens, *args, **kwargs)
+            original(self, *args, **kwargs)
         finally:
             _building.reset(token)
 
     return init
 
 
-def describe(cls: type, config: Any, embedding_dim: int, quant_config: Any, prefix: str) -> PLELayout:
+def describe(cls: type, config: Any, embedding_dim: int, quant_config: Any, prefix: str,
+             params_dtype: Any = None) -> PLELayout:
     """The :class:`PLELayout` vLLM builds from ``config``, with its own helpers (the prime layout,
     the storage method the table's quant config picks) and the ETP group its storage classes read."""
     import torch
@@ -131,7 +177,7 @@ def describe(cls: type, config: Any, embedding_dim: int, quant_config: Any, pref
     elif isinstance(method, common.Qwen4ExpPLEFp8EmbeddingMethod):
         payload, block, scale = "float8_e4m3fn", 0, True
     else:  # unquantized: the model's dtype
-        payload, block, scale = str(torch.get_default_dtype()).removeprefix("torch."), 0, False
+        payload, block, scale = str(params_dtype or torch.get_default_dtype()).removeprefix("torch."), 0, False
     return PLELayout(layer_ids=tuple(i - 1 for i in dense), rows=tuple(rows), head_sizes=tuple(head_sizes),
                      dim=int(embedding_dim) // heads, payload_dtype=payload, scale_block=block, table_scale=scale,
                      etp_size=int(common.get_etp_group().world_size))
@@ -299,8 +345,9 @@ def _serve(embedding: Any, tables: EngramStoreTables) -> Served:
 
     building = _building.get()
     if building is None:
-        raise EngineUnsupported("a Qwen4Exp PLE storage was built outside Qwen4ExpNGramEmbedding: engram-store "
-                                "cannot tell which PLE layer it serves")
+        raise EngineUnsupported("a Qwen4Exp PLE storage was built outside the Qwen4ExpNGramEmbedding classes the "
+                                f"plugin patches ({NGRAM}; {AMD} on ROCm): engram-store cannot tell which PLE layer "
+                                "it serves")
     layer, index = building.layer, embedding.shard_indices
     served = Served(layer, tables, int(index.org_vocab_start_index), int(index.org_vocab_end_index))
     if not tables.is_resident(layer):
@@ -309,6 +356,9 @@ def _serve(embedding: Any, tables: EngramStoreTables) -> Served:
         served.job = staging_job(tables, layer, building.max_tokens * dp * building.heads, served.end - served.start,
                                  f"PLE layer {layer}")
         served.ids, _, _ = tables.job_tensors(served.job)
+        # the prompt's later chunks, hinted to the daemon: all 16 columns (ETP shards rows, not heads; the
+        # ranks' hints of one request are the same and the daemon reads them once)
+        prompt_hints.register(layer, slice(0, building.heads))
     if torch.cuda.is_available() and not (registration := tables.register_cuda(layer)):
         raise EngineUnsupported(f"PLE layer {layer}: {registration.message}")
     embedding.__dict__["_engram_store"] = served
