@@ -125,7 +125,8 @@ def refusals(out: str) -> list[str]:
 def test_config_and_checkpoint_are_checked(outputs, fmt):
     out = outputs[0][fmt]
     words = ["rows of Engram layer 1", "PLE row format", "PLE multipliers of PLE layer 1: SGLang's Qwen4Exp config",
-             "--ple-offload-backend file", "the checkpoint's model.layers.1.ple.ple_embedding.layer_multipliers"]
+             "--ple-offload-backend file", "the checkpoint's model.layers.1.ple.ple_embedding.layer_multipliers",
+             "--load-format dummy"]
     if fmt == "fp8":  # one table scale, the daemon's
         words.append("table scale: the checkpoint says")
     for word in words:

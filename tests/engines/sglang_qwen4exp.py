@@ -297,6 +297,7 @@ def check_refusals(spec, ts, tmp: Path) -> None:
     refused("the file backend", lambda: build(spec, layer, True, ple_offload_backend="file"))
     module = build(spec, layer, True)
     model = holder(module, layer)
+    refused("--load-format dummy", lambda: weight_utils.initialize_dummy_weights(model))
     buffers = dict(model.named_buffers())
     name = f"{PREFIX.format(layer)}.ngram_embedding.weight_scale"
     load = Q.Qwen4ExpForConditionalGeneration._load_qwen4_exp_ple_buffer
