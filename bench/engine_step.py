@@ -73,6 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import JsonReport, add_model_args, add_report_args  # noqa: E402
 from _engine_parts import REPO, Daemon, Stepper, check_rows, decode, hash_requests, warm_up  # noqa: E402
 from _engine_step_report import pct, print_report, sizing, summarize  # noqa: E402
+from _engine_traffic import load_tokens, prefill_chunks, simulated_hit_rate  # noqa: E402
 from _mmap_baseline import add_mmap_args, print_mmap, run_mmap, summarize_mmap  # noqa: E402
 from _plugin_fetch import PATH, fetched_like_the_plugin  # noqa: E402
 from _store_profile import profile_store  # noqa: E402
@@ -80,38 +81,6 @@ from sparse_tables import disk_bytes, remove_sparse, write_sparse  # noqa: E402
 
 from engram_store.format.layout import PAGE_BYTES  # noqa: E402
 from engram_store.models.spec import get_spec  # noqa: E402
-
-# --------------------------------------------------------------------------- traffic
-def prefill_chunks(spec, layer: int, tokens: np.ndarray, n: int, chunk: int, raw) -> list[np.ndarray]:
-    """``n`` chunks of ``chunk`` tokens from the end of ``tokens``, each hashed with its 3 tokens before."""
-    from engram_store.models.hashing import row_ids_numpy
-
-    out, h = [], spec.history_len
-    for k in range(n):
-        end = tokens.size - k * (chunk + h)
-        seg = tokens[end - chunk - h: end]
-        out.append(row_ids_numpy(spec, layer, seg, raw=raw)[h:].reshape(-1).astype(np.int64))
-    return out
-
-
-def simulated_hit_rate(steps: np.ndarray, warm: int, rows: int, share: float, layer_index: int) -> float | None:
-    """Distinct-row hit rate of the measured steps under the store's S3-FIFO (bench/cachesim), one
-    lookup per step, the warm-up steps served first: what the daemon should measure."""
-    try:
-        from traffic import LayerTrace, compact
-        from cachesim import s3fifo_hits
-    except Exception as exc:  # no C compiler for bench/_cachesim.c
-        print(f"no simulated hit rate: {exc}", file=sys.stderr)
-        return None
-    parts = [np.unique(s) for s in steps]
-    bounds = np.zeros(len(parts) + 1, dtype=np.int64)
-    np.cumsum([p.size for p in parts], out=bounds[1:])
-    d, _ = compact(LayerTrace(0, np.concatenate(parts), bounds), layer_index)
-    slots = max(1, int(rows * share / 100))
-    count_from = int(bounds[warm])
-    hits = s3fifo_hits(d.ids, d.bounds, d.keys, slots, count_from)
-    return hits / (d.ids.size - count_from)
-
 
 # --------------------------------------------------------------------------- one case
 def run_case(args, spec, tables: Path, steps: np.ndarray, batch: int, share: float, chunks: list[np.ndarray],
@@ -304,38 +273,6 @@ def print_synchronous(doc: dict) -> None:
         print(f"{r['batch']:>5} {r['share_percent']:>4g}%: p50 {r['fetch_p50_ms']['median']:.2f} ms "
               f"[{r['fetch_p50_ms']['min']:.2f}..{r['fetch_p50_ms']['max']:.2f}], p99 "
               f"{r['fetch_p99_ms']['median']:.2f} ms [{r['fetch_p99_ms']['min']:.2f}..{r['fetch_p99_ms']['max']:.2f}]")
-
-
-def load_tokens(args, spec, need: int) -> tuple[np.ndarray, object, object, list[str]]:
-    """``need`` raw token ids of the ``--text`` corpus, tokenized with the model's tokenizer (``_engine_tokens``):
-    (ids, the raw-id rule or None when the model hashes raw ids, the tokenizer's name, the corpus names)."""
-    from _engine_tokens import model_tokenizer
-    from traffic import load_corpus, parse_text
-
-    from engram_store.errors import EngramStoreError
-
-    from _engine_tokens import default_tokenizer
-
-    stand_in = args.tokenizer is None and spec.family == "LongCat-Flash n-gram"  # no LongCat tokenizer here
-    try:
-        tokenizer, raw, source = model_tokenizer(spec, default_tokenizer() if stand_in else args.tokenizer,
-                                                 stand_in=args.quick)
-    except EngramStoreError as exc:
-        raise SystemExit(f"engine_step.py: {exc}")
-    if stand_in:
-        source = f"{source} (stand-in: DeepSeek-V4 raw ids, not {spec.name}'s tokenizer)"
-    t0 = time.perf_counter()
-    parts, names = [], []
-    for text in args.text:
-        name, globs = parse_text(text)
-        names.append(name)
-        parts.append(load_corpus(name, globs, tokenizer, need).raw_tokens)
-    tokens = np.concatenate(parts)[:need]
-    if tokens.size < need:
-        raise SystemExit(f"the corpus holds {tokens.size:,} tokens, the run needs {need:,} (fewer --warm-tokens?)")
-    print(f"{tokens.size:,} tokens in {time.perf_counter() - t0:.0f} s; hashing at {spec.name} scale {spec.scale:g}",
-          file=sys.stderr)
-    return tokens, raw, source, names
 
 
 def host_settings() -> dict:
