@@ -21,7 +21,11 @@ from typing import Any, Callable, Iterator
 from ...errors import EngineUnsupported
 from ..install import reads_whole_files, writes_tables
 from ..models import ModelAdapter
+from ..models.longcat import LONGCAT
+from ..models.qwen4exp import QWEN4EXP
+from . import qwen4exp
 from .host_table import is_arena_table
+from .longcat import is_served
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +52,7 @@ def _read_shard(model: ModelAdapter, path: str) -> tuple[dict[str, Any], int]:
     tensors, skipped = {}, 0
     with safetensors.safe_open(path, framework="pt", device="cpu") as f:
         for name in f.keys():
-            if model.is_table_tensor(name):
+            if model.is_table_tensor(name) or LONGCAT.is_table_tensor(name) or QWEN4EXP.is_table_tensor(name):
                 skipped += 1
             else:
                 tensors[name] = f.get_tensor(name)
@@ -73,7 +77,7 @@ def safetensors_weights_iterator(model: ModelAdapter, hf_weights_files: list[str
     for path in hf_weights_files:
         with safetensors.safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                if model.is_table_tensor(name):
+                if model.is_table_tensor(name) or LONGCAT.is_table_tensor(name) or QWEN4EXP.is_table_tensor(name):
                     skipped += 1
                     continue
                 yield name, f.get_tensor(name)
@@ -123,7 +127,7 @@ def refuse_whole_file_loader(what: str) -> Callable[..., Any]:
 def refuse_write(what: str) -> Callable[..., Any]:
     """An AROUND hook refusing a weight fill over a model whose Engram tables are the arena."""
     def around(original: Callable[..., Any], model: Any, *args: Any, **kwargs: Any) -> Any:
-        if any(is_arena_table(m) for m in model.modules()):
+        if any(is_arena_table(m) or is_served(m) or qwen4exp.is_served(m) for m in model.modules()):
             raise writes_tables(what)
         return original(model, *args, **kwargs)
 

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 from ... import errors
 from .. import agreement
 from ..install import Plugin
-from . import prefetch, prompt_hints
+from . import longcat, prefetch, prompt_hints, qwen4exp
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def before_results(plugin: Plugin, original: Any, scheduler: Any, batch: Any, re
     """AROUND ``Scheduler.process_batch_result``: a step's fetch failures raised once its tokens are on
     the host, before SGLang appends or streams them (a process without a cached layer: nothing)."""
     groups, rank = sglang_groups()
-    cached = prefetch.has_cached()
+    cached = prefetch.has_cached() or longcat.has_cached() or qwen4exp.has_cached()
     if not cached and not groups:
         return original(scheduler, batch, result, *args, **kw)
     tables = plugin.tables()

@@ -35,6 +35,8 @@ The hooks (SGLang 0.5.23):
   instanttensor, checkpoint prefetch and ``weight_loader_disable_mmap`` read
   whole files and are refused; dummy and capture-safe weight fills would write
   into the read-only arena and are refused (:mod:`.checkpoint`).
+* Qwen4Exp's PLE n-gram table: the hooks of :mod:`.qwen4exp` (its ``targets()``).
+* LongCat-Flash's n-gram tables: the hooks of :mod:`.longcat` (its ``targets()``).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from ...errors import EngineUnsupported
 from ..install import Plugin, install as install_plugin, installed, installed_tables
 from ..models.deepseek_v41 import DEEPSEEK_V41
 from ..tables import EngramStoreTables
-from . import checkpoint, failures, host_table, prefetch, prompt_hints
+from . import checkpoint, failures, host_table, longcat, prefetch, prompt_hints, qwen4exp
 from .modules import ENGRAM, SCHEDULER, STAGING, WEIGHT_UTILS
 
 log = logging.getLogger(__name__)
@@ -165,7 +167,7 @@ def targets() -> dict[str, tuple[str, Callable[[Plugin], Callable], tuple[str, .
     files = ("hf_weights_files",)
     with_model = lambda hook: lambda plugin: partial(hook, plugin.model)  # noqa: E731
     with_plugin = lambda hook: lambda plugin: partial(hook, plugin)  # noqa: E731
-    return {
+    hooks = {
         f"{ENGRAM}.EngramLayout.from_config": ("AFTER", with_plugin(host_table.check_layout), ("cls", "config")),
         f"{ENGRAM}.EngramEmbedding.__init__": ("BEFORE", with_plugin(host_table.before_embedding_init),
                                                ("self", "num_embeddings", "dim", "layer_id", "column_bounds")),
@@ -201,6 +203,9 @@ def targets() -> dict[str, tuple[str, Callable[[Plugin], Callable], tuple[str, .
         f"{SCHEDULER}.Scheduler.get_new_batch_prefill": (
             "AFTER", lambda plugin: partial(prompt_hints.after_prefill_plan, plugin.tables), None),
     }
+    hooks |= longcat.targets()  # LongCat-Flash's n-gram tables (longcat.py)
+    hooks |= qwen4exp.targets()  # Qwen4Exp's PLE n-gram table (qwen4exp.py)
+    return hooks
 
 
 def _resolve(target: str) -> Any:
