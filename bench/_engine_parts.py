@@ -81,52 +81,18 @@ def fio_replay(path: Path, pages: np.ndarray, qd: int, engine: str, workdir: Pat
             "lat_p50_us": read["clat_ns"]["percentile"]["50.000000"] / 1e3}
 
 
-class LookupJob:
-    """The fetch job's interface (``ids``, ``run``, ``weight``/``scales``, ``stats``) over the client's packed
-    lookup into a buffer it holds (``EngramClient.lookup_into`` over the Unix socket's shared memory): how a step
-    is fetched for row formats without block scales (Qwen3.8-Flash-Next's FP8 and BF16 rows): the daemon's cache
-    and NVMe reads as for the engines' fetch job, over the packed lookup instead of the job's split staging."""
-
-    PATH = "client lookup_into (packed rows)"
-
-    def __init__(self, address: str, spec, layer: int, max_rows: int, deadline: float) -> None:
-        from engram_store.client.client import EngramClient
-
-        fmt = spec.row_format
-        self.client = EngramClient.connect(address, shm_bytes=2 * max_rows * (spec.row_bytes + 8) + (1 << 20),
-                                           timeout=deadline)
-        self.layer, self.ids = layer, np.zeros(max_rows, dtype=np.int64)
-        self.out = np.zeros((max_rows, spec.row_bytes), dtype=np.uint8)
-        self.weight, self.scales = self.out[:, : fmt.payload_bytes], self.out[:, fmt.payload_bytes:]
-        self._stats = {"steps": 0, "daemon_steps": 0, "direct_steps": 0, "last_seconds": 0.0, "path": self.PATH}
-
-    def run(self, n: int) -> None:
-        t0 = time.perf_counter()
-        self.client.lookup_into(self.layer, self.ids[:n], self.out[:n])
-        self._stats["last_seconds"] = time.perf_counter() - t0
-        self._stats["steps"] += 1
-        self._stats["daemon_steps"] += 1
-
-    def raise_if_failed(self) -> None:
-        """Failures raise from :meth:`run`."""
-
-    def stats(self) -> dict:
-        return dict(self._stats)
-
-    def close(self) -> None:
-        self.client.close()
-
-
 class Stepper:
-    """A fetch job (:class:`LookupJob` for rows without block scales) and a stats connection to one daemon: run a
-    step, return what it took."""
+    """A fetch job (for Qwen4Exp's and LongCat's tables the vLLM plugin's, ``_plugin_fetch.PluginJob``) and a stats
+    connection to one daemon: run a step, return what it took."""
 
     def __init__(self, daemon: Daemon, layer: int, max_rows: int, deadline: float, spec=None) -> None:
+        from _plugin_fetch import PluginJob, fetched_like_the_plugin
+
         from engram_store.client.client import EngramClient
         from engram_store.fetch.job import FetchJob
 
-        if spec is not None and not spec.row_format.scale_count:
-            self.job = LookupJob(daemon.unix, spec, layer, max_rows, deadline)
+        if fetched_like_the_plugin(spec):
+            self.job = PluginJob(daemon.unix, layer, max_rows, deadline)
         else:
             # hedge = deadline: the job never also reads pages itself while the daemon may answer (a loaded host
             # would hedge a healthy daemon and take rows off its counters); the steps measured are the daemon's
