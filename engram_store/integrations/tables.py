@@ -275,9 +275,9 @@ class EngramStoreTables:
             if self._registered and not (registration := _register_staging(job)):
                 raise StorageError(f"layer {layer}'s fetch job: {registration.message}")
         if layer == min(self.layers) and not self._first_warned:
-            log.info("engram-store: Engram layer %d, the model's first, is cached: its rows are fetched with about one "
-                     "layer of compute ahead; the fetch time measured over the first %d steps is logged", layer,
-                     FIRST_LAYER_STEPS)
+            log.info("engram-store: Engram layer %d, the model's first, is cached: at most one layer of compute hides "
+                     "its fetch (none for a table read before decoder layer 0); the fetch time measured over the "
+                     "first %d steps is logged", layer, FIRST_LAYER_STEPS)
         return job
 
     def job_tensors(self, job: FetchJob) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor]":
@@ -324,8 +324,9 @@ class EngramStoreTables:
             if first and first[0].native.stats()["steps"] >= FIRST_LAYER_STEPS:
                 self._first_warned = True
                 stats = first[0].stats()
-                log.warning("engram-store: Engram layer %d is cached and is the model's first: its rows are fetched "
-                            "with about one layer of compute ahead, so each step may wait for them; over %d steps a "
+                log.warning("engram-store: Engram layer %d is cached and is the model's first: at most one layer of "
+                            "compute hides its fetch (none for a table read before decoder layer 0), so each step may "
+                            "wait for its rows; over %d steps a "
                             "fetch took %.2f ms on average, %.2f ms at most (%d of them read pages directly); give it "
                             "DRAM (placement = {%d = \"resident\"}) to take that off every step", first[0].layer,
                             stats["steps"], 1e3 * stats["total_seconds"] / max(1, stats["steps"]),

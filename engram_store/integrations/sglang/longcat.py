@@ -41,24 +41,22 @@ its TP peers in the all-reduce.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import logging
-import threading
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from ...errors import EngineUnsupported
 from ..install import Plugin
 from ..models.longcat import LAYER, LONGCAT, NgramLayout
+from ..rank_rows import RankRows, built_on_meta
 from ..tables import EngramStoreTables
 
 log = logging.getLogger(__name__)
 
 NGRAM = "sglang.srt.layers.n_gram_embedding"
-DEAD_ID = -1  # an id this rank does not own: its fetch job writes a zero row
+LIMIT = "SGLang's n-gram id buffer x tables"  # what sizes a cached table's staging
 SOURCE = "SGLang's LongCat config (vocab_size, ngram_embedding_m/k/n, hidden_size, dtype)"
 SOURCE_USES = {  # method -> words of its source these hooks rely on
     "__init__": ("VocabParallelEmbedding", "self.oe_embeder", "is_dp_attention_enabled"),
@@ -67,8 +65,7 @@ SOURCE_USES = {  # method -> words of its source these hooks rely on
     "load_weight": ("model.ngram_embeddings.embedders.", "self.oe_embeder.weight"),
 }
 
-_meta_lock = threading.Lock()
-_cached: list["Served"] = []  # this process's cached tables (their steps can fail)
+_cached: list[RankRows] = []  # this process's cached tables (their steps can fail)
 
 
 def targets() -> dict[str, tuple[str, Callable[[Plugin], Callable], tuple[str, ...] | None]]:
@@ -120,63 +117,6 @@ def is_served(module: Any) -> bool:
 
 
 # --- the table, built ----------------------------------------------------------------------------
-@dataclass
-class Served:
-    """What one ``NgramEmbedding`` serves: this rank's rows, and for a cached table its fetch job."""
-
-    tables: EngramStoreTables
-    start: int  # this TP rank's rows [start, end) of the table
-    end: int
-    job: Any = None  # a cached table's FetchJob (made at init_buffers)
-    ids: Any = None  # torch int64 [max_rows] over the job's ids
-    positions: dict = field(default_factory=dict)  # device -> int64 [max_rows]: start + i, the staging's ids
-
-    def fetch(self, oe_ids: Any) -> Any:
-        """The rows of ``oe_ids`` this rank owns into the staging (the others zero); returns the positional
-        ids, shaped as ``oe_ids``, that SGLang's lookup reads the staging with. On a GPU the fetch is
-        queued on the current stream (a host function after the ids' copy), else it runs now."""
-        import torch
-
-        flat = oe_ids.reshape(-1)
-        n = flat.numel()
-        if n > self.job.max_rows:
-            raise EngineUnsupported(f"LongCat n-gram table: a step of {n} row ids, the staging holds "
-                                    f"{self.job.max_rows} (SGLang's n-gram id buffer x tables)")
-        owned = torch.where((flat >= self.start) & (flat < self.end), flat, DEAD_ID)
-        if flat.is_cuda:
-            self.ids[:n].copy_(owned, non_blocking=True)
-            self.job.launch_host(torch.cuda.current_stream(flat.device).cuda_stream, n)
-        else:
-            self.ids[:n].copy_(owned)
-            self.job.run(n)
-        key = str(oe_ids.device)
-        if key not in self.positions:  # one persistent tensor per device: a captured graph reads a stable address
-            self.positions[key] = (self.start + torch.arange(self.job.max_rows)).to(oe_ids.device)
-        return self.positions[key][:n].view(oe_ids.shape)
-
-
-@contextlib.contextmanager
-def _table_on_meta(module: Any, rows: int, dim: int) -> Iterator[None]:
-    """``NgramEmbedding.__init__`` builds its ``oe_embeder`` (``rows`` x ``dim``) on the meta device; the
-    word embedding, projections and hash buffers stay where SGLang puts them."""
-    import torch
-
-    real = module.VocabParallelEmbedding
-
-    def on_meta(num_embeddings, embedding_dim, *args, **kwargs):
-        if int(num_embeddings) != rows or int(embedding_dim) != dim:
-            return real(num_embeddings, embedding_dim, *args, **kwargs)
-        with torch.device("meta"):
-            return real(num_embeddings, embedding_dim, *args, **kwargs)
-
-    with _meta_lock:
-        module.VocabParallelEmbedding = on_meta
-        try:
-            yield
-        finally:
-            module.VocabParallelEmbedding = real
-
-
 def init(plugin: Plugin, original: Callable, self: Any, num_embeddings: int, embedding_dim: int,
          over_embedding_m: int, over_embedding_k: int, over_embedding_n: int, eos_token_id: int) -> None:
     """AROUND ``NgramEmbedding.__init__``: the config checked against the daemon's tables, ``oe_embeder``
@@ -198,7 +138,7 @@ def init(plugin: Plugin, original: Callable, self: Any, num_embeddings: int, emb
     layout = describe(num_embeddings, embedding_dim, over_embedding_m, over_embedding_k, over_embedding_n,
                       torch.get_default_dtype())
     LONGCAT.check_layout(tables, layout, LONGCAT.scale_block, SOURCE)
-    with _table_on_meta(module, sum(layout.sizes), layout.dim):
+    with built_on_meta(module, sum(layout.sizes), layout.dim):
         original(self, *args)
     _serve(self, tables)
     if tables.spec.eos_current != "rehash":
@@ -208,12 +148,13 @@ def init(plugin: Plugin, original: Callable, self: Any, num_embeddings: int, emb
     return None
 
 
-def _serve(ngram: Any, tables: EngramStoreTables) -> Served:
+def _serve(ngram: Any, tables: EngramStoreTables) -> RankRows:
     """A resident table's ``oe_embeder.weight`` is this rank's arena rows; a cached one's waits for
     ``init_buffers`` (its staging is sized by SGLang's id buffer)."""
     embedder = ngram.oe_embeder
     index = embedder.shard_indices
-    served = Served(tables, int(index.org_vocab_start_index), int(index.org_vocab_end_index))
+    served = RankRows("LongCat n-gram table", LAYER, tables, int(index.org_vocab_start_index),
+                      int(index.org_vocab_end_index))
     ngram.__dict__["_engram_store"] = served
     if tables.is_resident(LAYER):
         block, _ = tables.views(LAYER, served.start, served.end)
@@ -259,7 +200,7 @@ def _device_view(weight: Any) -> Any:
 def init_buffers(result: Any, self: Any, max_running_requests: int, chunked_prefill_size: int, device: Any) -> None:
     """AFTER ``NgramEmbedding.init_buffers``: a cached table's fetch job, sized by SGLang's id buffer, its
     staging ``oe_embeder.weight``, and ``oe_embeder``'s forward fetching each step's rows first."""
-    served: Served | None = self.__dict__.get("_engram_store")
+    served: RankRows | None = self.__dict__.get("_engram_store")
     if served is None or served.job is not None or served.tables.is_resident(LAYER):
         return None
     tables = served.tables
@@ -282,11 +223,11 @@ def init_buffers(result: Any, self: Any, max_running_requests: int, chunked_pref
     return None
 
 
-def _fetch_then_lookup(served: Served, lookup: Callable, input_: Any) -> Any:
+def _fetch_then_lookup(served: RankRows, lookup: Callable, input_: Any) -> Any:
     """``oe_embeder``'s forward for a cached table: the step's rows fetched, then SGLang's lookup over them."""
     if not input_.numel():
         return lookup(input_)
-    return lookup(served.fetch(input_))
+    return lookup(served.fetch(input_, LIMIT))
 
 
 def load_weight(original: Callable, self: Any, param: Any, weight_name: str, loaded_weight: Any) -> Any:

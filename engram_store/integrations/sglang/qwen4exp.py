@@ -55,8 +55,8 @@ from typing import Any, Callable
 from ...errors import EngineUnsupported, ModelMismatch
 from ..install import Plugin
 from ..models.qwen4exp import QWEN4EXP, PLELayout
+from ..rank_rows import RankRows
 from ..tables import EngramStoreTables
-from ..vllm.qwen4exp import Served
 from .modules import engram
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ SOURCE_USES = {  # method -> words of its source these hooks rely on
 READS = ("_ple_table_is_fp8", "_use_attn_tp_ngram", "Qwen4ExpNGramEmbedding._find_nth_prime_after",
          "Qwen4ExpNGramEmbedding._build_head_vocab_and_offsets", "Qwen4ExpPinnedHostEmbedding")  # names read
 _building: contextvars.ContextVar[int | None] = contextvars.ContextVar("engram_store_sglang_ple", default=None)
-_cached: list[Served] = []  # this process's cached PLE layers (their steps can fail)
+_cached: list[RankRows] = []  # this process's cached PLE layers (their steps can fail)
 
 
 def targets() -> dict[str, tuple[str, Callable[[Plugin], Callable], tuple[str, ...] | None]]:
@@ -140,7 +140,7 @@ def is_served(module: Any) -> bool:
     return "_engram_store_ple" in getattr(module, "__dict__", {})
 
 
-def served(module: Any) -> Served | None:
+def served(module: Any) -> RankRows | None:
     return getattr(module, "__dict__", {}).get("_engram_store_ple")
 
 
@@ -242,7 +242,7 @@ def _serve(ngram: Any, layer: int, tables: EngramStoreTables) -> None:
     emb = ngram.ngram_embedding
     index = emb.shard_indices
     start, end = int(index.org_vocab_start_index), int(index.org_vocab_end_index)
-    served = Served(layer, tables, start, end)
+    served = RankRows(f"PLE layer {layer}", layer, tables, start, end)
     if tables.is_resident(layer):
         block, _ = tables.views(layer, start, end)
     else:
@@ -289,7 +289,7 @@ def _staging_rows(ngram: Any, rank_rows: int) -> int:
     return min(max(tokens, 1) * int(ngram.ngram_heads), rank_rows)
 
 
-def _set_scale(emb: Any, served: Served) -> None:
+def _set_scale(emb: Any, served: RankRows) -> None:
     """The daemon's table scale into SGLang's BF16 ``weight_scale`` (an FP8 table; a BF16 one has none)."""
     value = served.tables.table_scale(served.layer)
     if value is None:
@@ -301,13 +301,10 @@ def _set_scale(emb: Any, served: Served) -> None:
 
 
 # --- each step's rows ----------------------------------------------------------------------------
-def _fetch(served: Served, ids: Any) -> Any:
+def _fetch(served: RankRows, ids: Any) -> Any:
     """A cached layer's rows of ``ids`` into its staging; the positional ids SGLang's lookup reads."""
-    if ids.numel() > served.job.max_rows:
-        raise EngineUnsupported(f"PLE layer {served.layer}: a step of {ids.numel()} row ids, the staging holds "
-                                f"{served.job.max_rows} (SGLang's max_prefill_tokens, chunked_prefill_size and "
-                                "max_running_requests x heads, at most the rank's rows)")
-    return served.fetch(ids.long())
+    return served.fetch(ids.long(), "SGLang's max_prefill_tokens, chunked_prefill_size and max_running_requests "
+                        "x heads, at most the rank's rows")
 
 
 def gather(original: Callable, self: Any, input_ids: Any, out: Any = None) -> Any:

@@ -31,18 +31,17 @@ before the forward, outside any CUDA graph: the rows are needed before decoder l
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import re
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from ...errors import EngineUnsupported
 from ..install import Plugin
 from ..models.longcat import LAYER, LONGCAT, TABLE_TENSOR, NgramLayout
+from ..rank_rows import RankRows, built_on_meta
 from ..tables import EngramStoreTables
 from . import prompt_hints, ranks, runners
 from .cached import staging_job
@@ -50,12 +49,10 @@ from .cached import staging_job
 log = logging.getLogger(__name__)
 
 NGRAM = "vllm.model_executor.models.longcat_flash_ngram"
-DEAD_ID = -1  # an id this rank does not own: its fetch job writes a zero row
 WEIGHT = "ngram_embeddings.oe_embedder.weight"  # the table's name as FlashNgramModel.load_weights reports it
 SOURCE = ("vLLM's LongCat config (vocab_size, ngram_vocab_size_ratio, emb_neighbor_num, emb_split_num, "
           "hidden_size, dtype)")
 
-_meta_lock = threading.Lock()
 
 
 def targets(plugin: Plugin, attr: Callable[[Any, str], Any]) -> dict:
@@ -100,54 +97,11 @@ def describe(ngram: Any) -> NgramLayout:
 
 # --- the table, built ----------------------------------------------------------------------------
 @dataclass
-class Served:
-    """What one ``NgramEmbedding`` serves: this rank's rows, and for a cached table its fetch job."""
+class Served(RankRows):
+    """What one ``NgramEmbedding`` serves: this rank's rows, for a cached table its fetch job, and whether
+    a failed fetch is raised at once."""
 
-    tables: EngramStoreTables
-    start: int  # this TP rank's rows [start, end) of the table
-    end: int
-    alone: bool  # no other rank shares this rank's batches: a failed fetch is raised at once
-    job: Any = None  # a cached table's FetchJob
-    ids: Any = None  # torch int64 [max_rows] over the job's ids
-    positions: dict = field(default_factory=dict)  # device -> int64 [max_rows]: start + i, the staging's ids
-
-    def fetch(self, oe_ids: Any) -> Any:
-        """The rows of ``oe_ids`` this rank owns into the staging, now (the others zero); the positional
-        ids, shaped as ``oe_ids``, that vLLM's lookup reads the staging with."""
-        import torch
-
-        flat = oe_ids.reshape(-1)
-        n = flat.numel()
-        if n > self.job.max_rows:
-            raise EngineUnsupported(f"LongCat n-gram table: a step of {n} row ids, the staging holds "
-                                    f"{self.job.max_rows} (max_num_batched_tokens x tables)")
-        owned = torch.where((flat >= self.start) & (flat < self.end), flat, DEAD_ID)
-        self.ids[:n].copy_(owned)  # to the host: waits for the stream, so for the last step's reads of the staging
-        self.job.run(n)
-        key = str(oe_ids.device)
-        if key not in self.positions:
-            self.positions[key] = (self.start + torch.arange(self.job.max_rows)).to(oe_ids.device)
-        return self.positions[key][:n].view(oe_ids.shape)
-
-
-@contextlib.contextmanager
-def _table_on_meta(module: Any) -> Iterator[None]:
-    """``NgramEmbedding._init_ngram_embeddings`` builds its ``oe_embedder`` on the meta device (its rows are
-    the daemon's; the projections and hash buffers stay where vLLM puts them)."""
-    import torch
-
-    real = module.VocabParallelEmbedding
-
-    def on_meta(*args, **kwargs):
-        with torch.device("meta"):
-            return real(*args, **kwargs)
-
-    with _meta_lock:
-        module.VocabParallelEmbedding = on_meta
-        try:
-            yield
-        finally:
-            module.VocabParallelEmbedding = real
+    alone: bool = False  # no other rank shares this rank's batches: a failed fetch is raised at once
 
 
 def _init_tables(plugin: Plugin, module: Any, original):
@@ -158,7 +112,7 @@ def _init_tables(plugin: Plugin, module: Any, original):
             return original(self)  # shapes only (e.g. a dry run): nothing to map
         tables = plugin.tables()
         LONGCAT.check_layout(tables, describe(self), LONGCAT.scale_block, SOURCE)
-        with _table_on_meta(module):
+        with built_on_meta(module):
             original(self)
         _serve(self, tables)
 
@@ -175,8 +129,8 @@ def _serve(ngram: Any, tables: EngramStoreTables) -> Served:
 
     embedder = ngram.oe_embedder
     index = embedder.shard_indices
-    served = Served(tables, int(index.org_vocab_start_index), int(index.org_vocab_end_index),
-                    alone=not ranks.batch_groups()[0])
+    served = Served("LongCat n-gram table", LAYER, tables, int(index.org_vocab_start_index),
+                    int(index.org_vocab_end_index), alone=not ranks.batch_groups()[0])
     if tables.is_resident(LAYER):
         block, _ = tables.views(LAYER, served.start, served.end)
     else:
@@ -255,7 +209,7 @@ def _embed_batched(plugin: Plugin, original):
         served: Served | None = self.__dict__.get("_engram_store")
         if served is None or served.job is None or not oe_ids.numel():
             return original(self, input_ids, oe_ids)
-        positions = served.fetch(oe_ids)
+        positions = served.fetch(oe_ids, "max_num_batched_tokens x tables", now=True)  # before layer 0
         if served.alone:
             runners.check(plugin.tables)  # a failed fetch raises here, before its rows are used
         return original(self, input_ids, positions)

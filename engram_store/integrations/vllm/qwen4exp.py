@@ -41,13 +41,14 @@ import importlib
 import inspect
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
 from ...errors import EngineUnsupported, ModelMismatch
 from ..install import Plugin
 from ..models.qwen4exp import QWEN4EXP, TABLE_TENSOR, PLELayout
+from ..rank_rows import RankRows
 from ..tables import EngramStoreTables
 from . import prompt_hints
 from .cached import staging_job
@@ -57,7 +58,6 @@ log = logging.getLogger(__name__)
 NGRAM = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 COMMON = "vllm.models.qwen4_exp.common.ngram_embedding"
 AMD = "vllm.models.qwen4_exp.amd.ple_layer"  # ROCm's copy of Qwen4ExpNGramEmbedding (vllm.models.qwen4_exp picks it)
-DEAD_ID = -1  # an id this rank does not own: its fetch job writes a zero row
 PINNED, DEVICE = "Qwen4ExpPLEPinnedHostEmbedding", "Qwen4ExpPLEDeviceEmbedding"
 
 
@@ -184,43 +184,7 @@ def describe(cls: type, config: Any, embedding_dim: int, quant_config: Any, pref
 
 
 # --- the storage classes ------------------------------------------------------------------------
-@dataclass
-class Served:
-    """What one storage object serves: its layer, this rank's rows, and for a cached layer its fetch job."""
-
-    layer: int
-    tables: EngramStoreTables
-    start: int  # this ETP rank's rows [start, end) of the table
-    end: int
-    job: Any = None  # a cached layer's FetchJob
-    ids: Any = None  # torch int64 [max_rows] over the job's ids
-    positions: dict = field(default_factory=dict)  # device -> int64 [max_rows]: start + i, the staging's ids
-
-    def owned(self, ids):
-        """``ids`` where this rank owns them, else the dead id."""
-        import torch
-
-        return torch.where((ids >= self.start) & (ids < self.end), ids, DEAD_ID)
-
-    def fetch(self, ids) -> Any:
-        """A cached layer's rows of ``ids`` into the staging (this rank's; dead ids give zero rows): on the
-        ids' stream on a GPU (device-to-host copy, then the job as a host function), at once on the CPU.
-        Returns the positional ids vLLM's lookup reads the staging with."""
-        import torch
-
-        n = ids.numel()
-        if n > self.job.max_rows:
-            raise EngineUnsupported(f"PLE layer {self.layer}: a step of {n} row ids, the staging holds "
-                                    f"{self.job.max_rows} (max_num_batched_tokens x heads)")
-        self.ids[:n].copy_(self.owned(ids.reshape(-1)), non_blocking=ids.is_cuda)
-        if ids.is_cuda:
-            self.job.launch_host(torch.cuda.current_stream(ids.device).cuda_stream, n)
-        else:
-            self.job.run(n)
-        positions = self.positions.get(str(ids.device))
-        if positions is None:
-            positions = self.positions[str(ids.device)] = (self.start + torch.arange(self.job.max_rows)).to(ids.device)
-        return positions[:n].view(ids.shape)
+LIMIT = "max_num_batched_tokens x heads"  # what sizes a cached layer's staging
 
 
 def storage_class(plugin: Plugin, common: Any, original: type) -> type:
@@ -292,7 +256,7 @@ def storage_class(plugin: Plugin, common: Any, original: type) -> type:
             import torch
 
             served = self.__dict__["_engram_store"]
-            positions = served.fetch(ids) if served.job is not None else None
+            positions = served.fetch(ids, LIMIT) if served.job is not None else None
             if ids.is_cuda:  # vLLM's UVA kernel over the arena or the staging
                 return original._lookup(self, ids if positions is None else positions, output)
             local = served.owned(ids if positions is None else positions) - served.start
@@ -339,8 +303,8 @@ def storage_class(plugin: Plugin, common: Any, original: type) -> type:
     return EngramStorePLEEmbedding
 
 
-def _serve(embedding: Any, tables: EngramStoreTables) -> Served:
-    """The :class:`Served` of a storage object being built (called from its first weight allocation)."""
+def _serve(embedding: Any, tables: EngramStoreTables) -> RankRows:
+    """The :class:`~engram_store.integrations.rank_rows.RankRows` of a storage object being built (called from its first weight allocation)."""
     import torch
 
     building = _building.get()
@@ -349,7 +313,8 @@ def _serve(embedding: Any, tables: EngramStoreTables) -> Served:
                                 f"plugin patches ({NGRAM}; {AMD} on ROCm): engram-store cannot tell which PLE layer "
                                 "it serves")
     layer, index = building.layer, embedding.shard_indices
-    served = Served(layer, tables, int(index.org_vocab_start_index), int(index.org_vocab_end_index))
+    served = RankRows(f"PLE layer {layer}", layer, tables, int(index.org_vocab_start_index),
+                      int(index.org_vocab_end_index))
     if not tables.is_resident(layer):
         common = importlib.import_module(COMMON)
         dp = max(1, embedding.tp_size // common.get_tp_group().world_size)  # ETP spanning DP gathers DP's ids
