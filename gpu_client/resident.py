@@ -270,9 +270,9 @@ class ArenaGather:
             raise InvalidRequest(f"arena holds none of the Engram layers {list(spec.layers)} (has {sorted(by_layer)})")
         for layer in sorted(self.layers):
             a = by_layer[layer]
-            if (a.weight_bytes, a.scale_bytes, a.rows) != (fmt.dim, fmt.scale_count, spec.rows(layer)):
+            if (a.weight_bytes, a.scale_bytes, a.rows) != (fmt.payload_bytes, fmt.scale_count, spec.rows(layer)):
                 raise InvalidRequest(f"arena layer {layer}: {a.rows} rows of {a.weight_bytes}+{a.scale_bytes} bytes, "
-                                     f"spec {spec.name!r} expects {spec.rows(layer)} of {fmt.dim}+{fmt.scale_count}")
+                                     f"spec {spec.name!r} expects {spec.rows(layer)} of {fmt.payload_bytes}+{fmt.scale_count}")
         self._registered = False
         self._owns_registration = False
         self._blocks: dict[int, tuple[Any, Any]] = {}  # per layer (weights, scales): CUDA tensors (UVA) or ndarrays

@@ -93,3 +93,37 @@ def test_bad_input():
         dequantize(torch.zeros(2, 12, 66, dtype=torch.uint8), spec, out=torch.empty(2, 768, dtype=torch.float32))
     with pytest.raises(InvalidRequest):
         dequantize(torch.zeros(2, 12, 66, dtype=torch.uint8), "tiny")
+
+
+def test_bf16_rows_are_their_values():
+    """LongCat's and Qwen4Exp-BF16's rows: bf16 bits as they are (the reference reads them as float32's top half)."""
+    spec = get_spec("longcat-flash-lite", 0.0005)
+    rows = synth_rows(spec, 3, 0, np.arange(30 * spec.rows_per_token)).reshape(30, spec.rows_per_token, spec.row_bytes)
+    bits = rows.view("<u2").astype(np.uint32) << 16
+    want = torch.from_numpy(bits.view(np.float32).reshape(30, -1).copy()).to(torch.bfloat16)
+    got = dequantize(torch.from_numpy(rows), spec)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_fp8_rows_times_the_table_scale():
+    """Qwen4Exp's FP8 rows (no block scales) times the table's one scale, every code."""
+    spec = get_spec("qwen3.8-flash-next", 0.0002)
+    fmt = spec.row_format
+    assert not fmt.scale_block and fmt.table_scale_dtype and fmt.row_bytes == 160
+    rows = np.resize(np.arange(256, dtype=np.uint8), 4 * 16 * 160).reshape(4, 16, 160)
+    scale = 7 / 512
+    got = dequantize(torch.from_numpy(rows), spec, table_scale=scale)
+    want = torch.from_numpy(e4m3fn_reference(rows).reshape(4, -1) * scale).to(torch.bfloat16)
+    g, w = got.to(torch.float64).numpy(), want.to(torch.float64).numpy()
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+    np.testing.assert_array_equal(g[~np.isnan(g)], w[~np.isnan(w)])
+    with pytest.raises(InvalidRequest, match="table_scale"):
+        dequantize(torch.from_numpy(rows), spec)
+
+
+def test_nvfp4_rows_are_refused():
+    spec = get_spec("qwen3.8-flash-next-nvfp4", 0.0002)
+    rows = torch.zeros(2, 16, spec.row_bytes, dtype=torch.uint8)
+    with pytest.raises(InvalidRequest, match="float4_e2m1fn"):
+        dequantize(rows, spec, table_scale=1.0)

@@ -180,3 +180,35 @@ def test_hash_command_prints_row_ids():
     got = json.loads(run.stdout)
     assert got["layer"] == 0
     assert got["rows"] == row_ids(SPEC, 0, [5, EOS, 7, 8], None, [[4, 3, -1]]).tolist()
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_client_steps_fetch_the_rows_of_each_steps_ids(script, tables, resident):
+    """The client's Step path over the script's steps (prefix-cached, resumed and preempted requests,
+    EOS runs, mixed batches): the prefetcher rolls each request's lookback itself, given only at a
+    request's (re)start, and fetches the rows of the ids hashed by position (the ids
+    test_row_ids_equal_vllms_model_state finds equal to vLLM's) on the small set, by read_rows."""
+    pytest.importorskip("torch")
+    from gpu_client import EngramPrefetcher, LocalClient
+    from gpu_client.step import Step
+
+    seqs, spec, k, restarted, positions = script["seqs"], tables.spec, 0, set(), 0
+    with EngramPrefetcher(LocalClient.open(tables.directory), device="cpu", max_tokens=1024, resident=resident,
+                          raw_ids=True) as pf:
+        for event in script["events"]:
+            if event[0] == "add":  # the request (re)starts at position event[2]: the next step carries lookback
+                restarted.add(event[4])
+                continue
+            rows = script["plan"][k]
+            k += 1
+            tokens = np.concatenate([seqs[r][s:s + n] for r, s, n in rows]).astype(np.int64)
+            cu = np.concatenate([[0], np.cumsum([n for _, _, n in rows])])
+            back = lookback(seqs, rows, spec.history_len)
+            given = back if any(r in restarted for r, _, _ in rows) else None
+            restarted -= {r for r, _, _ in rows}
+            got = pf.submit(Step.of([r for r, _, _ in rows], tokens, cu, lookback=given)).wait(0).numpy()
+            ids = row_ids(spec, 0, tokens, cu, back)
+            want = tables.read_rows(0, ids.reshape(-1)).reshape(got.shape)
+            np.testing.assert_array_equal(got, want, err_msg=f"step {k - 1}")
+            positions += tokens.size
+    assert k == len(script["plan"]) and positions > 3000
