@@ -6,7 +6,7 @@ from it (``tables.fetch_job(layer, rows)``: the tables' identity, its own stagin
 step's row ids into the job's ids, those its rank owns as they are and the others as the dead id ``-1`` (zero
 rows), runs the job, and hands vLLM's lookup the positional ids ``start + i``: row ``i`` of the staging is the
 ``i``-th id. Failures are raised at the step's host-visible point (``tables.check_fetches()``). :class:`PluginJob`
-does the same, with the fetch job's interface the bench's stepper drives (``ids``, ``run``, ``weight``/``scales``,
+runs the plugins' own fetch (``engram_store.integrations.rank_rows.RankRows``), with the fetch job's interface the bench's stepper drives (``ids``, ``run``, ``weight``/``scales``,
 ``raise_if_failed``, ``stats``, ``close``).
 
 One difference from an engine, as for the bench's V4.1 fetch job: the hedge budget is the deadline
@@ -19,8 +19,10 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import torch
 
-DEAD_ID = -1  # vLLM's id of a position that reads no row (its lookup gives zeros)
+from engram_store.integrations.rank_rows import RankRows
+
 PLUGIN_FAMILIES = ("Qwen4Exp PLE n-gram", "LongCat-Flash n-gram")  # spec.family of the tables fetched so
 PATH = "vLLM plugin: EngramStoreTables.fetch_job, the rank's rows by position"
 
@@ -51,14 +53,15 @@ class PluginJob:
                 else:
                     os.environ[k] = v
         self.start, self.end = start, self.tables.rows(layer) if end is None else end
+        self.rank = RankRows(f"layer {layer}", layer, self.tables, self.start, self.end, self.job,
+                             self.tables.job_tensors(self.job)[0])
         self.ids = np.zeros(self.job.max_rows, dtype=np.int64)  # the step's ids, as the engine hands them
         self.weight, self.scales = self.job.weight, self.job.scales  # the staging, read by position
 
     def run(self, n: int) -> None:
-        """The plugin's ``Served.fetch`` on the CPU: the rank's ids into the job's (others dead), the job run now."""
-        ids = self.ids[:n]
-        np.copyto(self.job.ids[:n], np.where((ids >= self.start) & (ids < self.end), ids, DEAD_ID))
-        self.job.run(n)
+        """The plugins' own fetch (``RankRows.fetch``) on the CPU: the rank's ids into the job's (others dead),
+        the job run now."""
+        self.rank.fetch(torch.from_numpy(self.ids[:n]), "the bench's rows a step")
 
     def raise_if_failed(self) -> None:
         self.tables.check_fetches()
