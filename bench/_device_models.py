@@ -1,5 +1,7 @@
 """bench/device_check.py's checks of model families other than DeepSeek-V4.1: LongCat-Flash-Lite's row ids
-on the device (torch against numpy) and, on CUDA, against vLLM 0.33's compiled ``ngram_compute_n_gram_ids`` op."""
+on the device (torch against numpy) and, on CUDA, against vLLM 0.33's compiled ``ngram_compute_n_gram_ids`` op;
+Qwen4Exp's and LongCat's cached tables fetched as the engine plugins fetch them (``RankRows``), on CUDA from a
+host function on the stream and from a CUDA graph."""
 
 from __future__ import annotations
 
@@ -52,3 +54,63 @@ def check_longcat(device, cpu_only: bool) -> list[dict]:
     ok = same == len(want) and not ref["standin"]
     return out + [row("longcat-op", ok, f"{same}/{len(want)} steps equal",
                       "vLLM's compiled op" if not ref["standin"] else "the CPU stand-in ran: the compiled op is absent")]
+
+
+def check_rank_rows(device, workdir: Path) -> list[dict]:
+    """Qwen4Exp's (FP8) and LongCat's (BF16) cached tables fetched as both engines' plugins fetch them
+    (``RankRows.fetch``: the second of two ranks; on CUDA queued on the stream as a host function, and once
+    more replayed from a CUDA graph): the staging's rows equal ``read_rows`` for the ids the rank owns, zeros
+    for the others, and the positional ids are ``start + i``."""
+    from e2e import Daemon
+
+    from engram_store import TableSet
+    from engram_store.integrations.rank_rows import RankRows
+    from engram_store.integrations.tables import EngramStoreTables
+    from engram_store.tools.synth import write_synthetic
+
+    out = []
+    for name, scale, layer in (("qwen3.8-flash-next", 0.0002, 1), ("longcat-flash-lite", 0.0005, 0)):
+        spec = get_spec(name, scale)
+        tables_dir, run_dir = workdir / f"{name}-tables", workdir / f"{name}-run"
+        write_synthetic(tables_dir, spec, seed=1)
+        run_dir.mkdir()
+        with Daemon(tables_dir, run_dir, "1MiB") as daemon:
+            ts, tables = TableSet.open(tables_dir), EngramStoreTables.connect(daemon.ready["unix"])
+            if device.type == "cuda":
+                tables.register_cuda()
+            rows = spec.rows(layer)
+            job = tables.fetch_job(layer, 4096)
+            rank = RankRows(name, layer, tables, rows // 2, rows, job, tables.job_tensors(job)[0])
+            staging = torch.from_numpy(job.weight)
+            rng, good, steps = np.random.default_rng(7), 0, 4
+
+            def staged_ok(ids: np.ndarray, positions) -> bool:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                tables.check_fetches()
+                owned = (ids >= rank.start) & (ids < rank.end)
+                want = np.zeros((ids.size, spec.row_bytes), np.uint8)
+                want[owned] = ts.read_rows(layer, ids[owned])
+                return (np.array_equal(staging[: ids.size].numpy(), want)
+                        and np.array_equal(positions.cpu().numpy(), rank.start + np.arange(ids.size)))
+
+            for _ in range(steps):
+                ids = rng.integers(0, rows, 1000)
+                good += staged_ok(ids, rank.fetch(torch.from_numpy(ids).to(device), "the check's 4096 rows"))
+            note = "CPU: the job runs at once" if device.type != "cuda" else "host function on the stream"
+            if device.type == "cuda":
+                static = torch.from_numpy(rng.integers(0, rows, 1000)).to(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    positions = rank.fetch(static, "the check's 4096 rows")
+                for _ in range(steps):
+                    ids = rng.integers(0, rows, 1000)
+                    static.copy_(torch.from_numpy(ids))
+                    graph.replay()
+                    good += staged_ok(ids, positions)
+                steps *= 2
+                note += ", then replayed from a CUDA graph"
+            job.close()
+            ts.close()
+        out.append(row(f"{name} rank rows", good == steps, f"{good}/{steps} steps exact", note))
+    return out

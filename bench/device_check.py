@@ -70,7 +70,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import e2e  # noqa: E402
 from _device_cached import check_cached_chain, disk_workdir  # noqa: E402
-from _device_models import check_longcat  # noqa: E402
+from _device_models import check_longcat, check_rank_rows  # noqa: E402
 import tokens as tokens_bench  # noqa: E402  (bench/tokens.py)
 from _common import JsonReport, add_report_args, check_row  # noqa: E402
 
@@ -473,6 +473,7 @@ def run_checks(args: argparse.Namespace, report: JsonReport) -> int:
             rows += check_vllm_kernel(spec, ts, resident.ready["unix"], device)
             rows += check_sglang_kernel(spec, ts, resident.ready["unix"], device)
             rows += check_cached_chain(spec, ts, tmp / "tables", tmp, device, quick=args.quick)
+            rows += check_rank_rows(device, tmp)
             for c in (local, daemon, cold):
                 c.close()
         ts.close()
