@@ -35,7 +35,6 @@ class EngineAdapter(Protocol):
 
     name: str  # "vLLM", "SGLang": in messages, and the key of :func:`installed`
     supported_versions: tuple[str, ...]  # version prefixes the patches were written against ("0.33.", "0.5.23")
-    tables_phrase: str  # what the engine calls the tables, for the ACTIVE line: "Engram tables"
 
     def version(self) -> str:
         """The engine's version (raises ``EngineUnsupported`` when it cannot be read)."""
@@ -106,9 +105,9 @@ def install(engine: EngineAdapter, model: ModelAdapter, address: str) -> Plugin:
         failures.board()  # made here (the server's first process) or inherited: shared by every rank it starts
         plugin.originals = engine.apply(plugin, prepared)
         _installed[engine.name] = plugin
-    log.warning("engram-store plugin ACTIVE: %s %s reads %s %s from the engram-store daemon at %s (%s; checkpoint "
-                "Engram tensors are not read)", engine.name, version, served_family(info, model), engine.tables_phrase,
-                address, describe_placement(info))
+    log.warning("engram-store plugin ACTIVE: %s %s reads %s tables from the engram-store daemon at %s (%s; the "
+                "checkpoint's table tensors are not read)", engine.name, version, served_family(info, model), address,
+                describe_placement(info))
     return plugin
 
 

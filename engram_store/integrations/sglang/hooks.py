@@ -87,7 +87,6 @@ class SGLangHooks:
 
     name = "SGLang"
     supported_versions = SUPPORTED_VERSIONS
-    tables_phrase = "Engram host tables"
 
     def version(self) -> str:
         return sglang_version()

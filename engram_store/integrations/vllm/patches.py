@@ -82,7 +82,6 @@ class VLLMPatches:
 
     name = "vLLM"
     supported_versions = SUPPORTED_VERSIONS
-    tables_phrase = "Engram tables"
 
     def version(self) -> str:
         import vllm
