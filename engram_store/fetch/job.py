@@ -78,7 +78,8 @@ DEFAULT_DEADLINE_SECONDS = 2.0  # the longest a step takes: past it, its rows ar
 DEADLINE_ENV = "ENGRAM_STORE_FETCH_DEADLINE_SECONDS"
 HEDGE_ENV = "ENGRAM_STORE_FETCH_HEDGE_SECONDS"  # a fixed hedge budget; unset: measured (see the module docstring)
 RECONNECT_SECONDS = 0.25  # how often a job without its daemon tries to get it back
-RECONNECT_TIMEOUT_SECONDS = 2.0  # one attempt's connect + handshake (a stopped daemon answers nothing)
+RECONNECT_TIMEOUT_SECONDS = 2.0  # one attempt's connect + handshake, and then its staging offer's reply, each
+EXIT_JOIN_SECONDS = 2 * RECONNECT_TIMEOUT_SECONDS + 1.0  # at exit: the longest one attempt takes, and a margin
 QUEUE_DEPTH = 64  # direct page reads in flight
 
 
@@ -208,8 +209,9 @@ class FetchJob:
     # --- the daemon connection ---------------------------------------------------------
     def connect(self, timeout: float) -> None:
         """Make (or remake) the job's connection; refuses a daemon serving other tables than the job's
-        identity (``ModelMismatch`` naming both; logged once per change)."""
-        transport = UnixTransport(self.path, _region_bytes(self.max_rows, self.row_bytes), timeout)
+        identity (``ModelMismatch`` naming both; logged once per change). Takes at most ``timeout`` to
+        connect and shake hands, and ``timeout`` more for the daemon's answer to the staging offer."""
+        transport = UnixTransport(self.path, _region_bytes(self.max_rows, self.row_bytes), timeout, timeout=timeout)
         try:
             other = self.identity.mismatch(transport.info_cached, self.layer)
             if other:
@@ -335,7 +337,11 @@ class _Supervisor:
     destructors release the GIL (a gloo ``ProcessGroup`` that a failed step's traceback kept past
     ``destroy_process_group``, freed here, joins its threads so). The forced unwind then meets a
     ``noexcept`` destructor and libstdc++ aborts the process ("terminate called without an active
-    exception", rc -6)."""
+    exception", rc -6).
+
+    The thread holds jobs only during a pass (:meth:`_pass`), never between passes: a job its owner
+    closed and dropped is freed in the owner's thread, not in this one at exit (freeing a job closes its
+    table files, and the last close of a removed file frees its blocks: seconds with online discard)."""
 
     def __init__(self) -> None:
         self._jobs: list[FetchJob] = []
@@ -355,15 +361,16 @@ class _Supervisor:
                 self._thread.start()
 
     def stop(self) -> None:
-        """End the thread and wait for it: a reconnect in progress ends within its timeout."""
+        """End the thread and wait for it: a reconnect in progress ends within its timeouts."""
         self._stopping.set()
         with self._lock:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(RECONNECT_TIMEOUT_SECONDS + 1.0)
+            thread.join(EXIT_JOIN_SECONDS)
             if thread.is_alive():
-                log.warning("engram-store: the fetch jobs' reconnect thread did not end within %.0f s at exit",
-                            RECONNECT_TIMEOUT_SECONDS + 1.0)
+                log.warning("engram-store: the fetch jobs' reconnect thread did not end within %.0f s at exit (the "
+                            "longest a reconnect attempt takes); the interpreter ends it where it stands",
+                            EXIT_JOIN_SECONDS)
 
     def forget(self, job: FetchJob) -> None:
         with self._lock:
@@ -372,23 +379,25 @@ class _Supervisor:
 
     def _loop(self) -> None:
         while not self._stopping.wait(RECONNECT_SECONDS):
-            with self._lock:
-                jobs = list(self._jobs)
-            for job in jobs:
-                if job.connected and job.native.probe():  # (a late answer is read and dropped there too)
-                    log.info("engram-store fetch job, layer %d: %s; reconnecting", job.layer,
-                             job.native.stats()["note"])
-            for job in jobs:
-                if job.connected:
-                    continue
-                if self._stopping.is_set():
-                    return
-                try:
-                    job.connect(RECONNECT_TIMEOUT_SECONDS)
-                except errors.EngramStoreError:
-                    continue
-                job.reconnects += 1
-                log.info("engram-store fetch job, layer %d: back on the daemon at %s", job.layer, job.address)
+            self._pass()  # its references to the jobs end with it: none is held between passes
+
+    def _pass(self) -> None:
+        with self._lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            if job.connected and job.native.probe():  # (a late answer is read and dropped there too)
+                log.info("engram-store fetch job, layer %d: %s; reconnecting", job.layer, job.native.stats()["note"])
+        for job in jobs:
+            if job.connected:
+                continue
+            if self._stopping.is_set():
+                return
+            try:
+                job.connect(RECONNECT_TIMEOUT_SECONDS)
+            except errors.EngramStoreError:
+                continue
+            job.reconnects += 1
+            log.info("engram-store fetch job, layer %d: back on the daemon at %s", job.layer, job.address)
 
 
 _SUPERVISOR = _Supervisor()
