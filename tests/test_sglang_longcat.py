@@ -2,8 +2,9 @@
 (``.venv-sglang``, Triton's interpreter) with ``oe_embeder``'s rows the daemon's, resident and cached, against real
 daemons. Each run is one process of ``tests/engines/sglang_longcat.py``, which compares SGLang's ids with
 engram-store's hash (SGLang's EOS rule), ``oe_embeder``'s lookups with ``TableSet.read_rows`` and ``forward`` with
-SGLang's own ``NgramEmbedding`` loaded from ``read_rows``, on one and two TP ranks; the cached run also stops a step
-reading a flipped page at ``Scheduler.process_batch_result``."""
+SGLang's own ``NgramEmbedding`` loaded from ``read_rows``, on one and two TP ranks; the cached run also checks the
+prompt hints of a prefill SGLang's scheduler plans (the rows its later chunks fetch, read ahead and hit) and stops a
+step reading a flipped page at ``Scheduler.process_batch_result``."""
 
 from __future__ import annotations
 
@@ -62,9 +63,10 @@ def test_cached_table_fetched_in_the_forward_and_a_failed_page_raised_before_the
     directory, spec = tmp_path / "tables", get_spec(NAME, SCALE)
     write_synthetic(directory, spec, seed=42)
     page = spec.rows(0) // (PAGE_BYTES // spec.row_bytes) // 3
-    with DaemonProcess(directory, tmp_path, dram_bytes="256KiB") as d:
+    with DaemonProcess(directory, tmp_path, dram_bytes="4MiB") as d:  # its hinted share above a prompt's rows
         assert d.ready["mode"] == "cached"
         flip(directory, 0, page)  # after the start: neither the daemon nor its cache has read it
         out = scenario(directory, page, address=d.unix)
     check_common(out, "cached")
+    assert re.search(r"OK hints: \d+ rows of layers \[0\] .* withdrawn when it finished", out), out
     assert re.search(rf"OK CorruptRows at Scheduler.process_batch_result.*layer 0.*\b{page}\b", out), out

@@ -1,9 +1,10 @@
 """The SGLang plugin serving Qwen4Exp's (Qwen3.8-Flash-Next) PLE n-gram table: SGLang 0.5.23's own
 ``Qwen4ExpNGramEmbedding``, ``Qwen4ExpPinnedHostEmbedding`` and ``Qwen4ExpPLELayer`` prefetch on CPU (Triton's
 interpreter runs SGLang's gather kernel), in ``.venv-sglang``, against real daemons: FP8 and BF16 tables of
-three PLE layers (1 resident, 3 and 5 cached), and an NVFP4 one (refused). One process of
-``tests/engines/sglang_qwen4exp.py`` per daemon, run side by side; bytes compared there with SGLang's own
-classes loaded from ``TableSet.read_rows``, ids with engram-store's spec hash."""
+three PLE layers (1 resident, 3 and 5 cached), and an NVFP4 one (refused); a prefill SGLang's scheduler plans
+(its own ``Req``) hints the cached layers' rows of the prompt's later chunks, which the daemon reads ahead. One
+process of ``tests/engines/sglang_qwen4exp.py`` per daemon, run side by side; bytes compared there with SGLang's
+own classes loaded from ``TableSet.read_rows``, ids with engram-store's spec hash."""
 
 from __future__ import annotations
 
@@ -40,10 +41,10 @@ def spec_of(name: str):
 
 
 def daemon(tables: Path, spec, workdir: Path) -> DaemonProcess:
-    """Layer 1 resident, 3 and 5 cached behind a cache of 2 MiB."""
+    """Layer 1 resident, 3 and 5 cached behind a cache of 8 MiB (its hinted share above a prompt's rows)."""
     from engram_store.storage.resident import resident_layout
 
-    dram = resident_layout([(1, spec.rows(1))], spec.row_format).size + (2 << 20)
+    dram = resident_layout([(1, spec.rows(1))], spec.row_format).size + (8 << 20)
     workdir.mkdir()
     return DaemonProcess(tables, workdir, dram_bytes=str(dram), extra=["--placement", "1=resident,3=cached,5=cached"])
 
@@ -115,6 +116,13 @@ def test_sglangs_ids_are_the_spec_hash(outputs, fmt):
     out = outputs[0][fmt]
     line = next(line for line in out.splitlines() if line.startswith("OK ids"))
     assert int(line.split()[2]) >= 3000 and "EOS" in line and "requests" in line, line
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_a_planned_prefill_hints_the_rows_its_later_chunks_fetch(outputs, fmt):
+    out = outputs[0][fmt]
+    line = next((line for line in out.splitlines() if line.startswith("OK hints: ")), None)
+    assert line is not None and "layers [3, 5]" in line and "withdrawn when it finished" in line, out[-3000:]
 
 
 def refusals(out: str) -> list[str]:

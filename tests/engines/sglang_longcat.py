@@ -16,6 +16,9 @@ embeddings. Checked:
   whose table SGLang's own ``load_weight`` filled from ``TableSet.read_rows``; on two simulated TP ranks each rank's
   output equals SGLang's own rank's and the ranks' lookups sum to the whole;
 * a config the daemon does not serve is refused naming the field; DP attention is refused;
+* cached table: a prefill SGLang's scheduler plans (its own ``Req``) hints the rows of the prompt's later chunks
+  (SGLang's EOS rule), which are the rows those chunks fetch by SGLang's ids, read ahead and hit; the hints are
+  withdrawn when the request finishes (``tests/support/sglang_ngram_hints.py``); a resident table hints nothing;
 * ``PAGE`` (cached table, that page flipped after the daemon started): the steps above never read it (their
   tokens are chosen so); then a step reading it computes on, and SGLang's ``Scheduler.process_batch_result``
   (the plugin's hook) raises ``CorruptRows`` naming layer 0 and the page before SGLang's own result processing.
@@ -250,6 +253,25 @@ def run(ne, feed, steps, tp=(1, 0)):
     return out
 
 
+def check_hints(NG, M, spec, avoid: int | None) -> None:
+    """A cached table's prompt hints (``support/sglang_ngram_hints.py``: SGLang's own ``Req`` planned, the daemon's
+    counters): each chunk's ids are SGLang's (its manager's token table, ``forward``'s id computation), fetched
+    through the plugin's ``oe_embeder``; the prompt avoids the flipped page ``avoid`` (SGLang's EOS rule)."""
+    from support.sglang_ngram_hints import hint_prompt, sglang_hints
+
+    first = 32
+    prompt = hint_prompt(dataclasses.replace(spec, eos_current="rehash"), None if avoid is None else (0, avoid),
+                         first=first)
+    ne = build(NG, spec)
+    served, feed = ne.__dict__["_engram_store"], Feed(M, [prompt], spec.max_ngram)
+
+    def chunk(start: int, end: int) -> dict:
+        ((ids, _, _, _),) = run(ne, feed, [("extend", [(0, start, end)])])
+        return {0: (ids.numpy(), served.ids[: ids.numel()].numpy().copy())}
+
+    sglang_hints(prompt, first, chunk)
+
+
 def main(tables_dir: str, page: str | None = None) -> None:
     from engram_store.errors import CorruptRows, EngineUnsupported, ModelMismatch
     from engram_store.format.layout import PAGE_BYTES
@@ -333,6 +355,12 @@ def main(tables_dir: str, page: str | None = None) -> None:
         raise AssertionError("DP attention was served")
     finally:
         NG.is_dp_attention_enabled = dp
+    if where == "cached":
+        check_hints(NG, M, spec, avoid)
+    else:
+        from engram_store.integrations.sglang import prompt_hints
+
+        assert not prompt_hints.RANK.columns, "a resident table registered prompt hints"
     tables.check_fetches()  # nothing failed so far
 
     if avoid is None:

@@ -11,7 +11,9 @@ lookup), its embeddings of a step equal, bit for bit, SGLang's own ``Qwen4ExpNGr
 original ``__init__``, inline path) loaded with the rows of ``TableSet.read_rows`` and the daemon's table
 scale; its gathered rows equal ``read_rows``; two TP ranks own disjoint rows that sum to the whole; its ids
 (SGLang's ``_prepare_ple_batch`` and ``compute_ngram_ids``) equal engram-store's spec hash over thousands of
-positions; config, hash and checkpoint mismatches are refused, the checkpoint's table tensors skipped; with
+positions; config, hash and checkpoint mismatches are refused, the checkpoint's table tensors skipped; a
+prefill SGLang's scheduler plans (its own ``Req``) hints the cached layers' rows of the prompt's later
+chunks, which are the rows those chunks fetch by SGLang's ids, read ahead and hit (``check_hints``); with
 PAGE, a step of layer 5 reading that flipped page raises ``CorruptRows`` in ``Scheduler.process_batch_result``
 before SGLang's own. ``refuse`` (an NVFP4 daemon): the build is refused.
 
@@ -19,7 +21,8 @@ CPU stand-ins, nothing else: the ``torchvision`` op schemas (see ``sglang_engine
 request pool (``get_req_to_token_pool``: each request's n-gram history) and a ``ForwardBatch``'s fields
 that ``_prepare_ple_batch`` reads; for the prefetch seam, ``torch.cuda`` streams as no-ops (one CPU
 stream); for two TP ranks, SGLang's ``get_parallel().override`` (no process group: the test sums the
-ranks' gathers itself). Prints ``OK <what>`` lines and exits 0, or raises.
+ranks' gathers itself). Prints ``OK <what>`` lines and exits 0, or raises. Over 400 lines: one process
+checks every path against one daemon, as SGLang's import is most of a run's time.
 """
 
 from __future__ import annotations
@@ -366,6 +369,32 @@ def check_corrupt(spec, plugin, layer: int, page: int) -> None:
         raise AssertionError("a step reading a page that fails its checksum was not raised")
 
 
+# --- prompt hints ----------------------------------------------------------------------------------
+def check_hints(spec, layers, avoid=None) -> None:
+    """The cached PLE ``layers``' prompt hints (``support/sglang_ngram_hints.py``; ``avoid``: a layer's flipped
+    page the prompt must not read): each chunk's ids are SGLang's (``_prepare_ple_batch`` over the prompt's
+    look-back, ``compute_ngram_ids``), fetched through the inline lookup of the plugin's layer."""
+    from support.sglang_ngram_hints import hint_prompt, sglang_hints
+
+    first = 40
+    prompt = hint_prompt(spec, avoid, first=first)
+    modules = {layer: build(spec, layer, False) for layer in layers}
+    h = spec.history_len
+
+    def chunk(start: int, end: int) -> dict:
+        context = np.concatenate([np.full(h, spec.pad_id), prompt[:start]])[-h:][None]  # EOS before the prompt
+        out = {}
+        for layer, module in modules.items():
+            with sglang_step(prompt[start:end], np.array([0, end - start]), context, spec.pad_id) as (batch, fb):
+                ids = module.compute_ngram_ids(batch).numpy()
+                module.forward(batch, fb)
+            served = module.ngram_embedding.__dict__["_engram_store_ple"]
+            out[layer] = ids, served.ids[: ids.size].numpy().copy()
+        return out
+
+    sglang_hints(prompt, first, chunk)
+
+
 def scenario_serve(tables_dir: str, page: str | None = None) -> None:
     import tempfile
 
@@ -380,6 +409,8 @@ def scenario_serve(tables_dir: str, page: str | None = None) -> None:
             check_layer(plugin, spec, ts, layer, "resident" if tables.is_resident(layer) else "cached")
         with tempfile.TemporaryDirectory() as tmp:
             check_refusals(spec, ts, Path(tmp))
+        check_hints(spec, [layer for layer in spec.layers if not tables.is_resident(layer)],
+                    None if page is None else (spec.layers[2], int(page)))
         if page is not None:
             check_corrupt(spec, plugin, spec.layers[2], int(page))
 

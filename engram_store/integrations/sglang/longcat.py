@@ -8,8 +8,8 @@ forward (so inside decode CUDA graphs), with its id kernel over the per-request 
 them up in ``oe_embeder`` (masked lookup, all-reduce), projects and averages. The ids are SGLang's: an
 EOS current token hashed with its look-back (the spec's ``eos_current = "rehash"``). The table's rows
 do not depend on that rule, so the plugin serves the daemon's rows by SGLang's own ids whatever rule
-the daemon's spec names (the rule matters to ids the daemon computes from tokens, e.g. ``engram-store
-hash``; nothing here asks it to).
+the daemon's spec names (the rule matters to ids computed from tokens: the prompt hints hash with
+SGLang's, :mod:`.prompt_hints`).
 
 The hooks (:func:`targets`, registered by :mod:`.hooks`):
 
@@ -29,7 +29,9 @@ The hooks (:func:`targets`, registered by :mod:`.hooks`):
   all-reduce expects), and SGLang's own lookup reads the staging with positional ids (``org_vocab_start
   + i`` is staging row ``i``). On the CPU the job runs inline. On a GPU the ids go to the job's
   registered ids on the current stream and the job runs as a host function after them
-  (``cuLaunchHostFunc``: captured into decode graphs, one row count per captured batch size);
+  (``cuLaunchHostFunc``: captured into decode graphs, one row count per captured batch size). A planned
+  prefill hints the daemon the rows of its later chunks (:mod:`.prompt_hints`: the raw prompt hashed with
+  SGLang's EOS rule, every table's column);
 * ``NgramEmbedding.load_weight`` (AROUND): the checkpoint's ``embedders`` tensors are never written over
   the daemon's rows (the checkpoint iterators skip them before they are read: :mod:`.checkpoint`).
 
@@ -52,6 +54,7 @@ from ..install import Plugin
 from ..models.longcat import LAYER, LONGCAT, NgramLayout
 from ..rank_rows import RankRows, built_on_meta
 from ..tables import EngramStoreTables
+from . import prompt_hints
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +219,9 @@ def init_buffers(result: Any, self: Any, max_running_requests: int, chunked_pref
     _set_weight(embedder, block[: served.job.max_rows], tables)
     embedder.forward = partial(_fetch_then_lookup, served, embedder.forward)
     _cached.append(served)
+    # the prompt's later chunks, hinted to the daemon: every table's column (TP shards rows, not tables; the
+    # ranks' hints of one request are the same and the daemon reads them once)
+    prompt_hints.register(LAYER, slice(0, int(self.n_grams)))
     log.warning("engram-store: LongCat's n-gram table is cached: SGLang computes its ids inside the forward, before "
                 "decoder layer 0, so each step waits for its rows [%d, %d) of this rank (up to %d a step), with no "
                 "compute ahead to hide the fetch. Give the table DRAM on the daemon (placement resident) to take that "

@@ -31,7 +31,8 @@ NVFP4 table (SGLang 0.5.23 has no NVFP4 PLE table), and makes the table the daem
   PLE prefetch stream a layer ahead. On a GPU the ids go to the job's registered ids on that stream and
   the job runs as a host function after them (so CUDA graphs capture it); on the CPU it runs at once. On
   the CPU's inline path it happens in ``Qwen4ExpNGramEmbedding._prepare_embedding_lookup`` (AROUND),
-  synchronously, before SGLang's masked lookup.
+  synchronously, before SGLang's masked lookup. A planned prefill hints the daemon the rows of its later
+  chunks (:mod:`.prompt_hints`: the raw prompt hashed by the spec, all of the layer's columns).
 
 The table scale comes from the daemon (``tables.table_scale``) into ``weight_scale`` (refused where BF16
 cannot hold it exactly); ``Qwen4ExpForConditionalGeneration._load_qwen4_exp_ple_buffer`` (AROUND) refuses
@@ -57,6 +58,7 @@ from ..install import Plugin
 from ..models.qwen4exp import QWEN4EXP, PLELayout
 from ..rank_rows import RankRows
 from ..tables import EngramStoreTables
+from . import prompt_hints
 from .modules import engram
 
 log = logging.getLogger(__name__)
@@ -249,6 +251,9 @@ def _serve(ngram: Any, layer: int, tables: EngramStoreTables) -> None:
         rows = _staging_rows(ngram, end - start)
         served.job = tables.fetch_job(layer, rows)
         served.ids, block, _ = tables.job_tensors(served.job)
+        # the prompt's later chunks, hinted to the daemon: all the layer's columns (TP shards rows, not heads;
+        # the ranks' hints of one request are the same and the daemon reads them once)
+        prompt_hints.register(layer, slice(0, int(ngram.ngram_heads)))
     if torch.cuda.is_available():  # SGLang's gather reads weight.data_ptr() itself: the host address, over UVA
         if not (registration := tables.register_cuda(layer)):
             raise EngineUnsupported(f"PLE layer {layer}: {registration.message}; SGLang's gather cannot read it")
