@@ -298,6 +298,7 @@ def check_refusals(spec, ts, tmp: Path) -> None:
     refused("another row format", lambda: build(spec, layer, True, ple_embedding_dtype=other))
     refused("another seed", lambda: build(spec, layer, True, seed=spec.seed + 1))
     refused("the file backend", lambda: build(spec, layer, True, ple_offload_backend="file"))
+    check_staging_size(spec)
     module = build(spec, layer, True)
     model = holder(module, layer)
     refused("--load-format dummy", lambda: weight_utils.initialize_dummy_weights(model))
@@ -323,6 +324,35 @@ def check_refusals(spec, ts, tmp: Path) -> None:
                 dict(weight_utils.buffered_multi_thread_safetensors_weights_iterator([str(path)], max_workers=1))):
         assert set(got) == set(tensors) - {p + "ngram_embedding.shard_0.weight"}, sorted(got)
     ok("checkpoint's PLE table tensors skipped (never read), its scale and hash buffers read")
+
+
+def check_staging_size(spec) -> None:
+    """A cached layer's staging as SGLang's published schedule sizes a step (a prefill chunk, grown by a
+    quarter, beside each running request's draft tokens); chunked prefill off refused at build."""
+    import types
+
+    import sglang.srt.runtime_context as rc
+
+    from engram_store.integrations.install import installed
+    from engram_store.integrations.sglang.qwen4exp import served
+
+    cached = [layer for layer in spec.layers if not installed("SGLang").tables().is_resident(layer)]
+    if not cached:
+        return
+    real = rc.get_schedule, rc.get_spec
+    rc.get_spec = lambda: types.SimpleNamespace(speculative_num_draft_tokens=3)
+    try:
+        rc.get_schedule = lambda: types.SimpleNamespace(chunked_prefill_size=64, max_prefill_tokens=32,
+                                                        max_running_requests=5)
+        got = served(build(spec, cached[0], True).ngram_embedding).job.max_rows
+        want = min((80 + 5 * 3) * spec.rows_per_token, spec.rows(cached[0]))
+        assert want <= got < want + 512, (got, want)  # the fetch job rounds its rows up
+        ok(f"cached layer {cached[0]}: staging of {got} rows >= (1.25 x 64 + 5 x 3 tokens) x {spec.rows_per_token}")
+        rc.get_schedule = lambda: types.SimpleNamespace(chunked_prefill_size=-1, max_prefill_tokens=16384,
+                                                        max_running_requests=5)
+        refused("chunked prefill off with a cached layer", lambda: build(spec, cached[0], True))
+    finally:
+        rc.get_schedule, rc.get_spec = real
 
 
 def check_corrupt(spec, plugin, layer: int, page: int) -> None:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextvars
 import inspect
 import logging
+import math
 import types
 from functools import partial
 from typing import Any, Callable
@@ -248,7 +249,7 @@ def _serve(ngram: Any, layer: int, tables: EngramStoreTables) -> None:
     if tables.is_resident(layer):
         block, _ = tables.views(layer, start, end)
     else:
-        rows = _staging_rows(ngram, end - start)
+        rows = _staging_rows(ngram, layer, end - start)
         served.job = tables.fetch_job(layer, rows)
         served.ids, block, _ = tables.job_tensors(served.job)
         # the prompt's later chunks, hinted to the daemon: all the layer's columns (TP shards rows, not heads;
@@ -278,17 +279,31 @@ def _serve(ngram: Any, layer: int, tables: EngramStoreTables) -> None:
              f"fetched per step by a fetch job (up to {served.job.max_rows} rows a step)")
 
 
-def _staging_rows(ngram: Any, rank_rows: int) -> int:
-    """Rows a cached layer's staging holds: SGLang's largest step (its prefill and running-request limits,
-    over the DP group when the ids are gathered across it) x heads, at most this rank's rows (the
-    positional ids stay within them); a larger step is refused at its fetch."""
-    from sglang.srt.runtime_context import get_parallel, get_schedule
+def _staging_rows(ngram: Any, layer: int, rank_rows: int) -> int:
+    """Rows a cached layer's staging holds: SGLang's largest step x heads, at most this rank's rows (the
+    positional ids stay within them). A step is at most a prefill chunk (``max_prefill_tokens``, or
+    ``chunked_prefill_size`` grown by a quarter under PP dynamic chunking) beside every running request's
+    decode tokens (speculative drafts included), over the DP group when the ids are gathered across it.
+    Chunked prefill off is refused: a whole prompt would be one step, larger than any staging sized ahead."""
+    from sglang.srt.runtime_context import get_parallel, get_schedule, get_spec
 
     try:
         s = get_schedule()
-        tokens = max(int(s.max_prefill_tokens or 0), int(s.chunked_prefill_size or 0), int(s.max_running_requests or 0))
     except ValueError:  # not published (SGLang's model built outside a server): the default
         tokens = DEFAULT_STEP_TOKENS
+    else:
+        chunked = int(s.chunked_prefill_size or 0)
+        if chunked <= 0:
+            raise EngineUnsupported(f"PLE layer {layer} is cached and SGLang's chunked prefill is off "
+                                    "(--chunked-prefill-size -1): a whole prompt would be one fetch, larger than "
+                                    "the staging sized ahead; turn chunked prefill on, or give the table DRAM on "
+                                    "the daemon (resident)")
+        try:
+            drafts = max(1, int(getattr(get_spec(), "speculative_num_draft_tokens", None) or 1))
+        except ValueError:  # no speculative config published
+            drafts = 1
+        tokens = max(int(s.max_prefill_tokens or 0), math.ceil(chunked * 1.25)) + \
+            int(s.max_running_requests or 0) * drafts
     if ngram.gather_dp_tokens:
         tokens *= int(get_parallel().attn_dp_size)
     return min(max(tokens, 1) * int(ngram.ngram_heads), rank_rows)
