@@ -123,7 +123,6 @@ def test_a_native_reader_holds_its_epoch_while_it_copies_slots():
     cache's slots, the cache's guard shows its reader registered (evicted slots are not reused before it
     leaves), and no reader is left once it answered. The rows equal the bytes admitted."""
     from engram_store.storage.row_cache import RowCache
-    from engram_store.wire import frames as wire
 
     rows, row_bytes, n = 200_000, 264, 65_536
     cache = RowCache({7: rows}, row_bytes, n_slots=rows, huge=False)
@@ -131,7 +130,24 @@ def test_a_native_reader_holds_its_epoch_while_it_copies_slots():
     all_rows = np.arange(rows)
     for lo in range(0, rows, cache.admit_limit):
         cache.admit(7, all_rows[lo: lo + cache.admit_limit], data[lo: lo + cache.admit_limit])
-    ids = np.random.default_rng(5).integers(0, rows, n)
+    registered = 0
+    try:
+        # The poller sees the reader only while it copies (milliseconds): on a loaded machine a lookup may
+        # pass unseen, so up to 5 lookups; a reader that never registers is never seen.
+        for attempt in range(5):
+            registered = max(registered, _one_lookup(cache, data, attempt, n, row_bytes, rows))
+            if registered:
+                break
+        assert registered == 1, "the reader copied slots without registering its epoch"
+    finally:
+        cache.close()
+
+
+def _one_lookup(cache, data: np.ndarray, seed: int, n: int, row_bytes: int, rows: int) -> int:
+    """One all-hit native lookup of ``n`` rows over a socket pair, checked; the most readers the poller saw."""
+    from engram_store.wire import frames as wire
+
+    ids = np.random.default_rng(5 + seed).integers(0, rows, n)
     region = np.zeros(n * 8 + n * row_bytes, dtype=np.uint8)
     region[: n * 8].view(np.int64)[:] = ids
     ours, theirs = socket.socketpair()
@@ -150,11 +166,10 @@ def test_a_native_reader_holds_its_epoch_while_it_copies_slots():
         assert seen[0][:3] == (fastpath.SERVED, 7, n), seen
         assert wire.Frame.unpack(ours.recv(wire.FRAME.size)).status == wire.Status.OK
         np.testing.assert_array_equal(region[n * 8:].reshape(n, row_bytes), data[ids])
-        assert registered == 1, "the reader copied slots without registering its epoch"
         with guard:
             assert guard.readers == 0 and guard.oldest() is None
+        return registered
     finally:
         conn.close()
         ours.close()
         theirs.close()
-        cache.close()

@@ -82,7 +82,7 @@ def test_vllms_ngram_embedding_reads_the_daemons_table(table_sets, name, mode, t
         out = scenario("lookups", tables, address=d.unix)
     assert out.count(f"OK {mode} ") == 3, out  # the prefetch seam, inline, two ETP ranks
     assert f"OK amd {mode} " in out, out  # ROCm's copy of the class (amd/ple_layer.py): served, or NVFP4 refused
-    assert "engram-store plugin ACTIVE: vLLM 0.33.0 reads Qwen4Exp PLE n-gram Engram tables" in out, out
+    assert "engram-store plugin ACTIVE: vLLM 0.33.0 reads Qwen4Exp PLE n-gram tables" in out, out
     assert "mismatch named: rows of Engram layer 1" in out and "mismatch named: PLE row format" in out, out
 
 
