@@ -71,10 +71,10 @@ def check_rank_rows(device, workdir: Path) -> list[dict]:
     out = []
     for name, scale, layer in (("qwen3.8-flash-next", 0.0002, 1), ("longcat-flash-lite", 0.0005, 0)):
         spec = get_spec(name, scale)
-        tables_dir, run_dir = workdir / f"{name[:4]}-t", workdir / f"{name[:4]}-r"  # short: a socket path fits 107 bytes
+        tables_dir = workdir / f"{name}-tables"
         write_synthetic(tables_dir, spec, seed=1)
-        run_dir.mkdir()
-        with Daemon(tables_dir, run_dir, "1MiB") as daemon:
+        # the socket in a short temp dir: a Unix socket path holds 107 bytes, and workdir may be deep
+        with tempfile.TemporaryDirectory(prefix="es-") as run_dir, Daemon(tables_dir, Path(run_dir), "1MiB") as daemon:
             ts, tables = TableSet.open(tables_dir), EngramStoreTables.connect(daemon.ready["unix"])
             if device.type == "cuda":
                 tables.register_cuda()
