@@ -30,6 +30,12 @@ from .longcat import is_served
 log = logging.getLogger(__name__)
 
 
+def _is_table(model: ModelAdapter, name: str) -> bool:
+    """Whether checkpoint tensor ``name`` holds rows of a table the daemon serves (V4.1's Engram, Qwen4Exp's
+    PLE or LongCat's n-gram tables): never read."""
+    return model.is_table_tensor(name) or LONGCAT.is_table_tensor(name) or QWEN4EXP.is_table_tensor(name)
+
+
 def _refuse_whole_files(disable_mmap: bool, prefetch: bool) -> None:
     if disable_mmap:
         raise EngineUnsupported("--weight-loader-disable-mmap reads whole checkpoint files, Engram tables included "
@@ -52,7 +58,7 @@ def _read_shard(model: ModelAdapter, path: str) -> tuple[dict[str, Any], int]:
     tensors, skipped = {}, 0
     with safetensors.safe_open(path, framework="pt", device="cpu") as f:
         for name in f.keys():
-            if model.is_table_tensor(name) or LONGCAT.is_table_tensor(name) or QWEN4EXP.is_table_tensor(name):
+            if _is_table(model, name):
                 skipped += 1
             else:
                 tensors[name] = f.get_tensor(name)
@@ -77,7 +83,7 @@ def safetensors_weights_iterator(model: ModelAdapter, hf_weights_files: list[str
     for path in hf_weights_files:
         with safetensors.safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                if model.is_table_tensor(name) or LONGCAT.is_table_tensor(name) or QWEN4EXP.is_table_tensor(name):
+                if _is_table(model, name):
                     skipped += 1
                     continue
                 yield name, f.get_tensor(name)

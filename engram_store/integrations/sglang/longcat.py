@@ -189,15 +189,12 @@ def _device_view(weight: Any) -> Any:
     import torch
     from sglang.srt.layers.engram import _registered_device_ptr
 
+    from gpu_client.resident import host_memory_as_cuda
+
     ptr = int(_registered_device_ptr(weight.data_ptr()))
-
-    class _Rows:  # the CUDA array interface of the rows, as 16-bit words (the interface knows no bfloat16)
-        __cuda_array_interface__ = {"shape": (weight.shape[0], weight.shape[1] * weight.dtype.itemsize // 2),
-                                    "typestr": "<i2", "data": (ptr, False), "version": 3, "strides": None}
-
-    view = torch.as_tensor(_Rows(), device=torch.device("cuda", torch.cuda.current_device())).view(weight.dtype)
-    view._engram_store_host = weight  # the host tensor lives as long as the view
-    return view
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows = host_memory_as_cuda(ptr, (weight.shape[0], weight.shape[1] * weight.dtype.itemsize), weight, device)
+    return rows.view(weight.dtype)  # the view keeps the host tensor alive (host_memory_as_cuda's owner)
 
 
 def init_buffers(result: Any, self: Any, max_running_requests: int, chunked_prefill_size: int, device: Any) -> None:
